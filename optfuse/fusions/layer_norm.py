@@ -1,0 +1,111 @@
+"""LayerNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * gamma + beta, over the last axis.
+
+Exporter variants matched (rule ids):
+
+- ``layer_norm.native``: ``LayerNormalization`` (opset >= 17; torch.onnx writes it for
+  ``nn.LayerNorm`` with both exporters).
+- ``layer_norm.decomposed``: what opset < 17 exports and hand-written LayerNorms look like::
+
+        x ──┬──────────────► Sub ──┬──► Pow(2) | Mul(d, d) ─► ReduceMean ─► Add(eps) ─► Sqrt ─┐
+            └─► ReduceMean ─┘      └────────────────────────────────► Div | Mul(Reciprocal) ◄┘
+                                                                          │
+                                                   [Cast] ─► Mul(gamma) ─► Add(beta) ─► y
+
+  with optional Casts (fp32 statistics in fp16 models) and optional affine parameters.
+
+Target: ``optfuse::LayerNorm`` v1 (plugins/layer_norm).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ir.query import dtype_name, static_dim
+from ..pattern import AnyOf, Capture, Const, FusionRule, Match, Rewrite, Var, maybe_cast, op
+from ._norm_common import check_eps, check_input, check_last_axis, check_same_dtype, param
+
+OP = "LayerNorm"
+
+# --- native LayerNormalization ------------------------------------------------------------------
+_native = AnyOf(
+    op.LayerNormalization(Var("x"), Var("gamma"), Var("beta"), capture="ln"),
+    op.LayerNormalization(Var("x"), Var("gamma"), capture="ln"),
+)
+
+
+def _check_native(m: Match, ctx) -> str | None:
+    ln = m["ln"]
+    x = m["x"]
+    axis = ln.attrs.get("axis", -1)
+    return (
+        check_last_axis([axis], x)
+        or check_input(OP, x, ctx)
+        or check_same_dtype(x, m.root)
+        or _affine_reason(m, x)
+    )
+
+
+def _affine_reason(m: Match, x) -> str | None:
+    hidden = static_dim(x, -1)
+    for key, fill in (("gamma", 1.0), ("beta", 0.0)):
+        _, why = param(m.get(key), hidden, dtype_name(x), fill, key)
+        if why:
+            return why
+    return None
+
+
+def _rewrite(m: Match, ctx, eps: float) -> Rewrite:
+    x = m["x"]
+    hidden, dt = static_dim(x, -1), dtype_name(x)
+    gamma, _ = param(m.get("gamma"), hidden, dt, 1.0, "gamma")
+    beta, _ = param(m.get("beta"), hidden, dt, 0.0, "beta")
+    return Rewrite(OP, [x, gamma, beta], [m.root], {"epsilon": float(eps)})
+
+
+def _rewrite_native(m: Match, ctx) -> Rewrite:
+    return _rewrite(m, ctx, m["ln"].attrs.get("epsilon", 1e-5))
+
+
+# --- decomposed ------------------------------------------------------------------------------------
+def _decomposed(affine: str) -> object:
+    x = Var("x")
+    xs = maybe_cast(x)
+    mean = op.ReduceMean(xs, axes=Capture("axes1"))
+    d = op.Sub(xs, mean)
+    var = op.ReduceMean(AnyOf(op.Pow(d, Const(2.0)), op.Mul(d, d)), axes=Capture("axes2"))
+    std = op.Sqrt(op.Add(var, Const(name="eps")))
+    normed = maybe_cast(AnyOf(op.Div(d, std), op.Mul(d, op.Reciprocal(std))))
+    if affine == "gamma_beta":
+        return op.Add(op.Mul(normed, Var("gamma")), Var("beta"))
+    if affine == "gamma":
+        return op.Mul(normed, Var("gamma"))
+    return normed
+
+
+def _check_decomposed(m: Match, ctx) -> str | None:
+    x = m["x"]
+    return (
+        check_last_axis(m["axes1"], x)
+        or (None if list(np.atleast_1d(m["axes1"])) == list(np.atleast_1d(m["axes2"]))
+            else "mean and variance reduce over different axes")
+        or check_eps(m["eps"])
+        or check_input(OP, x, ctx)
+        or check_same_dtype(x, m.root)
+        or _affine_reason(m, x)
+    )
+
+
+def _rewrite_decomposed(m: Match, ctx) -> Rewrite:
+    return _rewrite(m, ctx, float(np.asarray(m["eps"]).reshape(())))
+
+
+RULES = [
+    FusionRule("layer_norm.native", OP, _native, _check_native, _rewrite_native,
+               doc="LayerNormalization (opset 17+)"),
+    FusionRule("layer_norm.decomposed", OP, _decomposed("gamma_beta"), _check_decomposed, _rewrite_decomposed,
+               doc="ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div + Mul/Add affine"),
+    FusionRule("layer_norm.decomposed_scale", OP, _decomposed("gamma"), _check_decomposed, _rewrite_decomposed,
+               doc="decomposed, scale only"),
+    FusionRule("layer_norm.decomposed_plain", OP, _decomposed("none"), _check_decomposed, _rewrite_decomposed,
+               doc="decomposed, no affine parameters"),
+]

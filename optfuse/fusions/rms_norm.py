@@ -1,0 +1,87 @@
+"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * gamma, over the last axis (LLaMA, T5, Mistral, ...).
+
+Exporter variants matched (rule ids):
+
+- ``rms_norm.native``: ``RMSNormalization`` (opset 23).
+- ``rms_norm.decomposed``: HF's hand-written RMSNorm as both torch exporters write it::
+
+        x ─► [Cast f32] ─┬─► Pow(2) | Mul(h, h) ─► ReduceMean ─► Add(eps) ─► Sqrt ─┐
+                         └──► Mul(h, Reciprocal(.)) | Div(h, .) | Mul(h, Div(1, .)) ◄┘
+                                         │
+                                      [Cast] ─► Mul(gamma) ─► y
+
+  ``torch.rsqrt`` is exported as Reciprocal(Sqrt) by dynamo and as Div(1, Sqrt) by TorchScript.
+
+Target: ``optfuse::RMSNorm`` v1 (plugins/rms_norm).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ir.query import dtype_name, static_dim
+from ..pattern import AnyOf, Capture, Const, FusionRule, Match, Rewrite, Var, maybe_cast, op
+from ._norm_common import check_eps, check_input, check_last_axis, check_same_dtype, param
+
+OP = "RMSNorm"
+
+_native = AnyOf(
+    op.RMSNormalization(Var("x"), Var("gamma"), capture="rms"),
+)
+
+
+def _check_native(m: Match, ctx) -> str | None:
+    x = m["x"]
+    return (
+        check_last_axis([m["rms"].attrs.get("axis", -1)], x)
+        or check_input(OP, x, ctx)
+        or check_same_dtype(x, m.root)
+        or _gamma_reason(m, x)
+    )
+
+
+def _gamma_reason(m: Match, x) -> str | None:
+    _, why = param(m.get("gamma"), static_dim(x, -1), dtype_name(x), 1.0, "gamma")
+    return why
+
+
+def _rewrite(m: Match, eps: float) -> Rewrite:
+    x = m["x"]
+    gamma, _ = param(m.get("gamma"), static_dim(x, -1), dtype_name(x), 1.0, "gamma")
+    return Rewrite(OP, [x, gamma], [m.root], {"epsilon": float(eps)})
+
+
+def _decomposed(with_gamma: bool):
+    h = maybe_cast(Var("x"))
+    ms = op.ReduceMean(AnyOf(op.Pow(h, Const(2.0)), op.Mul(h, h)), axes=Capture("axes"))
+    denom = op.Sqrt(op.Add(ms, Const(name="eps")))
+    normed = AnyOf(
+        op.Mul(h, op.Reciprocal(denom)),
+        op.Div(h, denom),
+        op.Mul(h, op.Div(Const(1.0), denom)),
+    )
+    y = maybe_cast(normed)
+    return op.Mul(y, Var("gamma")) if with_gamma else y
+
+
+def _check_decomposed(m: Match, ctx) -> str | None:
+    x = m["x"]
+    return (
+        check_last_axis(m["axes"], x)
+        or check_eps(m["eps"])
+        or check_input(OP, x, ctx)
+        or check_same_dtype(x, m.root)
+        or _gamma_reason(m, x)
+    )
+
+
+RULES = [
+    FusionRule("rms_norm.native", OP, _native, _check_native,
+               lambda m, ctx: _rewrite(m, m["rms"].attrs.get("epsilon", 1e-5)), doc="RMSNormalization (opset 23)"),
+    FusionRule("rms_norm.decomposed", OP, _decomposed(True), _check_decomposed,
+               lambda m, ctx: _rewrite(m, float(np.asarray(m["eps"]).reshape(()))),
+               doc="Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul + gamma"),
+    FusionRule("rms_norm.decomposed_plain", OP, _decomposed(False), _check_decomposed,
+               lambda m, ctx: _rewrite(m, float(np.asarray(m["eps"]).reshape(()))),
+               doc="decomposed, no gamma"),
+]

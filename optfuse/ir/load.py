@@ -1,0 +1,112 @@
+"""Load and save ONNX models, external data included.
+
+Models over 2 GiB cannot be one protobuf, so their weights live in external files. We load
+the proto with its external data once; onnx-graphsurgeon wraps initializers as lazy values
+that keep pointing at those bytes, so the weights are not copied again on import.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from ..errors import InputError
+
+# protobuf's hard limit is 2 GiB; leave headroom for the graph itself.
+_PROTO_LIMIT = 1_900_000_000
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Read an ONNX model and its external data; every failure is an InputError (exit 2)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"model not found: {path}")
+    if not path.is_file():
+        raise InputError(f"model path is not a file: {path}")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise InputError(f"{path} is not a valid ONNX model (protobuf could not be parsed: {_first_line(exc)})") from None
+    except Exception as exc:  # onnx raises assorted errors on truncated files
+        raise InputError(f"{path} is not a valid ONNX model ({type(exc).__name__}: {_first_line(exc)})") from None
+    if not model.HasField("graph") or not model.opset_import:
+        raise InputError(f"{path} is not a valid ONNX model (no graph or no opset_import)")
+    _check_external_data(model, path.parent)
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except Exception as exc:
+        raise InputError(f"could not read external data of {path}: {_first_line(exc)}") from None
+    return model
+
+
+def _check_external_data(model: onnx.ModelProto, base: Path) -> None:
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    for tensor in _get_all_tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = base / info.get("location", "")
+        if not location.is_file():
+            raise InputError(f"missing external data file {location} (needed by tensor {tensor.name!r})")
+        offset = int(info.get("offset", 0))
+        length = int(info.get("length", 0))
+        if offset + length > location.stat().st_size:
+            raise InputError(f"external data file {location} is too short for tensor {tensor.name!r}")
+
+
+def model_bytes(model: onnx.ModelProto) -> int:
+    """Size of the initializers in bytes (what decides external-data saving)."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    return sum(len(t.raw_data) for t in _get_all_tensors(model))
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | None = None) -> Path:
+    """Write atomically: a temp file in the target directory, renamed when complete.
+
+    `external_data=None` decides by size (weights above the protobuf limit go to `<name>.data`).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if external_data is None:
+        external_data = model_bytes(model) > _PROTO_LIMIT
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    data_name = f"{path.name}.data"
+    tmp_data = path.parent / f".{data_name}.tmp"
+    try:
+        if external_data:
+            onnx.save_model(
+                model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+                location=tmp_data.name, size_threshold=1024,
+            )
+            # the proto names the data file; rewrite it to the final name before the rename
+            m = onnx.load(tmp, load_external_data=False)
+            from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+            for t in _get_all_tensors(m):
+                if uses_external_data(t):
+                    for e in t.external_data:
+                        if e.key == "location":
+                            e.value = data_name
+            onnx.save_model(m, tmp)
+            os.replace(tmp_data, path.parent / data_name)
+        else:
+            onnx.save_model(model, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        for p in (tmp, tmp_data):
+            if os.path.exists(p):
+                os.unlink(p)
+        raise
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,69 @@
+"""Fusion rules: pattern -> check (a reason when unsafe) -> rewrite (what to emit).
+
+A rule never mutates the graph. `optfuse.rewrite` plans matches for a family of rules and then
+applies the accepted ones in one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from .core import Match, Pattern
+
+
+@dataclass
+class Rewrite:
+    """The fused node a rule wants: op name, ordered inputs, outputs taken over, attributes.
+
+    inputs: existing tensors, NumPy arrays (become new constants) or None (absent optional input).
+    outputs: existing tensors the fused node will produce (consumers keep reading them), or None
+      for an output nobody reads.
+    info: extra facts for the report (e.g. the attention mask class).
+    """
+
+    op: str
+    inputs: list[gs.Tensor | np.ndarray | None]
+    outputs: list[gs.Tensor | None]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    """What rules may consult: the graph, symbolic-dim values, op limits, options."""
+
+    graph: gs.Graph
+    dims: dict[str, int] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def limits(self, op: str) -> dict[str, Any]:
+        from ..spec import get_spec
+
+        return get_spec(op).limits
+
+
+@dataclass(frozen=True)
+class FusionRule:
+    """One exporter variant of a fusion family.
+
+    id: `<family>.<variant>`, stable: used in recipes, reports and node names.
+    target: the optfuse op it produces (a spec name).
+    check: returns None when the match may be fused, else the reason it may not.
+    rewrite: builds the fused node from the bindings (called only after check passed).
+    """
+
+    id: str
+    target: str
+    pattern: Pattern
+    check: Callable[[Match, Context], str | None]
+    rewrite: Callable[[Match, Context], Rewrite]
+    doc: str = ""
+
+    @property
+    def family(self) -> str:
+        return self.id.split(".", 1)[0]

@@ -1,0 +1,188 @@
+"""Stages `match` and `rewrite`: plan the fusions of each family, then apply the plan.
+
+Planning walks the graph for every rule of a family, keeps the first safe match per anchor, and
+records every rejected candidate with its reason. Applying is the only step that mutates: each
+accepted match becomes one node in domain `optfuse` that takes over the match's outputs, and a
+single cleanup/toposort removes what became dead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from . import DOMAIN
+from .ir.query import outside_uses, tensor_bytes
+from .pattern import Context, FusionRule, Rewrite, match
+from .spec import get_spec, plugin_module
+
+
+@dataclass
+class Accepted:
+    rule: str
+    op: str
+    nodes: list[str]
+    rewrite: Rewrite = field(repr=False)
+    matched: tuple[gs.Node, ...] = field(repr=False, default=())
+    node_name: str = ""
+    hbm_saved_bytes: int | None = None
+
+
+@dataclass
+class Rejected:
+    rule: str
+    op: str
+    nodes: list[str]
+    reason: str
+
+
+@dataclass
+class FusionResult:
+    accepted: list[Accepted] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for a in self.accepted:
+            out[a.op] = out.get(a.op, 0) + 1
+        return out
+
+
+def _node_names(nodes: Sequence[gs.Node]) -> list[str]:
+    return [n.name or n.op for n in nodes if n.op != "Constant"]
+
+
+def _leak_reason(m_nodes: Sequence[gs.Node], rw: Rewrite, graph: gs.Graph) -> str | None:
+    """An intermediate that something outside the match reads cannot disappear."""
+    kept = {id(t) for t in rw.outputs if t is not None}
+    for node in m_nodes:
+        for t in node.outputs:
+            if id(t) in kept:
+                continue
+            uses = outside_uses(t, m_nodes, graph)
+            if uses:
+                return f"intermediate {t.name!r} is also used by {', '.join(uses)}"
+    return None
+
+
+def _try_rule(rule: FusionRule, out: gs.Tensor, ctx: Context, claimed: set[int]):
+    """First safe match of `rule` at `out`: (match, rewrite, None), or (first match, None, reason)."""
+    first_reject = None
+    for m in match(rule.pattern, out):
+        if any(id(n) in claimed for n in m.nodes):
+            continue  # part of an already planned fusion: not a candidate of its own
+        reason = rule.check(m, ctx)
+        rw = None
+        if reason is None:
+            rw = rule.rewrite(m, ctx)
+            reason = _leak_reason(m.nodes, rw, ctx.graph)
+        if reason is None:
+            return m, rw, None
+        if first_reject is None:  # the first alternative is the most complete one: report its reason
+            first_reject = (m, None, reason)
+    return first_reject
+
+
+def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context,
+                claimed: set[int] | None = None) -> FusionResult:
+    """Match `rules` (in priority order) over `graph` without mutating it."""
+    claimed = set() if claimed is None else claimed
+    result = FusionResult()
+    pending: list[tuple[set[int], Rejected]] = []
+    for rule in rules:
+        root_ops = rule.pattern.root_ops()
+        for node in list(graph.nodes):
+            if (root_ops is not None and node.op not in root_ops) or id(node) in claimed:
+                continue
+            for out in node.outputs:
+                found = _try_rule(rule, out, ctx, claimed)
+                if found is None:
+                    continue
+                m, rw, reason = found
+                if reason is None:
+                    claimed.update(id(n) for n in m.nodes)
+                    result.accepted.append(Accepted(rule.id, rw.op, _node_names(m.nodes), rw, m.nodes))
+                    break
+                pending.append(({id(n) for n in m.nodes},
+                                Rejected(rule.id, rule.target, _node_names(m.nodes), reason)))
+    # report a rejection only where no accepted match took those nodes over
+    seen: set[tuple[str, ...]] = set()
+    for ids, rej in pending:
+        key = tuple(rej.nodes)
+        if ids & claimed or key in seen:
+            continue
+        seen.add(key)
+        result.rejected.append(rej)
+    return result
+
+
+def _traffic(nodes: Sequence[gs.Node], dims: dict[str, int]) -> int | None:
+    """Bytes a node sequence moves through memory: each input read once, each output written once."""
+    total = 0
+    for n in nodes:
+        if n.op == "Constant":
+            continue
+        for t in list(n.inputs) + list(n.outputs):
+            if not t.name:
+                continue
+            b = tensor_bytes(t, dims)
+            if b is None:
+                return None
+            total += b
+    return total
+
+
+def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], start_index: int = 0) -> None:
+    """Replace every accepted match by one optfuse node (the only mutating step)."""
+    for i, acc in enumerate(result.accepted, start=start_index):
+        rw = acc.rewrite
+        spec = get_spec(rw.op)
+        name = f"optfuse/{acc.rule}/{i}"
+        before = _traffic(acc.matched, dims)
+        inputs: list[gs.Tensor] = []
+        for j, x in enumerate(rw.inputs):
+            if x is None:
+                inputs.append(gs.Variable.empty())
+            elif isinstance(x, np.ndarray):
+                inputs.append(gs.Constant(f"{name}/{spec.inputs[j].name}", np.ascontiguousarray(x)))
+            else:
+                inputs.append(x)
+        while inputs and not inputs[-1].name:  # trailing absent optional inputs are just omitted
+            inputs.pop()
+        outputs: list[gs.Tensor] = []
+        for j, t in enumerate(rw.outputs):
+            if t is None:
+                like = rw.outputs[0] if rw.outputs[0] is not None else inputs[0]
+                t = gs.Variable(f"{name}/{spec.outputs[j].name}", dtype=like.dtype, shape=like.shape)
+            else:
+                t.inputs.clear()  # detach from the producer being replaced
+            outputs.append(t)
+        attrs = dict(rw.attrs)
+        attrs["plugin_namespace"] = DOMAIN
+        attrs["plugin_version"] = spec.plugin_version
+        node = gs.Node(op=rw.op, name=name, domain=DOMAIN, attrs=attrs, inputs=inputs, outputs=outputs)
+        graph.nodes.append(node)
+        acc.node_name = name
+        after = _traffic([node], dims)
+        acc.hbm_saved_bytes = None if before is None or after is None else before - after
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+
+
+def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Embed the reference ONNX function of every optfuse op used, so onnxruntime runs the model."""
+    used = sorted({n.op_type for n in model.graph.node if n.domain == DOMAIN})
+    existing = {(f.domain, f.name) for f in model.functions}
+    for op in used:
+        if (DOMAIN, op) in existing:
+            continue
+        spec = get_spec(op)
+        fn = plugin_module(spec.folder, "reference").onnx_function(op)
+        model.functions.append(fn)
+    if used and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    return model
