@@ -50,6 +50,44 @@ def fuse_graph(graph: gs.Graph, ctx: Context, families: Iterable[str] | None = N
         ctx.graph = graph
         result = plan_family(graph, family_rules(name), ctx)
         apply_plan(graph, result, ctx.dims, start_index=len(total.accepted))
-        total.accepted += result.accepted
+        total.accepted = _absorb(total.accepted, result.accepted) + result.accepted
         total.rejected += result.rejected
     return total
+
+
+def _absorb(earlier, later):
+    """Drop earlier fusions that a later family took in (e.g. LayerNorm -> SkipLayerNorm).
+
+    The later record then lists the original nodes and the HBM savings of both steps, so the
+    report describes the final graph.
+    """
+    by_name = {a.node_name: a for a in earlier}
+    gone = set()
+    for acc in later:
+        nodes, saved = [], acc.hbm_saved_bytes
+        for n in acc.nodes:
+            prev = by_name.get(n)
+            if prev is None:
+                nodes.append(n)
+                continue
+            gone.add(n)
+            nodes.extend(prev.nodes)
+            saved = None if saved is None or prev.hbm_saved_bytes is None else saved + prev.hbm_saved_bytes
+        acc.nodes, acc.hbm_saved_bytes = nodes, saved
+    return [a for a in earlier if a.node_name not in gone]
+
+
+def fuse_model(model, dims: dict[str, int] | None = None, families: Iterable[str] | None = None,
+               options: dict | None = None):
+    """sanitize -> match -> rewrite on a ModelProto; returns (fused ModelProto, FusionResult).
+
+    The fused model embeds the reference function of each optfuse op it uses (onnxruntime runs it).
+    """
+    from ..ir import sanitize
+    from ..rewrite import add_functions
+
+    graph = sanitize(model)
+    ctx = Context(graph, dims=dict(dims or {}), options=dict(options or {}))
+    result = fuse_graph(graph, ctx, families)
+    fused = gs.export_onnx(graph)
+    return add_functions(fused), result

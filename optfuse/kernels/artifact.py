@@ -1,0 +1,149 @@
+"""What to compile (:class:`KernelSource`), what comes out (:class:`KernelArtifact`) and how
+to launch it (:class:`LaunchParams`).
+
+The argument order of every kernel is TensorRT QDP's (``aot_impl``): input pointers, then the
+int32 extra arguments, then output pointers, then -- Triton >= 3.3 only -- the trailing scratch
+pointers Triton appends (:attr:`KernelArtifact.n_scratch`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Bumped whenever the artifact layout or the argument convention changes (part of the cache key).
+ABI_VERSION = 1
+
+
+@dataclass
+class KernelSource:
+    """One specialization of one kernel: everything a compiler needs, nothing device-specific.
+
+    ``lang="triton"``: ``entry`` is a ``@triton.jit`` function defined in ``path``;
+    ``signature`` lists its runtime parameters in order (name -> Triton type such as ``*fp16`` or
+    ``i32``) and ``constexprs`` its compile-time ones. ``lang="cuda"``: ``entry`` is an
+    ``extern "C"`` ``__global__`` function in ``path``, specialized by the ``-D`` ``defines``.
+    """
+
+    name: str  # logical id, e.g. "layer_norm/LayerNorm/float16/h768"
+    lang: str  # "triton" | "cuda"
+    path: str
+    entry: str
+    n_inputs: int
+    n_extra: int
+    n_outputs: int
+    signature: dict[str, str] = field(default_factory=dict)  # triton
+    constexprs: dict[str, Any] = field(default_factory=dict)  # triton
+    defines: dict[str, str] = field(default_factory=dict)  # cuda
+    num_warps: int = 4  # triton
+    num_stages: int = 1  # triton
+    threads: int = 0  # cuda: threads per block
+    #: Byte alignment every pointer argument must have (the kernel is compiled assuming it).
+    pointer_align: int = 16
+    #: Free-form description (op, dtype, hidden, config); stored in the artifact.
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lang not in ("triton", "cuda"):
+            raise ValueError(f"unknown kernel language {self.lang!r}")
+
+    def source_text(self) -> str:
+        return Path(self.path).read_text()
+
+    def spec_dict(self) -> dict[str, Any]:
+        """Everything that decides the compiled code, except the compiler and the arch."""
+        return {
+            "lang": self.lang,
+            "entry": self.entry,
+            "source_sha256": hashlib.sha256(self.source_text().encode()).hexdigest(),
+            "signature": list(self.signature.items()),
+            "constexprs": sorted((k, repr(v)) for k, v in self.constexprs.items()),
+            "defines": sorted(self.defines.items()),
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            "threads": self.threads,
+            "io": [self.n_inputs, self.n_extra, self.n_outputs],
+            "pointer_align": self.pointer_align,
+            "abi": ABI_VERSION,
+        }
+
+
+@dataclass
+class LaunchParams:
+    """Grid/block/shared memory and the int32 extra arguments of one launch.
+
+    Fields may hold ints (launcher, tests) or TensorRT symbolic expressions (QDP ``aot_impl``).
+    """
+
+    grid: tuple[Any, Any, Any]
+    block: tuple[Any, Any, Any]
+    shared_mem: Any = 0
+    extra_args: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class KernelArtifact:
+    """A compiled kernel: cubin for one arch plus the PTX of the same compile."""
+
+    name: str  # entry symbol in the cubin/PTX (unmangled)
+    arch: int
+    cubin: bytes | None
+    ptx: str | None
+    threads: int  # threads per block the kernel was compiled for
+    shared_mem: int  # dynamic shared memory bytes (Triton: metadata.shared)
+    n_inputs: int
+    n_extra: int
+    n_outputs: int
+    n_scratch: int = 0  # trailing scratch pointer params (Triton >= 3.3: 2)
+    pointer_align: int = 16
+    key: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_params(self) -> int:
+        return self.n_inputs + self.n_extra + self.n_outputs + self.n_scratch
+
+    # -- on-disk form: <dir>/meta.json, <dir>/kernel.cubin, <dir>/kernel.ptx -----------------
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write atomically (a temp dir renamed into place); returns the directory."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
+        try:
+            meta = asdict(self)
+            meta.pop("cubin")
+            meta.pop("ptx")
+            meta["has_cubin"] = self.cubin is not None
+            meta["has_ptx"] = self.ptx is not None
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+            if self.cubin is not None:
+                (tmp / "kernel.cubin").write_bytes(self.cubin)
+            if self.ptx is not None:
+                (tmp / "kernel.ptx").write_text(self.ptx)
+            try:
+                os.replace(tmp, directory)
+            except OSError:
+                # Another process saved the same key first (non-empty target): keep theirs.
+                if not (directory / "meta.json").exists():
+                    shutil.rmtree(directory, ignore_errors=True)
+                    os.replace(tmp, directory)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> KernelArtifact:
+        directory = Path(directory)
+        meta = json.loads((directory / "meta.json").read_text())
+        has_cubin = meta.pop("has_cubin", False)
+        has_ptx = meta.pop("has_ptx", False)
+        cubin = (directory / "kernel.cubin").read_bytes() if has_cubin else None
+        ptx = (directory / "kernel.ptx").read_text() if has_ptx else None
+        return cls(cubin=cubin, ptx=ptx, **meta)
