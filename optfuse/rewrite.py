@@ -110,13 +110,13 @@ def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context,
                     break
                 pending.append(({id(n) for n in m.nodes},
                                 Rejected(rule.id, rule.target, _node_names(m.nodes), reason)))
-    # report a rejection only where no accepted match took those nodes over
-    seen: set[tuple[str, ...]] = set()
-    for ids, rej in pending:
-        key = tuple(rej.nodes)
-        if ids & claimed or key in seen:
+    # Report a rejection only where no accepted match took those nodes over, and once per
+    # subgraph: a smaller variant of the same candidate (e.g. without its affine tail) is not news.
+    reported: list[set[int]] = []
+    for ids, rej in sorted(pending, key=lambda p: -len(p[0])):
+        if ids & claimed or any(ids <= r for r in reported):
             continue
-        seen.add(key)
+        reported.append(ids)
         result.rejected.append(rej)
     return result
 
