@@ -69,9 +69,8 @@ def _rewrite_native(m: Match, ctx) -> Rewrite:
 # --- decomposed ------------------------------------------------------------------------------------
 def _decomposed(affine: str) -> object:
     x = Var("x")
-    xs = maybe_cast(x)
-    mean = op.ReduceMean(xs, axes=Capture("axes1"))
-    d = op.Sub(xs, mean)
+    mean = op.ReduceMean(maybe_cast(x), axes=Capture("axes1"))
+    d = op.Sub(maybe_cast(x), mean)
     var = op.ReduceMean(AnyOf(op.Pow(d, Const(2.0)), op.Mul(d, d)), axes=Capture("axes2"))
     std = op.Sqrt(op.Add(var, Const(name="eps")))
     normed = maybe_cast(AnyOf(op.Div(d, std), op.Mul(d, op.Reciprocal(std))))

@@ -52,8 +52,10 @@ def _rewrite(m: Match, eps: float) -> Rewrite:
 
 
 def _decomposed(with_gamma: bool):
-    h = maybe_cast(Var("x"))
-    ms = op.ReduceMean(AnyOf(op.Pow(h, Const(2.0)), op.Mul(h, h)), axes=Capture("axes"))
+    # each branch may cast x on its own (T5 casts only the variance branch)
+    x = Var("x")
+    h = maybe_cast(x)
+    ms = op.ReduceMean(AnyOf(op.Pow(maybe_cast(x), Const(2.0)), op.Mul(h, h)), axes=Capture("axes"))
     denom = op.Sqrt(op.Add(ms, Const(name="eps")))
     normed = AnyOf(
         op.Mul(h, op.Reciprocal(denom)),
