@@ -8,6 +8,7 @@ that keep pointing at those bytes, so the weights are not copied again on import
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -67,43 +68,31 @@ def model_bytes(model: onnx.ModelProto) -> int:
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool | None = None) -> Path:
-    """Write atomically: a temp file in the target directory, renamed when complete.
+    """Write atomically: files are written in a temp folder beside the target and moved into place
+    when complete, so a failed save never leaves a half-written model under the final name.
 
     `external_data=None` decides by size (weights above the protobuf limit go to `<name>.data`).
+    The caller's `model` is left as it was (onnx moves weights out of the proto while saving;
+    they are read back).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if external_data is None:
         external_data = model_bytes(model) > _PROTO_LIMIT
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     data_name = f"{path.name}.data"
-    tmp_data = path.parent / f".{data_name}.tmp"
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
+        tmp_model = tmp_dir / path.name
         if external_data:
-            onnx.save_model(
-                model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                location=tmp_data.name, size_threshold=1024,
-            )
-            # the proto names the data file; rewrite it to the final name before the rename
-            m = onnx.load(tmp, load_external_data=False)
-            from onnx.external_data_helper import _get_all_tensors, uses_external_data
-
-            for t in _get_all_tensors(m):
-                if uses_external_data(t):
-                    for e in t.external_data:
-                        if e.key == "location":
-                            e.value = data_name
-            onnx.save_model(m, tmp)
-            os.replace(tmp_data, path.parent / data_name)
+            onnx.save_model(model, str(tmp_model), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data_name, size_threshold=1024)
+            onnx.load_external_data_for_model(model, str(tmp_dir))  # give the caller its weights back
+            os.replace(tmp_dir / data_name, path.parent / data_name)
         else:
-            onnx.save_model(model, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        for p in (tmp, tmp_data):
-            if os.path.exists(p):
-                os.unlink(p)
-        raise
+            onnx.save_model(model, str(tmp_model))
+        os.replace(tmp_model, path)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return path
 
 

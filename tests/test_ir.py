@@ -1,0 +1,73 @@
+"""Loading (external data, bad files) and atomic saving."""
+
+import numpy as np
+import onnx
+import pytest
+
+from optfuse.errors import InputError
+from optfuse.ir import load_model, sanitize, save_model
+from optfuse.ir.sanitize import remove_noop_casts
+
+import graphs
+
+
+def _save_external(model, path):
+    model = onnx.ModelProto.FromString(model.SerializeToString())  # onnx.save_model moves weights out
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=0)
+
+
+def test_external_data_round_trip(tmp_path):
+    model = graphs.layer_norm(hidden=256)
+    _save_external(model, tmp_path / "m.onnx")
+    loaded = load_model(tmp_path / "m.onnx")
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in loaded.graph.initializer}
+    ref = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert all(np.array_equal(weights[k], ref[k]) for k in ref)
+    out = save_model(loaded, tmp_path / "out" / "m2.onnx", external_data=True)
+    assert (tmp_path / "out" / "m2.onnx.data").is_file()
+    again = load_model(out)
+    assert len(again.graph.initializer) == len(model.graph.initializer)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m2.onnx", "m2.onnx.data"]
+    # the caller's model keeps its weights in memory
+    assert all(np.array_equal(onnx.numpy_helper.to_array(t), ref[t.name]) for t in loaded.graph.initializer)
+
+
+@pytest.mark.parametrize("case", ["missing", "not_onnx", "truncated", "missing_data", "short_data"])
+def test_bad_models_raise_input_error(tmp_path, case):
+    path = tmp_path / "m.onnx"
+    model = graphs.layer_norm(hidden=256)
+    if case == "not_onnx":
+        path.write_text("this is not a protobuf\n" * 10)
+    elif case == "truncated":
+        data = model.SerializeToString()
+        path.write_bytes(data[: len(data) // 2])
+    elif case in ("missing_data", "short_data"):
+        _save_external(model, path)
+        data = tmp_path / "m.onnx.data"
+        if case == "missing_data":
+            data.unlink()
+        else:
+            data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(InputError) as err:
+        load_model(path)
+    assert "\n" not in str(err.value)
+    assert str(path.name) in str(err.value) or "external data" in str(err.value)
+
+
+def test_noop_cast_is_bypassed():
+    b = graphs.Builder()
+    c = b.node("Cast", "x", to=onnx.TensorProto.FLOAT)
+    b.node("Relu", c, out="y")
+    g = sanitize(b.model([graphs.io("x", [4])], [graphs.io("y", [4])]))
+    assert [n.op for n in g.nodes] == ["Relu"]
+    assert remove_noop_casts(g) == 0
+
+
+def test_sanitize_keeps_symbolic_dims_and_folds_constants():
+    b = graphs.Builder()
+    two = b.node("Add", b.const(1.0), b.const(1.0))
+    b.node("Mul", "x", two, out="y")
+    g = sanitize(b.model([graphs.io("x", ["batch", 4])], [graphs.io("y", ["batch", 4])]))
+    assert [n.op for n in g.nodes] == ["Mul"]
+    assert g.outputs[0].shape[0] == "batch"
