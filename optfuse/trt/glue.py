@@ -1,0 +1,143 @@
+"""Spec -> kernel glue shared by both plugin forms (no TensorRT import here).
+
+Both the classic Python IPluginV3 (``plugins.py``, enqueue time, concrete shapes) and the QDP
+``aot_impl`` (``qdp.py``, build time, symbolic shapes) ask the same question: for op ``op`` with
+these input shapes/dtypes and attributes, which kernel and which launch parameters? The answer
+comes from the plugin folder's ``launch.py`` (``kernel_config`` + ``launch_params``), so the two
+forms cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..spec import OpSpec, get_spec, plugin_module
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+#: TensorRT DataType member name -> spec dtype name.
+TRT_DTYPE = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
+
+
+def dtype_name(trt_dtype: Any) -> str:
+    """``trt.DataType.HALF`` -> ``"float16"`` (also accepts spec names)."""
+    name = getattr(trt_dtype, "name", None) or str(trt_dtype).split(".")[-1]
+    if name in TRT_DTYPE:
+        return TRT_DTYPE[name]
+    if name in TRT_DTYPE.values():
+        return name
+    raise ValueError(f"dtype {trt_dtype!r} has no optfuse name")
+
+
+def trt_dtype(trt: Any, name: str) -> Any:
+    inv = {v: k for k, v in TRT_DTYPE.items()}
+    return getattr(trt.DataType, inv[name])
+
+
+def is_float_tensor(t) -> bool:
+    return all(d in FLOAT_DTYPES for d in t.dtypes)
+
+
+def complete_attrs(spec: OpSpec, attrs: dict | None) -> dict:
+    """Spec attributes in spec order, defaults filled in; unknown names dropped.
+
+    Raises KeyError naming an attribute that has no value and no default.
+    """
+    attrs = dict(attrs or {})
+    out: dict[str, Any] = {}
+    for a in spec.attributes:
+        if a.name in attrs and attrs[a.name] is not None:
+            out[a.name] = attrs[a.name]
+        elif a.default is not None:
+            out[a.name] = a.default
+        else:
+            raise KeyError(f"{spec.op}: attribute {a.name!r} has no value and no default")
+    return out
+
+
+def output_like_index(spec: OpSpec) -> list[int]:
+    """For each output, the index of the input whose shape and dtype it takes (spec ``like``)."""
+    idx = []
+    for o in spec.outputs:
+        if o.like is None:
+            raise NotImplementedError(
+                f"{spec.op}: output {o.name!r} has no 'like' rule; TensorRT plugins are generated only "
+                "for outputs shaped like an input"
+            )
+        idx.append(spec.input_index(o.like))
+    return idx
+
+
+def static_shape(spec: OpSpec, shapes: Sequence[Sequence[Any] | None]) -> dict:
+    """The compile-time shape facts a kernel specializes on.
+
+    A plugin's ``launch.py`` may define ``static_shape(op, shapes) -> dict``; otherwise the
+    last dim of the first input is ``hidden`` (norms) and ``head_dim`` (attention).
+    """
+    launch = plugin_module(spec.folder, "launch")
+    fn = getattr(launch, "static_shape", None)
+    if fn is not None:
+        return dict(fn(spec.op, shapes))
+    last = shapes[0][-1]
+    return {"hidden": last, "head_dim": last}
+
+
+def pad_inputs(spec: OpSpec, values: Sequence[Any]) -> list[Any]:
+    """Present inputs (TensorRT drops trailing absent optional ones) padded with None to the spec."""
+    values = list(values)
+    if len(values) > len(spec.inputs):
+        raise ValueError(f"{spec.op}: {len(values)} inputs, the spec has {len(spec.inputs)}")
+    for t in spec.inputs[len(values):]:
+        if not t.optional:
+            raise ValueError(f"{spec.op}: required input {t.name!r} is missing")
+    return values + [None] * (len(spec.inputs) - len(values))
+
+
+@dataclass
+class ResolvedKernel:
+    """What one launch needs: the compiled kernel and its launch parameters."""
+
+    source: Any  # KernelSource
+    artifact: Any  # KernelArtifact
+    params: Any  # LaunchParams (ints, or symbolic expressions in QDP)
+    static_shape: dict
+
+
+def kernel_source(op: str, dtype: str, attrs: dict | None, static: dict):
+    spec = get_spec(op)
+    launch = plugin_module(spec.folder, "launch")
+    return launch.kernel_config(op, dtype, complete_attrs(spec, attrs), static)
+
+
+def resolve(
+    op: str,
+    shapes: Sequence[Sequence[Any] | None],
+    dtypes: Sequence[str | None],
+    attrs: dict | None,
+    *,
+    arch: int | str | None = None,
+    cdiv=None,
+    static: dict | None = None,
+    cache=None,
+) -> ResolvedKernel:
+    """Kernel + launch parameters for one op instance.
+
+    ``shapes``/``dtypes`` are per spec input (None for an absent optional input); ``static`` is
+    the compile-time shape dict (default: from ``shapes``, which must then be concrete where it
+    matters); ``cdiv`` is ``trtp.cdiv`` for symbolic shapes.
+    """
+    from ..kernels import build_kernel
+    from ..kernels import cdiv as int_cdiv
+
+    spec = get_spec(op)
+    launch = plugin_module(spec.folder, "launch")
+    attrs = complete_attrs(spec, attrs)
+    shapes = pad_inputs(spec, shapes)
+    dtypes = pad_inputs(spec, dtypes)
+    static = dict(static) if static is not None else static_shape(spec, shapes)
+    dtype = dtypes[0]
+    src = launch.kernel_config(op, dtype, attrs, static)
+    art = build_kernel(src, arch, cache=cache)
+    params = launch.launch_params(op, shapes, dtypes, attrs, cdiv=cdiv or int_cdiv, static_shape=static)
+    return ResolvedKernel(src, art, params, static)

@@ -1,0 +1,220 @@
+"""Classic Python IPluginV3 + IPluginCreatorV3One, generated from an :class:`OpSpec`.
+
+Used on TensorRT-RTX (whose parser accepts only V3One creators) and on TensorRT < 10.9 (no AOT
+QDP). One generic class per op, made by :func:`make_plugin`; nothing is written per op:
+
+* name / namespace / version: ``spec.op`` / ``optfuse`` / ``spec.plugin_version`` (what the fused
+  ONNX node carries, so the parser's FallbackPluginImporter finds the creator);
+* fields: the spec attributes (float -> FLOAT32, int -> INT32, string -> CHAR, floats/ints ->
+  arrays) -- the parser converts ONNX attributes by *their* type (INT arrives as int32, FLOAT as
+  float32), so decoding is by field type, and missing fields take the spec default;
+* output dtypes and shapes: the spec's ``like`` rule;
+* formats: linear only; every float tensor one dtype, taken from the spec's dtype list;
+* enqueue: :func:`optfuse.trt.glue.resolve` (the plugin's ``launch.py``) and
+  ``optfuse.kernels.launcher.launch`` -- so this form needs Python at run time, unlike QDP.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..spec import OpSpec, load_specs
+from . import glue
+
+_registered: dict[tuple[str, str], Any] = {}  # (backend, op) -> creator (kept alive: TRT holds a raw pointer)
+_lock = threading.Lock()
+
+
+def _field_type(trt, attr_type: str):
+    return {
+        "float": trt.PluginFieldType.FLOAT32,
+        "floats": trt.PluginFieldType.FLOAT32,
+        "int": trt.PluginFieldType.INT32,
+        "ints": trt.PluginFieldType.INT32,
+        "string": trt.PluginFieldType.CHAR,
+    }[attr_type]
+
+
+def decode_field(trt, attr_type: str, field: Any) -> Any:
+    """A PluginField's value as the spec attribute type (by the field's actual type)."""
+    data = field.data
+    ftype = field.type
+    if ftype == trt.PluginFieldType.CHAR or attr_type == "string":
+        raw = bytes(np.asarray(data).astype(np.uint8).tobytes()) if not isinstance(data, (bytes, str)) else data
+        if isinstance(raw, str):
+            return raw
+        return raw.split(b"\0", 1)[0].decode("utf-8")
+    arr = np.asarray(data).reshape(-1)
+    if attr_type == "float":
+        return float(arr[0])
+    if attr_type == "int":
+        return int(arr[0])
+    if attr_type == "floats":
+        return [float(v) for v in arr]
+    if attr_type == "ints":
+        return [int(v) for v in arr]
+    raise ValueError(f"unsupported attribute type {attr_type!r}")
+
+
+def encode_field(trt, attr_type: str, name: str, value: Any):
+    if attr_type == "string":
+        return trt.PluginField(name, np.frombuffer(str(value).encode() + b"\0", dtype=np.int8), trt.PluginFieldType.CHAR)
+    if attr_type in ("float", "floats"):
+        arr = np.asarray(value if attr_type == "floats" else [value], dtype=np.float32)
+    else:
+        arr = np.asarray(value if attr_type == "ints" else [value], dtype=np.int32)
+    return trt.PluginField(name, arr, _field_type(trt, attr_type))
+
+
+def make_plugin(trt, spec: OpSpec):
+    """(PluginClass, CreatorClass) for ``spec`` on the TensorRT module ``trt``."""
+    like = glue.output_like_index(spec)
+    attr_types = {a.name: a.type for a in spec.attributes}
+    namespace = spec.domain
+    version = spec.plugin_version
+
+    class Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+        def __init__(self, attrs: dict | None = None, phase=None):
+            trt.IPluginV3.__init__(self)
+            trt.IPluginV3OneCore.__init__(self)
+            trt.IPluginV3OneBuild.__init__(self)
+            trt.IPluginV3OneRuntime.__init__(self)
+            self.plugin_name = spec.op
+            self.plugin_namespace = namespace
+            self.plugin_version = version
+            self.num_outputs = len(spec.outputs)
+            self.timing_cache_id = ""
+            self.attrs = dict(attrs or {})
+            self.phase = phase
+            self._kernels: dict = {}
+
+        # -- core / build ------------------------------------------------------------------
+        def get_capability_interface(self, type):
+            return self
+
+        def clone(self):
+            c = Plugin(self.attrs, self.phase)
+            c._kernels = self._kernels  # compiled kernels are shareable
+            return c
+
+        def get_output_data_types(self, input_types):
+            return [input_types[i] for i in like]
+
+        def get_output_shapes(self, inputs, shape_inputs, expr_builder):
+            return [trt.DimsExprs(inputs[i]) for i in like]
+
+        def supports_format_combination(self, pos, in_out, num_inputs):
+            desc = in_out[pos].desc
+            if desc.format != trt.TensorFormat.LINEAR:
+                return False
+            t = spec.inputs[pos] if pos < num_inputs else spec.outputs[pos - num_inputs]
+            try:
+                dt = glue.dtype_name(desc.type)
+            except ValueError:
+                return False
+            if dt not in t.dtypes:
+                return False
+            if pos >= num_inputs:  # an output takes the dtype of the input it is like
+                return desc.type == in_out[like[pos - num_inputs]].desc.type
+            if glue.is_float_tensor(t):  # all float inputs share the first float input's dtype
+                for j in range(pos):
+                    if glue.is_float_tensor(spec.inputs[j]):
+                        return desc.type == in_out[j].desc.type
+            return True
+
+        def configure_plugin(self, inp, out):
+            pass
+
+        def get_workspace_size(self, inp, out):
+            return 0
+
+        def get_valid_tactics(self):
+            return []
+
+        # -- runtime -----------------------------------------------------------------------
+        def set_tactic(self, tactic):
+            pass
+
+        def on_shape_change(self, inp, out):
+            pass
+
+        def attach_to_context(self, context):
+            return self.clone()
+
+        def get_fields_to_serialize(self):
+            return trt.PluginFieldCollection(
+                [encode_field(trt, attr_types[k], k, v) for k, v in self.attrs.items() if k in attr_types]
+            )
+
+        def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
+            from ..kernels import launcher
+
+            shapes = [tuple(int(d) for d in desc.dims) for desc in input_desc]
+            dtypes = [glue.dtype_name(desc.type) for desc in input_desc]
+            static = glue.static_shape(spec, glue.pad_inputs(spec, shapes))
+            arch = launcher.current_device_arch()
+            kkey = (tuple(dtypes), tuple(sorted(static.items())), arch)
+            art = self._kernels.get(kkey)
+            if art is None:
+                rk = glue.resolve(spec.op, shapes, dtypes, self.attrs, arch=arch, static=static)
+                art = self._kernels[kkey] = rk.artifact
+                params = rk.params
+            else:
+                from ..spec import plugin_module
+                from ..kernels import cdiv
+
+                launch_mod = plugin_module(spec.folder, "launch")
+                params = launch_mod.launch_params(
+                    spec.op, glue.pad_inputs(spec, shapes), glue.pad_inputs(spec, dtypes), self.attrs,
+                    cdiv=cdiv, static_shape=static,
+                )
+            ins = glue.pad_inputs(spec, [int(p) for p in inputs])[: art.n_inputs]
+            launcher.launch(art, params, ins, [int(p) for p in outputs], int(stream))
+
+    Plugin.__name__ = Plugin.__qualname__ = f"{spec.op}PluginV3"
+
+    class Creator(trt.IPluginCreatorV3One):
+        def __init__(self):
+            trt.IPluginCreatorV3One.__init__(self)
+            self.name = spec.op
+            self.plugin_namespace = namespace
+            self.plugin_version = version
+            self.field_names = trt.PluginFieldCollection(
+                [trt.PluginField(a.name, np.array([]), _field_type(trt, a.type)) for a in spec.attributes]
+            )
+
+        def create_plugin(self, name, fc, phase):
+            got = {}
+            for f in fc:
+                if f.name in attr_types:
+                    got[f.name] = decode_field(trt, attr_types[f.name], f)
+            return Plugin(glue.complete_attrs(spec, got), phase)
+
+    Creator.__name__ = Creator.__qualname__ = f"{spec.op}CreatorV3One"
+    return Plugin, Creator
+
+
+def register_all(backend, ops: list[str] | None = None) -> list[str]:
+    """Register a V3One creator for every spec (or ``ops``) with ``backend`` (a compat.Backend).
+
+    Idempotent per process. Returns the op names registered now or before.
+    """
+    trt = backend.trt
+    registry = trt.get_plugin_registry()
+    done = []
+    with _lock:
+        for op, spec in load_specs().items():
+            if ops is not None and op not in ops:
+                continue
+            key = (backend.name, op)
+            if key not in _registered:
+                _, Creator = make_plugin(trt, spec)
+                creator = Creator()
+                if not registry.register_creator(creator, spec.domain):
+                    raise RuntimeError(f"TensorRT refused to register plugin creator {spec.domain}::{op}")
+                _registered[key] = creator
+            done.append(op)
+    return done
