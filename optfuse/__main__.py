@@ -1,0 +1,5 @@
+"""python -m optfuse"""
+
+from .cli import main
+
+main()

@@ -1,0 +1,277 @@
+"""Stage wiring: the functions the CLI calls, one per command. The CLI parses and prints; this module runs.
+
+Stages and their artifacts (data flows one way)::
+
+    model (file, or exported from a recipe)  --fuse-->  fused .onnx + fusion_report.{json,md}
+    original + candidate                     --verify-> VerifyResult (per-output errors)
+    fused .onnx                              --build--> engine            (issue 4: `build`)
+    any exported model                       --convert-> ...              (issue 4: `convert`)
+
+`build` and `convert` are added here as functions of the same shape (inputs, options, a `status`
+callback for progress) and wired in ``optfuse.cli`` as thin commands.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from .errors import InputError, VerificationError
+from .recipe import Recipe, load_recipe
+
+Status = Callable[[str], None]
+
+DEMO_DIR = Path("optfuse-demo")
+EXPORT_HINT = "pip install -e '.[export]' torch==2.13.0"
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs: recipe, model
+# ------------------------------------------------------------------------------------------------
+def read_recipe(path: str | os.PathLike | None) -> Recipe | None:
+    return None if path is None else load_recipe(path)
+
+
+def resolve_model(model: str | os.PathLike | None, recipe: Recipe | None, workdir: Path | None = None,
+                  status: Status = _noop) -> Path:
+    """The model file to work on: the argument, else the recipe's path, else exported per the recipe."""
+    if model is not None:
+        return Path(model)
+    if recipe is None:
+        raise InputError("no model given: pass MODEL.onnx or a recipe (-r) that names one")
+    if recipe.model.path is not None:
+        return recipe.resolve_path(recipe.model.path)
+    spec = recipe.model.export
+    out_dir = Path(workdir) if workdir is not None else Path.cwd()
+    dest = out_dir / f"{recipe.name}.onnx"
+    status(f"exporting {spec.family} ({spec.exporter}, attn={spec.attn}, opset {spec.opset})")
+    return export_model(spec.family, dest, exporter=spec.exporter, attn=spec.attn, opset=spec.opset)
+
+
+def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = "sdpa", opset: int = 17) -> Path:
+    """Export a tiny model of `family` through optfuse.models (needs torch + transformers)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise InputError(f"exporting a model needs torch and transformers ({exc.name} is missing): {EXPORT_HINT}") from None
+    try:
+        from . import models
+    except ModuleNotFoundError as exc:
+        if exc.name == "optfuse.models":
+            raise InputError("this optfuse has no model exporter (optfuse.models)") from None
+        raise InputError(f"exporting a model needs {exc.name}: {EXPORT_HINT}") from None
+    families = getattr(models, "FAMILIES", None)
+    if families is not None and family not in families:
+        raise InputError(f"unknown model family {family!r}; known: {', '.join(sorted(families))}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    out = models.export(family, dest, exporter=exporter, attn=attn, opset=opset)
+    return Path(out) if out is not None else dest
+
+
+def enabled_families(recipe: Recipe | None) -> list[str]:
+    from .fusions import available_families
+
+    avail = available_families()
+    if recipe is None:
+        return avail
+    on = set(recipe.fusions.enabled())
+    return [f for f in avail if f in on]
+
+
+def analysis_dims(model: onnx.ModelProto, recipe: Recipe | None) -> tuple[dict[str, int], str]:
+    """Symbolic dims for size estimates: the recipe's opt values, else verify's defaults."""
+    from .verify import DEFAULT_BATCH, DEFAULT_DIM, concrete_dims
+
+    dims = concrete_dims(model, recipe)
+    if recipe is not None and recipe.dims:
+        return dims, "recipe opt shapes"
+    return dims, f"defaults: batch {DEFAULT_BATCH}, other dims {DEFAULT_DIM}"
+
+
+def load_checked(path: Path) -> onnx.ModelProto:
+    """load_model plus the ONNX checker: a graph that does not hold together is bad input (exit 2)."""
+    from .ir import load_model
+    from .ir.load import _PROTO_LIMIT, model_bytes
+
+    proto = load_model(path)
+    try:
+        if model_bytes(proto) > _PROTO_LIMIT:
+            onnx.checker.check_model(str(path))
+        else:
+            try:
+                onnx.checker.check_model(proto)
+            except onnx.checker.ValidationError as exc:
+                if "topologically sorted" not in str(exc):
+                    raise
+                # node order is not our business (sanitize sorts): check a sorted copy
+                import onnx_graphsurgeon as gs
+
+                onnx.checker.check_model(gs.export_onnx(gs.import_onnx(proto).toposort()))
+    except Exception as exc:
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        detail = " ".join(lines[:3]) if lines else type(exc).__name__
+        raise InputError(f"{path} is not a valid ONNX graph: {detail}") from None
+    return proto
+
+
+def _options(recipe: Recipe | None) -> dict:
+    if recipe is None:
+        return {}
+    return {"precision": recipe.precision.mode, "keep_fp32": list(recipe.precision.keep_fp32),
+            "arch": recipe.target.arch}
+
+
+# ------------------------------------------------------------------------------------------------
+# inspect / fuse
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class InspectOutcome:
+    model: Path
+    report: dict
+    result: object  # FusionResult
+
+
+def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, status: Status = _noop) -> InspectOutcome:
+    """What would fuse and what would not (and why); writes nothing."""
+    from .fusions import fuse_graph
+    from .ir import sanitize
+    from .pattern import Context
+    from .report import build_report
+
+    if model is None and recipe is not None and recipe.model.path is None:
+        raise InputError("inspect needs a model file (MODEL.onnx or a recipe with model.path)")
+    path = resolve_model(model, recipe)
+    status(f"loading {path}")
+    proto = load_checked(path)
+    dims, dims_source = analysis_dims(proto, recipe)
+    families = enabled_families(recipe)
+    status("sanitizing and matching")
+    graph = sanitize(proto)
+    result = fuse_graph(graph, Context(graph, dims=dims, options=_options(recipe)), families)
+    report = build_report(result, model=str(path), recipe=_recipe_label(recipe), dims=dims,
+                          dims_source=dims_source, families=families)
+    return InspectOutcome(path, report, result)
+
+
+@dataclass
+class FuseOutcome:
+    model: Path
+    output: Path
+    report: dict
+    report_paths: tuple[Path, Path]
+    result: object  # FusionResult
+    verification: object | None = None  # VerifyResult when asked
+
+
+def default_output(model: Path) -> Path:
+    return model.with_name(f"{model.stem}.fused.onnx")
+
+
+def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = None, recipe: Recipe | None = None,
+         verify_after: bool = False, iterations: int | None = None, seed: int = 0,
+         workdir: Path | None = None, status: Status = _noop) -> FuseOutcome:
+    """load -> sanitize -> match -> rewrite -> save (atomic) -> report; optionally verify the result.
+
+    Nothing is written until the fused model exists in memory, so bad input leaves no file behind.
+    """
+    from .fusions import fuse_model
+    from .ir import save_model
+    from .report import build_report, write_report
+
+    path = resolve_model(model, recipe, workdir=workdir, status=status)
+    out = Path(output) if output is not None else default_output(path)
+    _check_output(path, out)
+    status(f"loading {path}")
+    proto = load_checked(path)
+    dims, dims_source = analysis_dims(proto, recipe)
+    families = enabled_families(recipe)
+    status("sanitizing, matching, rewriting")
+    fused, result = fuse_model(proto, dims=dims, families=families, options=_options(recipe))
+    status(f"writing {out}")
+    save_model(fused, out)
+    verification = None
+    if verify_after:
+        status("verifying")
+        verification = verify(path, out, recipe, iterations=iterations, seed=seed)
+    report = build_report(result, model=str(path), fused_model=str(out), recipe=_recipe_label(recipe), dims=dims,
+                          dims_source=dims_source, families=families,
+                          verification=verification.to_dict() if verification is not None else None)
+    paths = write_report(report, out.parent)
+    return FuseOutcome(path, out, report, paths, result, verification)
+
+
+def _check_output(model: Path, out: Path) -> None:
+    if out.exists() and out.is_dir():
+        raise InputError(f"output {out} is a directory; give a file name such as {out / 'model.fused.onnx'}")
+    try:
+        same = out.exists() and model.exists() and os.path.samefile(model, out)
+    except OSError:
+        same = False
+    if same:
+        raise InputError(f"output {out} is the input model; choose another file name")
+
+
+def _recipe_label(recipe: Recipe | None) -> str | None:
+    if recipe is None:
+        return None
+    return str(recipe.source) if recipe.source is not None else recipe.name
+
+
+# ------------------------------------------------------------------------------------------------
+# verify
+# ------------------------------------------------------------------------------------------------
+def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Recipe | None = None,
+           iterations: int | None = None, seed: int = 0, atol: float | None = None, rtol: float | None = None,
+           status: Status = _noop):
+    from .verify import DEFAULT_ITERATIONS
+    from .verify import verify as run_verify
+
+    n = iterations or DEFAULT_ITERATIONS
+    return run_verify(original, candidate, recipe, iterations=n, seed=seed, atol=atol, rtol=rtol,
+                      on_iteration=lambda i: status(f"running iteration {i + 1}/{n}"))
+
+
+# ------------------------------------------------------------------------------------------------
+# demo
+# ------------------------------------------------------------------------------------------------
+DEMO_RECIPE = {
+    "name": "bert",
+    "model": {"export": {"family": "bert", "exporter": "dynamo", "attn": "sdpa", "opset": 18}},
+}
+
+
+@dataclass
+class DemoOutcome:
+    directory: Path
+    exported: Path
+    fuse: FuseOutcome
+    notes: list[str] = field(default_factory=list)
+
+
+def demo(directory: str | os.PathLike = DEMO_DIR, status: Status = _noop) -> DemoOutcome:
+    """Export the tiny BERT, fuse it, verify it; everything goes to `directory`."""
+    from .recipe import recipe_from_dict
+
+    directory = Path(directory)
+    recipe = recipe_from_dict(DEMO_RECIPE, label="demo recipe")
+    exported = resolve_model(None, recipe, workdir=directory, status=status)
+    outcome = fuse(exported, directory / f"{exported.stem}.fused.onnx", recipe, verify_after=True, status=status)
+    return DemoOutcome(directory, exported, outcome)
+
+
+def raise_if_failed(result) -> None:
+    """VerificationError (exit 1) naming the outputs out of tolerance."""
+    if result is None or result.passed:
+        return
+    bad = result.failed
+    names = ", ".join(o.name for o in bad[:5]) + (" ..." if len(bad) > 5 else "")
+    raise VerificationError(f"verification failed: {len(bad)} of {len(result.outputs)} output(s) out of tolerance ({names})")

@@ -1,0 +1,188 @@
+"""Stage `report`: ``fusion_report.json`` and ``fusion_report.md`` from a FusionResult.
+
+The report lists what was fused (rule, op, fused node, the original nodes it replaced, extra facts
+the rule recorded such as the attention mask class), what was not and why, and an estimate of the
+HBM traffic each fusion saves: bytes the original nodes read and wrote minus what the fused node
+reads and writes, with symbolic dims resolved from the recipe's opt shapes (or verify's defaults).
+An estimate that depends on a dim nobody resolved is ``null`` in JSON and ``unknown`` in Markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .rewrite import FusionResult
+
+REPORT_JSON = "fusion_report.json"
+REPORT_MD = "fusion_report.md"
+
+
+def build_report(result: FusionResult, *, model: str | None = None, fused_model: str | None = None,
+                 recipe: str | None = None, dims: dict[str, int] | None = None, dims_source: str = "",
+                 families: list[str] | None = None, verification: dict | None = None) -> dict[str, Any]:
+    """A JSON-ready dict describing `result` (see the module doc)."""
+    fusions = []
+    for acc in result.accepted:
+        info = getattr(acc.rewrite, "info", None) or {}
+        fusions.append({
+            "rule": acc.rule,
+            "op": acc.op,
+            "node": acc.node_name,
+            "nodes": list(acc.nodes),
+            "hbm_saved_bytes": acc.hbm_saved_bytes,
+            "info": _jsonable(info),
+        })
+    known = [f["hbm_saved_bytes"] for f in fusions if f["hbm_saved_bytes"] is not None]
+    report: dict[str, Any] = {
+        "optfuse_version": __version__,
+        "model": model,
+        "fused_model": fused_model,
+        "recipe": recipe,
+        "families": families,
+        "dims": dict(dims or {}),
+        "dims_source": dims_source,
+        "counts": dict(sorted(result.counts().items())),
+        "fused_nodes": len(fusions),
+        "original_nodes_replaced": sum(len(f["nodes"]) for f in fusions),
+        "hbm_saved_bytes_total": sum(known) if fusions else 0,
+        "hbm_unknown": len(fusions) - len(known),
+        "fusions": fusions,
+        "rejected": [
+            {"rule": r.rule, "op": r.op, "nodes": list(r.nodes), "reason": r.reason} for r in result.rejected
+        ],
+    }
+    if verification is not None:
+        report["verification"] = verification
+    return report
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = ["# optfuse fusion report", ""]
+    meta = [("model", report.get("model")), ("fused model", report.get("fused_model")),
+            ("recipe", report.get("recipe")), ("optfuse", report.get("optfuse_version"))]
+    for k, v in meta:
+        if v:
+            lines.append(f"- **{k}**: `{v}`")
+    if report.get("families") is not None:
+        lines.append(f"- **families**: {', '.join(report['families']) or 'none'}")
+    dims = report.get("dims") or {}
+    if dims:
+        src = f" ({report['dims_source']})" if report.get("dims_source") else ""
+        lines.append(f"- **dims**{src}: " + ", ".join(f"{k}={v}" for k, v in dims.items()))
+    lines += ["", "## Summary", ""]
+    counts = report.get("counts") or {}
+    if counts:
+        lines += ["| op | fused nodes |", "|---|---:|"]
+        lines += [f"| {op} | {n} |" for op, n in counts.items()]
+    else:
+        lines.append("Nothing was fused.")
+    total = report.get("hbm_saved_bytes_total", 0)
+    unknown = report.get("hbm_unknown", 0)
+    lines += ["", f"Original nodes replaced: {report.get('original_nodes_replaced', 0)}. "
+              f"Estimated HBM traffic saved per run: **{format_bytes(total)}**"
+              + (f" (plus {unknown} fusion(s) of unknown size)" if unknown else "") + "."]
+
+    ver = report.get("verification")
+    if ver:
+        lines += ["", "## Verification", "",
+                  f"{'PASSED' if ver.get('passed') else 'FAILED'} over {ver.get('iterations')} iteration(s) "
+                  f"(seed {ver.get('seed')}).", "",
+                  "| output | max abs | max rel | mean abs | atol | rtol | result |", "|---|---:|---:|---:|---:|---:|---|"]
+        for o in ver.get("outputs", []):
+            res = "pass" if o["passed"] else ("FAIL" + (f": {o['note']}" if o.get("note") else ""))
+            lines.append(f"| `{o['name']}` | {o['max_abs']:.3g} | {o['max_rel']:.3g} | {o['mean_abs']:.3g} | "
+                         f"{o['atol']:g} | {o['rtol']:g} | {res} |")
+
+    lines += ["", "## Fusions", ""]
+    if report["fusions"]:
+        lines += ["| fused node | op | rule | original nodes | HBM saved | info |", "|---|---|---|---|---:|---|"]
+        for f in report["fusions"]:
+            info = ", ".join(f"{k}={_short(v)}" for k, v in f.get("info", {}).items())
+            lines.append(f"| `{f['node']}` | {f['op']} | `{f['rule']}` | {_names(f['nodes'])} | "
+                         f"{format_bytes(f['hbm_saved_bytes'])} | {_md(info)} |")
+    else:
+        lines.append("None.")
+    lines += ["", "## Not fused", ""]
+    if report["rejected"]:
+        lines += ["| rule | op | nodes | reason |", "|---|---|---|---|"]
+        for r in report["rejected"]:
+            lines.append(f"| `{r['rule']}` | {r['op']} | {_names(r['nodes'])} | {_md(r['reason'])} |")
+    else:
+        lines.append("No candidate was rejected.")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], directory: str | os.PathLike, stem: str = "fusion_report") -> tuple[Path, Path]:
+    """Write `<stem>.json` and `<stem>.md` into `directory` (each atomically)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
+    _atomic_write(json_path, json.dumps(report, indent=2, default=_json_default) + "\n")
+    _atomic_write(md_path, render_markdown(report))
+    return json_path, md_path
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n} B" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    return f"{sign}{n:.1f} GiB"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _names(nodes: list[str], limit: int = 6) -> str:
+    shown = ", ".join(f"`{n}`" for n in nodes[:limit])
+    more = len(nodes) - limit
+    return shown + (f" (+{more} more)" if more > 0 else "")
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v, default=_json_default) if not isinstance(v, str) else v
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _jsonable(v: Any) -> Any:
+    return json.loads(json.dumps(v, default=_json_default))
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return v.tolist() if v.size <= 64 else f"<array {list(v.shape)} {v.dtype}>"
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, (set, tuple)):
+        return list(v)
+    if isinstance(v, Path):
+        return str(v)
+    if hasattr(v, "name") and hasattr(v, "op"):  # a gs.Node
+        return v.name or v.op
+    if hasattr(v, "name"):  # a gs.Tensor
+        return v.name
+    return str(v)
