@@ -69,18 +69,26 @@ def output_like_index(spec: OpSpec) -> list[int]:
     return idx
 
 
-def static_shape(spec: OpSpec, shapes: Sequence[Sequence[Any] | None]) -> dict:
+def static_shape(spec: OpSpec, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[str | None] | None = None) -> dict:
     """The compile-time shape facts a kernel specializes on.
 
-    A plugin's ``launch.py`` may define ``static_shape(op, shapes) -> dict``; otherwise the
-    last dim of the first input is ``hidden`` (norms) and ``head_dim`` (attention).
+    A plugin's ``launch.py`` may define ``static_shape(op, shapes, dtypes) -> dict``; otherwise:
+    ``hidden`` and ``head_dim`` = the last dim of the first input, and for every present input
+    ``<name>`` / ``<name>_shape`` (its dims, -1 where dynamic) and ``<name>_dtype``.
     """
     launch = plugin_module(spec.folder, "launch")
     fn = getattr(launch, "static_shape", None)
     if fn is not None:
-        return dict(fn(spec.op, shapes))
+        return dict(fn(spec.op, shapes, dtypes))
     last = shapes[0][-1]
-    return {"hidden": last, "head_dim": last}
+    out: dict[str, Any] = {"hidden": last, "head_dim": last}
+    for i, t in enumerate(spec.inputs):
+        if i < len(shapes) and shapes[i] is not None:
+            out[t.name] = list(shapes[i])
+            out[f"{t.name}_shape"] = list(shapes[i])
+            if dtypes is not None and i < len(dtypes) and dtypes[i] is not None:
+                out[f"{t.name}_dtype"] = dtypes[i]
+    return out
 
 
 def pad_inputs(spec: OpSpec, values: Sequence[Any]) -> list[Any]:
@@ -135,7 +143,7 @@ def resolve(
     attrs = complete_attrs(spec, attrs)
     shapes = pad_inputs(spec, shapes)
     dtypes = pad_inputs(spec, dtypes)
-    static = dict(static) if static is not None else static_shape(spec, shapes)
+    static = dict(static) if static is not None else static_shape(spec, shapes, dtypes)
     dtype = dtypes[0]
     src = launch.kernel_config(op, dtype, attrs, static)
     art = build_kernel(src, arch, cache=cache)

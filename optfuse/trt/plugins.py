@@ -154,23 +154,13 @@ def make_plugin(trt, spec: OpSpec):
 
             shapes = [tuple(int(d) for d in desc.dims) for desc in input_desc]
             dtypes = [glue.dtype_name(desc.type) for desc in input_desc]
-            static = glue.static_shape(spec, glue.pad_inputs(spec, shapes))
             arch = launcher.current_device_arch()
-            kkey = (tuple(dtypes), tuple(sorted(static.items())), arch)
-            art = self._kernels.get(kkey)
-            if art is None:
-                rk = glue.resolve(spec.op, shapes, dtypes, self.attrs, arch=arch, static=static)
-                art = self._kernels[kkey] = rk.artifact
-                params = rk.params
-            else:
-                from ..spec import plugin_module
-                from ..kernels import cdiv
-
-                launch_mod = plugin_module(spec.folder, "launch")
-                params = launch_mod.launch_params(
-                    spec.op, glue.pad_inputs(spec, shapes), glue.pad_inputs(spec, dtypes), self.attrs,
-                    cdiv=cdiv, static_shape=static,
-                )
+            key = (tuple(shapes), tuple(dtypes), arch)
+            hit = self._kernels.get(key)
+            if hit is None:
+                rk = glue.resolve(spec.op, shapes, dtypes, self.attrs, arch=arch)
+                hit = self._kernels[key] = (rk.artifact, rk.params)
+            art, params = hit
             ins = glue.pad_inputs(spec, [int(p) for p in inputs])[: art.n_inputs]
             launcher.launch(art, params, ins, [int(p) for p in outputs], int(stream))
 
