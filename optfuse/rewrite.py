@@ -177,11 +177,13 @@ def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     """Embed the reference ONNX function of every optfuse op used, so onnxruntime runs the model."""
     used = sorted({n.op_type for n in model.graph.node if n.domain == DOMAIN})
     existing = {(f.domain, f.name) for f in model.functions}
+    # a function body is read with the model's default opset (ReduceMean's axes moved in opset 18)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     for op in used:
         if (DOMAIN, op) in existing:
             continue
         spec = get_spec(op)
-        fn = plugin_module(spec.folder, "reference").onnx_function(op)
+        fn = plugin_module(spec.folder, "reference").onnx_function(op, opset=opset)
         model.functions.append(fn)
     if used and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
