@@ -169,11 +169,42 @@ def convert_precision(
         1 for b in out.graph.initializer if b.data_type == TensorProto.FLOAT16
     )
     _ = n_nodes_before
+    fixed = _fix_float_casts(out, {n.name for n in model.graph.node if n.op_type == "Cast"}, set(block), set(names))
+    if fixed:
+        result.notes.append(f"{fixed} exported Cast-to-FP32 node(s) retargeted to {mode} (their consumers run in {mode})")
     if mode == "bf16":
         out = fp16_to_bf16(out, model)
         result.notes.append("BF16 = the FP16 conversion re-typed to BF16; onnxruntime CPU has almost no BF16 kernels")
     check_optfuse_io(out)
     return out, result
+
+
+def _fix_float_casts(model: onnx.ModelProto, original_casts: set[str], blocked_ops: set[str], blocked_names: set[str]) -> int:
+    """onnxconverter-common leaves the exporter's own ``Cast(to=FLOAT)`` nodes alone while it
+    converts their consumers (e.g. LLaMA's ``.float()`` before rotary/mask arithmetic), which gives
+    an invalid model (FP32 meets FP16 in one Mul). Such a Cast now casts to FP16, unless every
+    consumer is kept in FP32; value_info follows the Cast's type."""
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    vi = {v.name: v for v in model.graph.value_info}
+    outs = {o.name for o in model.graph.output}
+    fixed = 0
+    for n in model.graph.node:
+        if n.op_type != "Cast" or n.name not in original_casts:
+            continue
+        to = next((a for a in n.attribute if a.name == "to"), None)
+        if to is None or to.i != TensorProto.FLOAT or n.output[0] in outs:
+            continue
+        users = consumers.get(n.output[0], [])
+        if not users or all(u.op_type in blocked_ops or u.name in blocked_names or u.op_type == "Cast" for u in users):
+            continue
+        to.i = TensorProto.FLOAT16
+        if n.output[0] in vi:
+            vi[n.output[0]].type.tensor_type.elem_type = TensorProto.FLOAT16
+        fixed += 1
+    return fixed
 
 
 def check_optfuse_io(model: onnx.ModelProto) -> None:
