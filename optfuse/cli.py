@@ -41,8 +41,12 @@ def _console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=None if tty else 160, highlight=False)
 
 
+def _env_debug() -> bool:
+    return os.environ.get("OPTFUSE_DEBUG", "") not in ("", "0")
+
+
 class _State:
-    debug = os.environ.get("OPTFUSE_DEBUG", "") not in ("", "0")
+    debug = _env_debug()
 
 
 def _fail(msg: str, code: int) -> None:
@@ -105,8 +109,7 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
-    if debug:
-        _State.debug = True
+    _State.debug = debug or _env_debug()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import onnx
 
-from .errors import InputError, VerificationError
+from .errors import InputError, OptfuseError, VerificationError
 from .recipe import Recipe, load_recipe
 
 Status = Callable[[str], None]
@@ -52,11 +52,11 @@ def resolve_model(model: str | os.PathLike | None, recipe: Recipe | None, workdi
     spec = recipe.model.export
     out_dir = Path(workdir) if workdir is not None else Path.cwd()
     dest = out_dir / f"{recipe.name}.onnx"
-    status(f"exporting {spec.family} ({spec.exporter}, attn={spec.attn}, opset {spec.opset})")
+    status(f"exporting {spec.family} ({spec.exporter}, attn={spec.attn})")
     return export_model(spec.family, dest, exporter=spec.exporter, attn=spec.attn, opset=spec.opset)
 
 
-def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = "sdpa", opset: int = 17) -> Path:
+def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = "sdpa", opset: int | None = None) -> Path:
     """Export a tiny model of `family` through optfuse.models (needs torch + transformers)."""
     try:
         import torch  # noqa: F401
@@ -69,12 +69,15 @@ def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = 
         if exc.name == "optfuse.models":
             raise InputError("this optfuse has no model exporter (optfuse.models)") from None
         raise InputError(f"exporting a model needs {exc.name}: {EXPORT_HINT}") from None
-    families = getattr(models, "FAMILIES", None)
-    if families is not None and family not in families:
-        raise InputError(f"unknown model family {family!r}; known: {', '.join(sorted(families))}")
+    if family not in models.FAMILIES:
+        raise InputError(f"unknown model family {family!r}; known: {', '.join(models.FAMILIES)}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    out = models.export(family, dest, exporter=exporter, attn=attn, opset=opset)
-    return Path(out) if out is not None else dest
+    try:
+        return Path(models.export(family, dest, exporter=exporter, attn=attn, opset=opset))
+    except models.ExportError as exc:
+        raise OptfuseError(str(exc)) from None
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def enabled_families(recipe: Recipe | None) -> list[str]:
@@ -98,29 +101,41 @@ def analysis_dims(model: onnx.ModelProto, recipe: Recipe | None) -> tuple[dict[s
 
 
 def load_checked(path: Path) -> onnx.ModelProto:
-    """load_model plus the ONNX checker: a graph that does not hold together is bad input (exit 2)."""
+    """load_model plus a structural check: a graph that does not hold together is bad input (exit 2).
+
+    Not onnx.checker: it rejects models onnxruntime runs (outputs without shapes, unsorted nodes).
+    """
     from .ir import load_model
-    from .ir.load import _PROTO_LIMIT, model_bytes
 
     proto = load_model(path)
-    try:
-        if model_bytes(proto) > _PROTO_LIMIT:
-            onnx.checker.check_model(str(path))
-        else:
-            try:
-                onnx.checker.check_model(proto)
-            except onnx.checker.ValidationError as exc:
-                if "topologically sorted" not in str(exc):
-                    raise
-                # node order is not our business (sanitize sorts): check a sorted copy
-                import onnx_graphsurgeon as gs
-
-                onnx.checker.check_model(gs.export_onnx(gs.import_onnx(proto).toposort()))
-    except Exception as exc:
-        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-        detail = " ".join(lines[:3]) if lines else type(exc).__name__
-        raise InputError(f"{path} is not a valid ONNX graph: {detail}") from None
+    problem = graph_problem(proto.graph)
+    if problem:
+        raise InputError(f"{path} is not a valid ONNX graph: {problem}")
     return proto
+
+
+def graph_problem(graph: onnx.GraphProto) -> str | None:
+    """The first structural defect of a top-level graph, or None: dangling inputs, tensors produced
+    twice, graph outputs nothing produces, standard-domain ops ONNX does not define."""
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    known |= {t.name for t in graph.sparse_initializer}
+    produced: set[str] = set()
+    for n in graph.node:
+        for o in n.output:
+            if o and o in produced:
+                return f"tensor {o!r} is produced twice (node {n.name or n.op_type})"
+            produced.add(o)
+    available = known | produced
+    for n in graph.node:
+        for i in n.input:
+            if i not in available:
+                return f"node {n.name or n.op_type!r} ({n.op_type}) reads {i!r}, which no node, input or initializer provides"
+        if n.domain in ("", "ai.onnx", "ai.onnx.ml") and not onnx.defs.has(n.op_type, n.domain):
+            return f"node {n.name or n.op_type!r} uses {n.op_type!r}, which is not an ONNX operator"
+    for o in graph.output:
+        if o.name not in available:
+            return f"graph output {o.name!r} is not produced by any node"
+    return None
 
 
 def _options(recipe: Recipe | None) -> dict:
@@ -245,7 +260,7 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
 # ------------------------------------------------------------------------------------------------
 DEMO_RECIPE = {
     "name": "bert",
-    "model": {"export": {"family": "bert", "exporter": "dynamo", "attn": "sdpa", "opset": 18}},
+    "model": {"export": {"family": "bert", "exporter": "dynamo", "attn": "sdpa"}},
 }
 
 

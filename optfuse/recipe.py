@@ -45,7 +45,19 @@ class ExportSpec(_Strict):
     family: str = Field(min_length=1)
     exporter: Literal["torchscript", "dynamo"] = "dynamo"
     attn: Literal["sdpa", "eager"] = "sdpa"
-    opset: int = Field(17, ge=7, le=23)
+    # None: the exporter's default (17 for TorchScript, 18+ for dynamo)
+    opset: Optional[int] = Field(None, ge=7, le=23)
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        try:  # optfuse.models lists its families without importing torch
+            from .models import FAMILIES
+        except ImportError:
+            return v
+        if v not in FAMILIES:
+            raise ValueError(f"expected one of the model families {', '.join(FAMILIES)}, got {v!r}")
+        return v
 
 
 class ModelSource(_Strict):

@@ -331,10 +331,25 @@ def right_padded_mask(shape: Sequence[int], rng: np.random.Generator) -> np.ndar
 # ------------------------------------------------------------------------------------------------
 # Running and comparing
 # ------------------------------------------------------------------------------------------------
-def _quiet_polygraphy() -> None:
+def _prepare_polygraphy() -> None:
+    """Quiet polygraphy's logger, and keep it from importing torch on every inference.
+
+    polygraphy's ``util.array.is_torch`` imports torch (seconds) just to ask whether a NumPy feed is a
+    torch tensor; an object can only be one if torch is already imported, so ask sys.modules instead.
+    """
+    import sys
+
     from polygraphy.logger import G_LOGGER
+    from polygraphy.util import array as parray
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
+    if not getattr(parray.is_torch, "_optfuse", False):
+        def is_torch(obj) -> bool:
+            torch = sys.modules.get("torch")
+            return torch is not None and isinstance(obj, torch.Tensor)
+
+        is_torch._optfuse = True
+        parray.is_torch = is_torch
 
 
 def compare_arrays(name: str, ref: list[np.ndarray], got: list[np.ndarray], atol: float, rtol: float) -> OutputResult:
@@ -354,7 +369,8 @@ def compare_arrays(name: str, ref: list[np.ndarray], got: list[np.ndarray], atol
         if (nan_r != nan_g).any():
             passed, note = False, "NaN where the original has none" if (nan_g & ~nan_r).any() else "NaN mismatch"
         ok = ~(nan_r | nan_g)
-        diff = np.abs(r64 - g64)[ok]
+        with np.errstate(invalid="ignore"):  # inf - inf: handled just below
+            diff = np.abs(r64 - g64)[ok]
         ref_abs = np.abs(r64)[ok]
         if diff.size:
             inf_r, inf_g = np.isinf(r64[ok]), np.isinf(g64[ok])
@@ -397,7 +413,7 @@ def verify(original: str | os.PathLike | onnx.ModelProto, candidate: str | os.Pa
         rng = np.random.default_rng(seed)
         feeds = [make_feed(plans, rng) for _ in range(iterations)]
 
-    _quiet_polygraphy()
+    _prepare_polygraphy()
     # Sessions are made up front so that a model onnxruntime rejects is named: the original is bad
     # input (exit 2), a candidate that does not load has failed verification (exit 1).
     runners = []

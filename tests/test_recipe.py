@@ -1,0 +1,156 @@
+"""Recipe schema: the shipped recipes load, and every kind of mistake is one line naming the field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from optfuse.errors import InputError
+from optfuse.recipe import Recipe, load_recipe, recipe_from_dict
+
+RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+
+GOOD = {
+    "name": "tiny",
+    "model": {"path": "model.onnx"},
+    "inputs": {
+        "input_ids": {"dtype": "int64", "shape": ["batch", "seq"], "kind": "tokens", "range": [0, 100]},
+        "attention_mask": {"dtype": "int64", "shape": ["batch", "seq"], "kind": "mask"},
+    },
+    "dims": {"batch": {"min": 1, "opt": 2, "max": 8}, "seq": {"min": 1, "opt": 16, "max": 128}},
+    "fusions": {"attention": False},
+    "precision": {"mode": "fp16", "keep_fp32": ["LayerNorm"], "io_dtype": "keep"},
+    "tolerances": {"atol": 1e-3, "outputs": {"logits": {"rtol": 0.05}}},
+    "target": {"arch": "sm_89", "backend": "tensorrt_rtx"},
+}
+
+
+def _write(tmp_path, data, name="r.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def _errors(tmp_path, data) -> list[str]:
+    with pytest.raises(InputError) as exc:
+        load_recipe(_write(tmp_path, data))
+    assert exc.value.exit_code == 2
+    return str(exc.value).splitlines()
+
+
+def _with(**changes):
+    import copy
+
+    data = copy.deepcopy(GOOD)
+    for dotted, value in changes.items():
+        node = data
+        *head, last = dotted.split("__")
+        for k in head:
+            node = node.setdefault(k, {})
+        if value is _DELETE:
+            del node[last]
+        else:
+            node[last] = value
+    return data
+
+
+_DELETE = object()
+
+
+def test_shipped_recipes_cover_the_families():
+    names = {p.stem for p in RECIPES}
+    assert {"bert", "gpt2", "vit", "llama"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_shipped_recipes_validate(path):
+    r = load_recipe(path)
+    assert r.name
+    for name in r.inputs:
+        assert all(v >= 1 for v in r.opt_shape(name))
+
+
+def test_good_recipe_and_derived_values(tmp_path):
+    r = load_recipe(_write(tmp_path, GOOD))
+    assert r.opt_dims() == {"batch": 2, "seq": 16}
+    assert r.opt_shape("input_ids") == [2, 16]
+    assert r.tolerance("logits") == (1e-3, 0.05)  # override on top of the recipe default
+    assert r.tolerance("other") == (1e-3, 1e-2)  # rtol from the fp16 default
+    assert r.fusions.enabled() == ["layer_norm", "rms_norm", "skip_norm"]
+    assert r.resolve_path(r.model.path) == tmp_path / "model.onnx"  # relative to the recipe file
+    assert r.target.arch == "sm_89"
+
+
+def test_defaults_fp32():
+    r = Recipe.model_validate({"name": "x", "model": {"export": {"family": "bert"}}})
+    assert r.tolerance("y") == (1e-4, 1e-3)
+    assert r.model.export.exporter == "dynamo" and r.target.backend == "auto"
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"inputs__input_ids__shape": ["batch", "sequence"]},
+         "field 'inputs.input_ids.shape': dim 'sequence' is not declared in 'dims'"),
+        ({"inputs__input_ids__shape": _DELETE}, "field 'inputs.input_ids.shape': missing (required)"),
+        ({"inputs__input_ids__shape": ["batch", 1.5]},
+         "field 'inputs.input_ids.shape': expected a positive int or a dim name at position 1, got 1.5"),
+        ({"inputs__input_ids__shape": "batch"}, "field 'inputs.input_ids.shape': expected a list"),
+        ({"inputs__input_ids__dtype": "int65"}, "field 'inputs.input_ids.dtype': expected 'float32'"),
+        ({"inputs__input_ids__colour": "red"}, "field 'inputs.input_ids.colour': unknown key; expected one of: dtype"),
+        ({"inputs__input_ids__range": [5, 1]}, "field 'inputs.input_ids.range': expected [low, high) with low < high"),
+        ({"inputs__input_ids__kind": "ids"}, "field 'inputs.input_ids.kind': expected 'tokens', 'mask' or 'float'"),
+        ({"dims__seq__opt": 500}, "field 'dims.seq': expected min <= opt <= max, got 1, 500, 128"),
+        ({"dims__seq__opt": "x"}, "field 'dims.seq.opt': expected a valid integer"),
+        ({"dims__seq__max": _DELETE}, "field 'dims.seq.max': missing (required)"),
+        ({"fusions__flash": True}, "field 'fusions.flash': unknown key; expected one of: layer_norm, rms_norm"),
+        ({"fusions__layer_norm": "maybe"}, "field 'fusions.layer_norm': expected a valid boolean"),
+        ({"precision__mode": "fp8"}, "field 'precision.mode': expected 'fp32', 'fp16' or 'bf16' (got 'fp8')"),
+        ({"precision__io_dtype": "fp32"}, "field 'precision.io_dtype': expected 'keep' or 'fp16'"),
+        ({"tolerances__atol": -1}, "field 'tolerances.atol': expected greater than or equal to 0"),
+        ({"tolerances__outputs__logits__btol": 1}, "field 'tolerances.outputs.logits.btol': unknown key"),
+        ({"target__arch": "ampere"}, "field 'target.arch': expected an arch like 'sm_80'"),
+        ({"target__backend": "onnxruntime"}, "field 'target.backend': expected 'auto', 'tensorrt' or 'tensorrt_rtx'"),
+        ({"model__export": {"family": "bert"}}, "field 'model': expected exactly one of 'path' or 'export'"),
+        ({"model": {"export": {"family": "bert", "exporter": "onnx"}}},
+         "field 'model.export.exporter': expected 'torchscript' or 'dynamo' (got 'onnx')"),
+        ({"name": _DELETE}, "field 'name': missing (required)"),
+        ({"extra": 1}, "field 'extra': unknown key; expected one of: name, model, inputs"),
+    ],
+    ids=lambda v: None if isinstance(v, dict) else v.split(":")[0],
+)
+def test_errors_name_field_and_expectation(tmp_path, changes, expected):
+    lines = _errors(tmp_path, _with(**changes))
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"recipe {tmp_path / 'r.yaml'}: ")
+    assert expected in lines[0], lines[0]
+
+
+def test_several_errors_one_line_each(tmp_path):
+    lines = _errors(tmp_path, _with(precision__mode="fp8", target__arch="x", inputs__input_ids__dtype="str"))
+    assert len(lines) == 3
+    assert all(ln.startswith("recipe ") and "field '" in ln for ln in lines)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("name: [a\n", "not valid YAML at line 2"),
+        ("- a\n- b\n", "expected a mapping of recipe fields, got a list"),
+        ("", "expected a mapping of recipe fields, got an empty document"),
+    ],
+)
+def test_not_a_recipe(tmp_path, text, expected):
+    assert expected in _errors(tmp_path, text)[0]
+
+
+def test_missing_recipe_file(tmp_path):
+    with pytest.raises(InputError, match="file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_recipe_from_dict_in_code():
+    r = recipe_from_dict({"name": "x", "model": {"path": "/abs/m.onnx"}})
+    assert r.resolve_path(r.model.path) == Path("/abs/m.onnx")
+    with pytest.raises(InputError, match="field 'model': missing"):
+        recipe_from_dict({"name": "x"}, label="recipe x")

@@ -1,0 +1,142 @@
+"""verify: inputs that mean what the model expects, per-output comparison, pass and fail."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+
+from optfuse.errors import InputError, VerificationError
+from optfuse.fusions import fuse_model
+from optfuse.recipe import recipe_from_dict
+from optfuse.verify import compare_arrays, gather_table_rows, plan_inputs, right_padded_mask, verify
+
+import graphs
+
+VOCAB, TYPES, HIDDEN = 50, 2, 32
+
+
+def bert_like(perturb=0.0, vocab=VOCAB, reshape_ids=False):
+    """Embeddings (word + token type) masked by attention_mask, then a residual LayerNorm block."""
+    rng = np.random.default_rng(0)
+    b = graphs.Builder(17)
+    ids = "input_ids"
+    if reshape_ids:  # GPT-2 style: ids go through a Reshape before the Gather
+        ids = b.node("Reshape", ids, b.const(np.array([-1, 0], dtype=np.int64), dtype=np.int64), allowzero=0)
+        ids = b.node("Reshape", ids, b.const(np.array([2, -1], dtype=np.int64), dtype=np.int64))
+    emb = b.node("Add", b.node("Gather", b.const(rng.standard_normal((vocab, HIDDEN)), "word_emb"), ids),
+                 b.node("Gather", b.const(rng.standard_normal((TYPES, HIDDEN)), "type_emb"), "token_type_ids"))
+    m = b.node("Cast", b.node("Unsqueeze", "attention_mask", b.const(np.array([2]), dtype=np.int64)), to=TensorProto.FLOAT)
+    h = b.node("Mul", emb, m)
+    f = b.node("MatMul", h, b.const(rng.standard_normal((HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)))
+    s = b.node("Add", f, h)
+    b.node("LayerNormalization", s, b.const(rng.standard_normal(HIDDEN)),
+           b.const(rng.standard_normal(HIDDEN) + perturb), axis=-1, epsilon=1e-5, out="y")
+    return b.model([graphs.io("input_ids", ["batch", "seq"], TensorProto.INT64),
+                    graphs.io("token_type_ids", ["batch", "seq"], TensorProto.INT64),
+                    graphs.io("attention_mask", ["batch", "seq"], TensorProto.INT64)],
+                   [graphs.io("y", ["batch", "seq", HIDDEN])])
+
+
+def test_inputs_inferred_from_the_graph():
+    plans = {p.name: p for p in plan_inputs(bert_like())}
+    ids, types, mask = plans["input_ids"], plans["token_type_ids"], plans["attention_mask"]
+    assert (ids.kind, ids.low, ids.high) == ("tokens", 0, VOCAB)
+    assert (types.kind, types.low, types.high) == ("tokens", 0, TYPES)
+    assert mask.kind == "mask"
+    assert ids.shape == [2, 16]  # default batch 2, other dims 16
+
+
+def test_gather_rows_through_reshape():
+    assert gather_table_rows(bert_like(reshape_ids=True)) == {"input_ids": VOCAB, "token_type_ids": TYPES}
+
+
+def test_recipe_shapes_and_ranges_win():
+    recipe = recipe_from_dict({
+        "name": "t", "model": {"path": "m.onnx"},
+        "inputs": {"input_ids": {"dtype": "int64", "shape": ["b", "s"], "range": [3, 7]}},
+        "dims": {"b": {"min": 1, "opt": 3, "max": 4}, "s": {"min": 1, "opt": 5, "max": 8}},
+    })
+    model = bert_like()
+    # the model names its dims batch/seq; the recipe's shapes decide the input_ids shape
+    plans = {p.name: p for p in plan_inputs(model, recipe)}
+    assert plans["input_ids"].shape == [3, 5] and (plans["input_ids"].low, plans["input_ids"].high) == (3, 7)
+
+
+def test_npz_inputs(tmp_path):
+    x = np.arange(2 * 4 * 64, dtype=np.float32).reshape(2, 4, 64)
+    np.savez(tmp_path / "x.npz", x=x)
+    recipe = recipe_from_dict({"name": "t", "model": {"path": "m.onnx"},
+                               "inputs": {"x": {"dtype": "float32", "shape": [2, 4, 64], "npz": "x.npz"}}},
+                              base_dir=tmp_path)
+    (plan,) = plan_inputs(graphs.layer_norm(), recipe)
+    assert plan.kind == "npz" and np.array_equal(plan.npz, x)
+    recipe.inputs["x"].npz = tmp_path / "missing.npz"
+    with pytest.raises(InputError, match="npz file not found"):
+        plan_inputs(graphs.layer_norm(), recipe)
+
+
+@pytest.mark.parametrize("shape", [(2, 16), (1, 8), (4, 1, 5), (3, 2)])
+def test_masks_are_right_padded(shape):
+    m = right_padded_mask(shape, np.random.default_rng(0))
+    rows = m.reshape(-1, shape[-1])
+    for r in rows:  # ones then zeros, never empty
+        n = int(r.sum())
+        assert n >= 1 and (r[:n] == 1).all() and (r[n:] == 0).all()
+    if shape[-1] > 1:
+        assert (rows.sum(axis=1) < shape[-1]).any(), "at least one row is padded"
+        assert rows[0].all() or rows.shape[0] == 1
+
+
+def test_fused_model_passes():
+    model = bert_like()
+    fused, res = fuse_model(model)
+    assert res.counts() == {"SkipLayerNorm": 1}
+    r = verify(model, fused, iterations=2, seed=1)
+    assert r.passed and r.iterations == 2
+    (out,) = r.outputs
+    assert out.name == "y" and out.shape == [2, 16, HIDDEN] and out.max_abs <= 1e-4
+    assert {i.name: i.source for i in r.inputs}["input_ids"] == f"tokens [0, {VOCAB}) (Gather table rows)"
+
+
+def test_perturbed_candidate_fails(tmp_path):
+    onnx.save(bert_like(), tmp_path / "a.onnx")
+    onnx.save(bert_like(perturb=1e-3), tmp_path / "b.onnx")
+    r = verify(tmp_path / "a.onnx", tmp_path / "b.onnx")
+    assert not r.passed
+    (out,) = r.failed
+    assert out.max_abs == pytest.approx(1e-3, rel=1e-2) and out.mean_abs == pytest.approx(1e-3, rel=1e-2)
+    # a looser tolerance accepts the same difference
+    assert verify(tmp_path / "a.onnx", tmp_path / "b.onnx", atol=2e-3).passed
+
+
+def test_tolerance_per_output_from_recipe(tmp_path):
+    recipe = recipe_from_dict({"name": "t", "model": {"path": "a.onnx"},
+                               "tolerances": {"outputs": {"y": {"atol": 5e-3}}}})
+    assert verify(bert_like(), bert_like(perturb=1e-3), recipe).passed
+
+
+def test_missing_output_and_bad_candidate(tmp_path):
+    a = graphs.layer_norm()
+    b = graphs.layer_norm()
+    b.graph.output[0].name = "z"
+    b.graph.node[-1].output[0] = "z"
+    r = verify(a, b)
+    assert not r.passed and r.outputs[0].note == "missing from the candidate"
+    broken = graphs.layer_norm()
+    broken.graph.node[0].op_type = "NoSuchOp"
+    with pytest.raises(VerificationError, match="cannot load the candidate"):
+        verify(a, broken)
+    with pytest.raises(InputError, match="cannot load the original"):
+        verify(broken, a)
+
+
+def test_compare_arrays_edge_cases():
+    ref = [np.array([1.0, 0.0, np.inf], np.float32)]
+    assert compare_arrays("o", ref, [np.array([1.0, 0.0, np.inf], np.float32)], 0, 0).passed
+    nan = compare_arrays("o", ref, [np.array([np.nan, 0.0, np.inf], np.float32)], 1, 1)
+    assert not nan.passed and "NaN" in nan.note
+    shape = compare_arrays("o", ref, [np.zeros(2, np.float32)], 1, 1)
+    assert not shape.passed and "shape" in shape.note
+    # isclose semantics: |d| <= atol + rtol * |ref|
+    assert compare_arrays("o", [np.array([100.0])], [np.array([100.5])], 0, 0.01).passed
+    assert not compare_arrays("o", [np.array([100.0])], [np.array([102.0])], 0, 0.01).passed
