@@ -348,6 +348,18 @@ def _kernels_unavailable(why: str) -> None:
         _fail(f"kernel commands are unavailable: {why}", 2)
 
 
+def _mount_trt() -> None:
+    """`build` and `convert` (optfuse.trt.commands registers them on this app)."""
+    try:
+        from .trt.commands import register
+    except ModuleNotFoundError as exc:
+        if exc.name in ("optfuse.trt", "optfuse.trt.commands"):
+            return
+        raise
+    register(app)
+
+
+_mount_trt()
 _mount_kernels()
 
 

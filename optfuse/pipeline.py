@@ -2,13 +2,14 @@
 
 Stages and their artifacts (data flows one way)::
 
-    model (file, or exported from a recipe)  --fuse-->  fused .onnx + fusion_report.{json,md}
-    original + candidate                     --verify-> VerifyResult (per-output errors)
-    fused .onnx                              --build--> engine            (issue 4: `build`)
-    any exported model                       --convert-> ...              (issue 4: `convert`)
+    model (file, or exported from a recipe)  --fuse-->    fused .onnx + fusion_report.{json,md}
+    original + candidate                     --verify-->  VerifyResult (per-output errors)
+    fused .onnx                              --build-->   TensorRT engine + build report
+    model or recipe                          --convert--> fuse -> precision -> verify -> build, one directory
 
-`build` and `convert` are added here as functions of the same shape (inputs, options, a `status`
-callback for progress) and wired in ``optfuse.cli`` as thin commands.
+Every stage function takes its inputs, options and a `status` callback (progress text) and returns
+a result object; the CLI commands only parse, call one of these and print. `build` and `convert`
+live in :mod:`optfuse.trt.stages` (TensorRT is optional) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -281,6 +282,23 @@ def demo(directory: str | os.PathLike = DEMO_DIR, status: Status = _noop) -> Dem
     exported = resolve_model(None, recipe, workdir=directory, status=status)
     outcome = fuse(exported, directory / f"{exported.stem}.fused.onnx", recipe, verify_after=True, status=status)
     return DemoOutcome(directory, exported, outcome)
+
+
+# ------------------------------------------------------------------------------------------------
+# build / convert (optfuse.trt.stages; imported on use: TensorRT is optional)
+# ------------------------------------------------------------------------------------------------
+def build(*args, **kwargs):
+    """Fused ONNX -> TensorRT engine; see :func:`optfuse.trt.stages.build`."""
+    from .trt import stages
+
+    return stages.build(*args, **kwargs)
+
+
+def convert(*args, **kwargs):
+    """fuse -> precision -> verify -> build in one directory; see :func:`optfuse.trt.stages.convert`."""
+    from .trt import stages
+
+    return stages.convert(*args, **kwargs)
 
 
 def raise_if_failed(result) -> None:
