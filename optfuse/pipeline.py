@@ -158,16 +158,20 @@ class InspectOutcome:
 
 def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, status: Status = _noop) -> InspectOutcome:
     """What would fuse and what would not (and why); writes nothing."""
+    import tempfile
+
     from .fusions import fuse_graph
     from .ir import sanitize
     from .pattern import Context
     from .report import build_report
 
-    if model is None and recipe is not None and recipe.model.path is None:
-        raise InputError("inspect needs a model file (MODEL.onnx or a recipe with model.path)")
-    path = resolve_model(model, recipe)
-    status(f"loading {path}")
-    proto = load_checked(path)
+    with tempfile.TemporaryDirectory(prefix="optfuse-inspect-") as tmp:  # an export lands here, then goes
+        path = resolve_model(model, recipe, workdir=Path(tmp), status=status)
+        status(f"loading {path}")
+        proto = load_checked(path)
+        if model is None and recipe is not None and recipe.model.export is not None:
+            e = recipe.model.export
+            path = Path(f"<export {e.family} {e.exporter} attn={e.attn}>")
     dims, dims_source = analysis_dims(proto, recipe)
     families = enabled_families(recipe)
     status("sanitizing and matching")

@@ -199,10 +199,14 @@ def plan_inputs(model: onnx.ModelProto, recipe: Recipe | None = None) -> list[In
     dims = concrete_dims(model, recipe)
     rows = gather_table_rows(model)
     init_names = {t.name for t in model.graph.initializer}
+    graph_inputs = [i for i in model.graph.input if i.name not in init_names]
+    if recipe is not None:
+        unknown = sorted(set(recipe.inputs) - {i.name for i in graph_inputs})
+        if unknown:
+            raise InputError(f"recipe input(s) {', '.join(map(repr, unknown))} are not inputs of the model "
+                             f"(its inputs: {', '.join(i.name for i in graph_inputs)})")
     plans = []
-    for inp in model.graph.input:
-        if inp.name in init_names:
-            continue
+    for inp in graph_inputs:
         spec = recipe.inputs.get(inp.name) if recipe else None
         elem = inp.type.tensor_type.elem_type
         if spec is not None:
@@ -210,6 +214,7 @@ def plan_inputs(model: onnx.ModelProto, recipe: Recipe | None = None) -> list[In
                 raise InputError(f"input {inp.name!r}: bfloat16 inputs cannot be fed to onnxruntime from NumPy")
             dtype = _NAMED_DTYPES[spec.dtype]
             shape = recipe.opt_shape(inp.name)
+            _check_against_model(inp, np.dtype(dtype), shape, spec.npz is not None)
         else:
             if elem not in _NP_DTYPES:
                 raise InputError(f"input {inp.name!r} has an element type ({onnx.TensorProto.DataType.Name(elem)}) "
@@ -222,6 +227,22 @@ def plan_inputs(model: onnx.ModelProto, recipe: Recipe | None = None) -> list[In
                      else (DEFAULT_BATCH if i == 0 else DEFAULT_DIM) for i, d in enumerate(raw)]
         plans.append(_plan_one(inp.name, np.dtype(dtype), shape, spec, rows.get(inp.name), recipe))
     return plans
+
+
+def _check_against_model(inp: onnx.ValueInfoProto, dtype: np.dtype, shape: list[int], from_npz: bool) -> None:
+    """A recipe input must agree with the graph input it describes (else onnxruntime fails later)."""
+    elem = inp.type.tensor_type.elem_type
+    if elem in _NP_DTYPES and np.dtype(_NP_DTYPES[elem]) != dtype:
+        raise InputError(f"recipe input {inp.name!r} is {dtype.name}, but the model's is "
+                         f"{np.dtype(_NP_DTYPES[elem]).name}")
+    raw = _value_shape(inp)
+    if raw is None or from_npz:
+        return
+    if len(raw) != len(shape):
+        raise InputError(f"recipe input {inp.name!r} has rank {len(shape)}, but the model's has rank {len(raw)} ({raw})")
+    for axis, (m, r) in enumerate(zip(raw, shape)):
+        if isinstance(m, int) and m != r:
+            raise InputError(f"recipe input {inp.name!r}: axis {axis} is {r}, but the model fixes it to {m}")
 
 
 def _plan_one(name: str, dtype: np.dtype, shape: list[int], spec, rows: int | None,

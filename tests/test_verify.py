@@ -140,3 +140,19 @@ def test_compare_arrays_edge_cases():
     # isclose semantics: |d| <= atol + rtol * |ref|
     assert compare_arrays("o", [np.array([100.0])], [np.array([100.5])], 0, 0.01).passed
     assert not compare_arrays("o", [np.array([100.0])], [np.array([102.0])], 0, 0.01).passed
+
+
+@pytest.mark.parametrize(
+    "inputs, fragment",
+    [
+        ({"nope": {"dtype": "float32", "shape": [2]}}, "recipe input(s) 'nope' are not inputs of the model"),
+        ({"x": {"dtype": "int64", "shape": [2, 8, 64]}}, "recipe input 'x' is int64, but the model's is float32"),
+        ({"x": {"dtype": "float32", "shape": [2, 64]}}, "recipe input 'x' has rank 2, but the model's has rank 3"),
+        ({"x": {"dtype": "float32", "shape": [2, 8, 32]}}, "axis 2 is 32, but the model fixes it to 64"),
+    ],
+)
+def test_recipe_must_match_the_model(inputs, fragment):
+    recipe = recipe_from_dict({"name": "t", "model": {"path": "m.onnx"}, "inputs": inputs})
+    with pytest.raises(InputError) as exc:
+        plan_inputs(graphs.layer_norm(), recipe)
+    assert fragment in str(exc.value)
