@@ -87,9 +87,20 @@ def guarded(fn):
     return wrapper
 
 
+def _quiet_onnxruntime() -> None:
+    """onnxruntime logs optimizer warnings (e.g. during constant folding) to stderr: keep errors only."""
+    try:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(3)
+    except Exception:  # noqa: BLE001 - logging is cosmetic
+        pass
+
+
 @contextmanager
 def _progress(message: str):
     """A spinner with a changing message on a terminal; silent otherwise."""
+    _quiet_onnxruntime()
     console = _console(stderr=True)
     if not console.is_terminal:
         yield lambda _msg: None
