@@ -144,7 +144,7 @@ def fuse(
 
     rec = pipeline.read_recipe(recipe)
     if model is None and rec is None:
-        _run_demo(pipeline.DEMO_DIR)
+        _run_demo(output.parent if output is not None else pipeline.DEMO_DIR)
         return
     with _progress("fusing") as status:
         outcome = pipeline.fuse(model, output, rec, verify_after=verify, workdir=output.parent if output else None,
