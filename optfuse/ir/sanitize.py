@@ -52,8 +52,8 @@ def remove_noop_casts(graph: gs.Graph) -> int:
     removed = 0
     outputs = {id(t) for t in graph.outputs}
     for node in graph.nodes:
-        if node.op != "Cast" or len(node.inputs) != 1:
-            continue
+        if node.op != "Cast" or len(node.inputs) != 1 or len(node.outputs) != 1:
+            continue  # (folding leaves folded nodes without outputs until cleanup)
         src, dst = node.inputs[0], node.outputs[0]
         to = node.attrs.get("to")
         if to is None or dtype_name(src) is None or id(dst) in outputs:
