@@ -1,0 +1,53 @@
+"""Small helpers shared by the plugins' ``launch.py`` (no torch, no pydantic)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+_DTYPES = {
+    "float32": "float32", "fp32": "float32", "float": "float32", "f32": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+TRITON_TYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def norm_dtype(dtype: Any) -> str:
+    """``"float16"`` from "fp16", numpy/ml_dtypes dtypes, torch dtypes, TensorRT DataType..."""
+    s = str(dtype).lower().replace("torch.", "").replace("datatype.", "").replace("<class '", "").rstrip("'>")
+    s = s.split(".")[-1]
+    if s in _DTYPES:
+        return _DTYPES[s]
+    raise ValueError(f"unsupported dtype {dtype!r}")
+
+
+def cdiv(a: Any, b: Any) -> Any:
+    """Ceiling division of ints; TensorRT QDP callers pass ``trtp.cdiv`` instead."""
+    return -(-a // b)
+
+
+def static_int(v: Any, what: str = "dimension") -> int:
+    """A concrete int from an int or a constant TensorRT symbolic expression."""
+    if isinstance(v, int):
+        return v
+    for attr in ("constant_value",):
+        c = getattr(v, attr, None)
+        if c is not None and getattr(v, "is_constant", True):
+            return int(c() if callable(c) else c)
+    try:
+        return int(v)
+    except Exception:
+        raise ValueError(f"{what} must be static (a concrete int); pass static_shape={{'hidden': N}}") from None
+
+
+def rows_of(shape: Sequence[Any]) -> Any:
+    """Product of all dims but the last, written with ``*`` only (works on symbolic dims)."""
+    rows: Any = None
+    for d in list(shape)[:-1]:
+        rows = d if rows is None else rows * d
+    return 1 if rows is None else rows
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()

@@ -1,0 +1,143 @@
+"""Kernel configs and launch parameters of the LayerNorm family (Triton kernels in kernel.py).
+
+Per op (``LayerNorm``, ``SkipLayerNorm``):
+
+* ``kernel_config(op, dtype, attrs, static_shape)`` -> :class:`KernelSource` (epsilon and hidden
+  are compiled in);
+* ``launch_params(op, shapes, dtypes, attrs, cdiv=...)`` -> :class:`LaunchParams`, written with
+  ``+ - *`` and ``cdiv`` over the dynamic row count only, so TensorRT QDP ``aot_impl`` can call it
+  with symbolic shapes (hidden must be static: from ``static_shape`` or a constant last dim).
+
+Argument order: inputs (x, [skip], gamma, beta), extra (rows), outputs (y, [sum]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from optfuse.kernels.artifact import KernelSource, LaunchParams
+from optfuse.kernels.util import ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, rows_of, static_int
+
+KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
+OPS = ("LayerNorm", "SkipLayerNorm")
+DEFAULT_EPSILON = 1e-5
+MAX_HIDDEN = 16384
+DTYPES = ("float32", "float16", "bfloat16")
+
+_ENTRY = {"LayerNorm": "layer_norm_fwd", "SkipLayerNorm": "skip_layer_norm_fwd"}
+_INPUTS = {"LayerNorm": ("x", "gamma", "beta"), "SkipLayerNorm": ("x", "skip", "gamma", "beta")}
+_OUTPUTS = {"LayerNorm": ("y",), "SkipLayerNorm": ("y", "sum")}
+
+
+@dataclass(frozen=True)
+class LNConfig:
+    block_m: int  # rows per program
+    block_n: int  # next power of two >= hidden
+    num_warps: int
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"layer_norm plugin has no op {op!r} (ops: {OPS})")
+
+
+def choose_config(dtype: str, hidden: int) -> LNConfig:
+    """Heuristic tile: ~8K elements per program (several rows for small hidden), 16-byte
+    vectors, about four vectors per thread."""
+    dtype = norm_dtype(dtype)
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
+    block_n = next_pow2(hidden)
+    block_m = max(1, 8192 // block_n)
+    vec = 16 // ITEMSIZE[dtype]
+    warps = (block_m * block_n) // (vec * 32 * 4)
+    return LNConfig(block_m, block_n, max(1, min(16, warps)))
+
+
+def candidate_configs(dtype: str, hidden: int) -> list[LNConfig]:
+    """Configs a benchmark sweep may try (the default first)."""
+    block_n = next_pow2(hidden)
+    out = [choose_config(dtype, hidden)]
+    for block_m in (1, 2, 4, 8, 16):
+        if block_m * block_n > 16384 or (block_m > 1 and block_m * block_n < 1024):
+            continue
+        for warps in (2, 4, 8, 16):
+            c = LNConfig(block_m, block_n, warps)
+            if c not in out and (block_m * block_n) // (warps * 32) >= 4:
+                out.append(c)
+    return out
+
+
+def _epsilon(attrs: dict | None) -> float:
+    eps = (attrs or {}).get("epsilon", DEFAULT_EPSILON)
+    return float(DEFAULT_EPSILON if eps is None else eps)
+
+
+def kernel_config(
+    op: str, dtype: Any, attrs: dict | None, static_shape: dict, config: LNConfig | None = None
+) -> KernelSource:
+    """What to compile for ``op`` at ``dtype`` (x's dtype) and ``static_shape['hidden']``."""
+    _check_op(op)
+    dtype = norm_dtype(dtype)
+    hidden = static_int(static_shape["hidden"], "hidden")
+    cfg = config or choose_config(dtype, hidden)
+    eps = _epsilon(attrs)
+    ty = "*" + TRITON_TYPE[dtype]
+    ins, outs = _INPUTS[op], _OUTPUTS[op]
+    signature = {"X": ty, **({"SKIP": ty} if op == "SkipLayerNorm" else {}), "W": ty, "B": ty, "rows": "i32", "Y": ty}
+    if op == "SkipLayerNorm":
+        signature["S"] = ty
+    return KernelSource(
+        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/m{cfg.block_m}w{cfg.num_warps}",
+        lang="triton",
+        path=KERNEL_PATH,
+        entry=_ENTRY[op],
+        n_inputs=len(ins),
+        n_extra=1,
+        n_outputs=len(outs),
+        signature=signature,
+        constexprs={"HIDDEN": hidden, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "EPS": eps},
+        num_warps=cfg.num_warps,
+        num_stages=1,
+        pointer_align=16 if (hidden * ITEMSIZE[dtype]) % 16 == 0 else ITEMSIZE[dtype],
+        meta={"op": op, "dtype": dtype, "hidden": hidden, "epsilon": eps, "config": asdict(cfg)},
+    )
+
+
+def launch_params(
+    op: str,
+    shapes: Sequence[Sequence[Any]],
+    dtypes: Sequence[Any],
+    attrs: dict | None,
+    cdiv=_cdiv,
+    *,
+    static_shape: dict | None = None,
+    config: LNConfig | None = None,
+) -> LaunchParams:
+    """Grid over the (dynamic) rows; ``shapes[0]`` is x's shape ``[..., hidden]``."""
+    _check_op(op)
+    dtype = norm_dtype(dtypes[0])
+    hidden = static_int(static_shape["hidden"] if static_shape else shapes[0][-1], "hidden")
+    cfg = config or choose_config(dtype, hidden)
+    rows = rows_of(shapes[0])
+    return LaunchParams(
+        grid=(cdiv(rows, cfg.block_m), 1, 1),
+        block=(cfg.num_warps * 32, 1, 1),
+        shared_mem=0,  # Triton's own shared memory comes with the artifact (metadata.shared)
+        extra_args=[rows],
+    )
+
+
+#: Hidden sizes prebuilt by ``optfuse kernels build`` (common transformer widths).
+PREBUILD_HIDDEN = (768, 1024, 2048, 4096, 5120, 8192)
+
+
+def prebuild_sources() -> list[KernelSource]:
+    return [
+        kernel_config(op, dt, {"epsilon": DEFAULT_EPSILON}, {"hidden": h})
+        for op in OPS
+        for dt in DTYPES
+        for h in PREBUILD_HIDDEN
+    ]

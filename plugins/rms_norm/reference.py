@@ -1,0 +1,88 @@
+"""NumPy references and ONNX functions of RMSNorm / SkipRMSNorm (see docs/CONTRACTS.md).
+
+``reference`` computes in float64 and returns the input dtype. SkipRMSNorm's ``sum`` output is
+``x + skip`` rounded to x's dtype, and ``y`` normalizes that rounded sum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DOMAIN = "optfuse"
+OPS = ("RMSNorm", "SkipRMSNorm")
+DEFAULT_EPSILON = 1e-6
+
+
+def rms_norm64(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> np.ndarray:
+    """float64 RMSNorm over the last axis (no rounding)."""
+    x = np.asarray(x, dtype=np.float64)
+    ms = (x * x).mean(axis=-1, keepdims=True)
+    return x / np.sqrt(ms + float(epsilon)) * np.asarray(gamma, np.float64)
+
+
+def reference(op: str, inputs: list, attrs: dict) -> list[np.ndarray]:
+    eps = float(attrs.get("epsilon", DEFAULT_EPSILON))
+    if op == "RMSNorm":
+        x, gamma = inputs
+        return [rms_norm64(x, gamma, eps).astype(x.dtype)]
+    if op == "SkipRMSNorm":
+        x, skip, gamma = inputs
+        s = (x.astype(np.float64) + skip.astype(np.float64)).astype(x.dtype)
+        return [rms_norm64(s, gamma, eps).astype(x.dtype), s]
+    raise ValueError(f"rms_norm plugin has no op {op!r}")
+
+
+def onnx_function(op: str, opset: int = 17):
+    """``onnx.FunctionProto`` (domain ``optfuse``, name ``op``): the RMSNorm decomposed into
+    standard ops, computed in float32 (``Cast`` in, ``CastLike`` out) for any I/O dtype.
+    ``opset`` is the default-domain opset of the model it goes into (ReduceMean's axes moved
+    from attribute to input in opset 18)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    if op == "RMSNorm":
+        inputs, outputs = ["x", "gamma"], ["y"]
+        nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT)]
+    elif op == "SkipRMSNorm":
+        inputs, outputs = ["x", "skip", "gamma"], ["y", "sum"]
+        nodes = [
+            helper.make_node("Add", ["x", "skip"], ["sum"]),
+            helper.make_node("Cast", ["sum"], ["xf"], to=TensorProto.FLOAT),
+        ]
+    else:
+        raise ValueError(f"rms_norm plugin has no op {op!r}")
+    eps = helper.make_node("Constant", [], ["eps"])
+    ref = onnx.AttributeProto()
+    ref.name, ref.ref_attr_name, ref.type = "value_float", "epsilon", onnx.AttributeProto.FLOAT
+    eps.attribute.append(ref)
+    nodes.append(helper.make_node("Mul", ["xf", "xf"], ["sq"]))
+    if opset >= 18:
+        nodes.append(helper.make_node("Constant", [], ["axes"], value_ints=[-1]))
+        nodes.append(helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1))
+    else:
+        nodes.append(helper.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1], keepdims=1))
+    nodes += [
+        eps,
+        helper.make_node("Add", ["ms", "eps"], ["ms_eps"]),
+        helper.make_node("Sqrt", ["ms_eps"], ["rms"]),
+        helper.make_node("Div", ["xf", "rms"], ["xn"]),
+        helper.make_node("Cast", ["gamma"], ["gf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["xn", "gf"], ["yf"]),
+        helper.make_node("CastLike", ["yf", "x"], ["y"]),
+    ]
+    attribute_protos = [
+        helper.make_attribute("epsilon", DEFAULT_EPSILON),
+        helper.make_attribute("plugin_namespace", "optfuse"),
+        helper.make_attribute("plugin_version", "1"),
+    ]
+    return helper.make_function(
+        DOMAIN,
+        op,
+        inputs,
+        outputs,
+        nodes,
+        opset_imports=[helper.make_opsetid("", opset)],
+        attributes=[],
+        attribute_protos=attribute_protos,
+        doc_string=f"optfuse {op}: reference semantics for onnxruntime (TensorRT maps the node to a plugin).",
+    )

@@ -1,0 +1,271 @@
+"""RMSNorm / SkipRMSNorm: NumPy reference, ONNX function in onnxruntime, launch params and
+NVRTC AOT for every target (CPU); the compiled artifacts through the launcher against float64
+(``-m gpu``)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+from optfuse.kernels import KernelCache
+from optfuse.kernels.nvrtc import compile_cuda
+from optfuse.kernels.registry import plugin_module
+from optfuse.kernels.testing import check_error, check_ulps, gpu_run, max_abs_err, np_dtype, run_onnx_function
+
+launch = plugin_module("rms_norm", "launch")
+reference = plugin_module("rms_norm", "reference")
+
+OPS = ("RMSNorm", "SkipRMSNorm")
+DTYPES = ("float32", "float16", "bfloat16")
+N_OUT = {"RMSNorm": 1, "SkipRMSNorm": 2}
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def make_inputs(op, dtype, rows, hidden, rng, magnitude=None):
+    """Random inputs; with ``magnitude``, x (and skip) uniform so that |x (+ skip)| <= magnitude."""
+    dt = np_dtype(dtype)
+    x = (rng.standard_normal((rows, hidden)) + 0.3).astype(dt)
+    skip = rng.standard_normal((rows, hidden)).astype(dt)
+    if magnitude:
+        half = magnitude if op == "RMSNorm" else magnitude / 2
+        x = rng.uniform(-half, half, (rows, hidden)).astype(dt)
+        skip = rng.uniform(-half, half, (rows, hidden)).astype(dt)
+    gamma = (1.0 + 0.5 * rng.standard_normal(hidden)).astype(dt)
+    return [x, skip, gamma] if op == "SkipRMSNorm" else [x, gamma]
+
+
+# ---------------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("op", OPS)
+def test_reference_formula(op):
+    rng = np.random.default_rng(0)
+    ins = make_inputs(op, "float32", 4, 37, rng)
+    outs = reference.reference(op, ins, {"epsilon": 1e-3})
+    x = ins[0].astype(np.float64) + (ins[1].astype(np.float64) if op == "SkipRMSNorm" else 0)
+    want = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-3) * ins[-1].astype(np.float64)
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-6)
+    if op == "SkipRMSNorm":
+        np.testing.assert_array_equal(outs[1], ins[0] + ins[1])
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("op", OPS)
+def test_onnx_function_runs_in_onnxruntime(op, dtype, opset):
+    rng = np.random.default_rng(2)
+    ins = make_inputs(op, dtype, 5, 771, rng)
+    fn = reference.onnx_function(op, opset=opset)
+    assert fn.domain == "optfuse" and fn.name == op
+    assert {a.name for a in fn.attribute_proto} >= {"epsilon", "plugin_namespace", "plugin_version"}
+    got = run_onnx_function(fn, ins, {"epsilon": 1e-4}, opset=opset)
+    want = reference.reference(op, ins, {"epsilon": 1e-4})
+    assert len(got) == len(want)
+    tol = {"float32": 1e-4, "float16": 1e-2}[dtype]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        assert max_abs_err(g, w) <= tol
+
+
+def test_onnx_function_fp16_large_inputs():
+    """The function computes in fp32: fp16 inputs near 6e4 give finite outputs in onnxruntime."""
+    rng = np.random.default_rng(3)
+    ins = make_inputs("RMSNorm", "float16", 3, 512, rng, magnitude=6e4)
+    (y,) = run_onnx_function(reference.onnx_function("RMSNorm"), ins, {"epsilon": 1e-6})
+    (w,) = reference.reference("RMSNorm", ins, {"epsilon": 1e-6})
+    assert max_abs_err(y, w) <= 1e-2
+
+
+class Sym:
+    def __init__(self, s):
+        self.s = s
+
+    def _op(self, o, sym):
+        return Sym(f"({self.s}{sym}{o.s if isinstance(o, Sym) else o})")
+
+    __add__ = lambda self, o: self._op(o, "+")  # noqa: E731
+    __sub__ = lambda self, o: self._op(o, "-")  # noqa: E731
+    __mul__ = lambda self, o: self._op(o, "*")  # noqa: E731
+    __radd__, __rmul__ = __add__, __mul__
+
+    def __repr__(self):
+        return self.s
+
+
+def _fail(*a):
+    raise AssertionError("launch_params used an operation TensorRT expressions do not have")
+
+
+for _name in ("__floordiv__", "__rfloordiv__", "__truediv__", "__mod__", "__int__", "__index__", "__bool__", "__lt__", "__gt__", "__eq__"):
+    setattr(Sym, _name, _fail)
+
+
+@pytest.mark.parametrize("hidden", [33, 768, 8192])
+@pytest.mark.parametrize("op", OPS)
+def test_launch_params_symbolic(op, hidden):
+    cdiv = lambda a, b: Sym(f"cdiv({a},{b})")  # noqa: E731
+    shapes = [[Sym("B"), Sym("S"), hidden]]
+    p = launch.launch_params(op, shapes, ["bfloat16"], {}, cdiv=cdiv, static_shape={"hidden": hidden})
+    cfg = launch.choose_config("bfloat16", hidden)
+    assert repr(p.grid[0]) == f"cdiv((B*S),{cfg.rpb})"
+    assert repr(p.extra_args[0]) == "(B*S)"
+    assert p.block == (cfg.threads, 1, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 2, 32, 33, 100, 768, 771, 1024, 4096, 5000, 8192, 16383, 16384])
+def test_choose_config(dtype, hidden):
+    c = launch.choose_config(dtype, hidden)
+    item = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    assert c.vec in (1, 16 // item) and hidden % c.vec == 0
+    assert c.threads % 32 == 0 and c.threads <= 1024
+    nv = hidden // c.vec
+    vpt = -(-nv // c.tpr)
+    assert vpt * c.tpr >= nv and vpt <= 16
+    assert c.tpr <= 32 and (c.tpr & (c.tpr - 1)) == 0 or c.rpb == 1 and c.tpr % 32 == 0
+
+
+def test_kernel_config_defines():
+    src = launch.kernel_config("SkipRMSNorm", "bfloat16", {"epsilon": 1e-5}, {"hidden": 4096})
+    assert src.defines["OPTFUSE_DTYPE"] == "2" and src.defines["HIDDEN"] == "4096"
+    assert src.defines["EPS"] == "1e-05f" and src.pointer_align == 16
+    assert launch.kernel_config("RMSNorm", "float16", {}, {"hidden": 771}).pointer_align == 2
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_aot_compile(op, dtype, arch):
+    if arch in (86, 89) and dtype != "float16":
+        pytest.skip("sm_86/sm_89 checked with fp16 only")
+    for hidden in (771, 4096) if arch in (80, 90) else (4096,):
+        src = launch.kernel_config(op, dtype, {}, {"hidden": hidden})
+        art = compile_cuda(src, arch)
+        assert art.cubin and art.cubin[:4] == b"\x7fELF"
+        assert re.search(rf"\.entry {art.name}\(", art.ptx) and art.name == src.entry
+        assert f".target sm_{arch}" in art.ptx and art.n_scratch == 0 and art.threads == src.threads
+        if hidden == 4096:  # 16-byte accesses
+            assert "ld.global.nc.v4" in art.ptx and "st.global.v4" in art.ptx
+
+
+def test_nvrtc_needs_no_toolkit_headers(monkeypatch):
+    """The kernel includes no CUDA header: it builds with the nvrtc wheel alone."""
+    import optfuse.kernels.nvrtc as nv
+
+    monkeypatch.setattr(nv, "cuda_include_dirs", lambda: ())
+    art = nv.compile_cuda(launch.kernel_config("RMSNorm", "float16", {}, {"hidden": 768}), 90)
+    assert art.cubin
+
+
+# ---------------------------------------------------------------------------------------- GPU
+GPU_HIDDEN = (1, 32, 33, 768, 771, 1024, 5000, 8192, 16383, 16384)
+GPU_CASES = [(op, dt, h) for op in OPS for dt in DTYPES for h in GPU_HIDDEN]
+
+
+@pytest.fixture(scope="module")
+def gpu_artifacts(cuda_torch):
+    srcs = {(op, dt, h): launch.kernel_config(op, dt, {"epsilon": 1e-6}, {"hidden": h}) for op, dt, h in GPU_CASES}
+    for op in OPS:
+        srcs[(op, "float16", 4096, 1e-5)] = launch.kernel_config(op, "float16", {"epsilon": 1e-5}, {"hidden": 4096})
+    arts = KernelCache().build_many(list(srcs.values()))
+    return dict(zip(srcs, arts))
+
+
+def _torch(torch, a):
+    if a.dtype == np_dtype("bfloat16"):
+        return torch.from_numpy(a.view(np.uint16).astype(np.int16)).view(torch.bfloat16).cuda()
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def _np(t):
+    import torch
+
+    t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16).view(np_dtype("bfloat16"))
+    return t.numpy()
+
+
+def _gpu_case(torch, art, op, dtype, rows, hidden, eps, rng, magnitude=None, prefer=None, what=""):
+    ins = make_inputs(op, dtype, rows, hidden, rng, magnitude)
+    attrs = {"epsilon": eps}
+    params = launch.launch_params(op, [a.shape for a in ins], [dtype], attrs)
+    outs = gpu_run(art, params, ins, [((rows, hidden), ins[0].dtype)] * N_OUT[op], prefer=prefer)
+    ref = reference.reference(op, ins, attrs)
+    x = ref[1] if op == "SkipRMSNorm" else ins[0]
+    ref64 = reference.rms_norm64(x, ins[-1], eps)
+    tx = _torch(torch, x)
+    base = _np(torch.nn.functional.rms_norm(tx, (hidden,), _torch(torch, ins[-1]), eps))
+    check_error(outs[0], ref64, max_abs_err(base, ref64), dtype, f"{op} {dtype} h={hidden} y ({what})")
+    if op == "SkipRMSNorm":
+        check_ulps(outs[1], ref[1], dtype, 1.0, f"{op} {dtype} h={hidden} sum ({what})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,dtype,hidden", GPU_CASES)
+def test_gpu_matches_fp64(cuda_torch, gpu_artifacts, op, dtype, hidden):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for rows in (1, int(rng.integers(2, 700))):
+        _gpu_case(cuda_torch, gpu_artifacts[(op, dtype, hidden)], op, dtype, rows, hidden, 1e-6, rng, what=f"rows={rows} seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_fp16_overflow(cuda_torch, gpu_artifacts, op):
+    """|x| up to 6e4 in fp16: sum(x^2) overflows fp16 by far; statistics in fp32 must not."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    _gpu_case(cuda_torch, gpu_artifacts[(op, "float16", 4096, 1e-5)], op, "float16", 300, 4096, 1e-5, rng, magnitude=6e4, what=f"seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_ptx_path(cuda_torch, gpu_artifacts, op):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for hidden in (771, 8192):
+        _gpu_case(cuda_torch, gpu_artifacts[(op, "bfloat16", hidden)], op, "bfloat16", 99, hidden, 1e-6, rng, prefer="ptx", what=f"ptx seed={seed}")
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_pointer_rejected(cuda_torch, gpu_artifacts):
+    from optfuse.kernels import device
+    from optfuse.kernels.launcher import launch as do_launch
+
+    art = gpu_artifacts[("RMSNorm", "float16", 768)]
+    buf = device.empty((4 * 768 + 8,), np.float16)
+    try:
+        params = launch.launch_params("RMSNorm", [(4, 768)], ["float16"], {})
+        with pytest.raises(ValueError, match="aligned"):
+            do_launch(art, params, [buf.ptr + 2, buf.ptr], [buf.ptr], 0)
+    finally:
+        buf.free()
+
+
+@pytest.mark.gpu
+def test_gpu_prebuilt_artifacts(cuda_torch):
+    """Artifacts compiled on a CPU-only machine (``$OPTFUSE_PREBUILT``) run here, cubin and PTX."""
+    root = os.environ.get("OPTFUSE_PREBUILT")
+    if not root:
+        pytest.skip("OPTFUSE_PREBUILT not set")
+    from optfuse.kernels.artifact import KernelArtifact
+    from optfuse.kernels.launcher import current_device_arch
+
+    n = 0
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for path, meta in KernelCache(root).entries():
+        md = meta["metadata"]
+        if md.get("op") not in OPS or meta["arch"] != current_device_arch():
+            continue
+        art = KernelArtifact.load(path)
+        for prefer in ("cubin", "ptx"):
+            _gpu_case(cuda_torch, art, md["op"], md["dtype"], 257, md["hidden"], md["epsilon"], rng, prefer=prefer,
+                      what=f"prebuilt {md['compiler']} {prefer} seed={seed}")
+        n += 1
+    assert n > 0

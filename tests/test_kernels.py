@@ -1,0 +1,135 @@
+"""optfuse.kernels: targets, artifacts, the cache, PTX fitting, the registry and the CLI (CPU).
+
+``test_every_kernel_compiles`` is the CI gate: every plugin kernel's prebuild set compiles for
+sm_80 and sm_90 on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from optfuse.kernels import KernelArtifact, KernelCache, LaunchParams, arch_name, cdiv, parse_arch
+from optfuse.kernels.launcher import fit_ptx_to_driver, max_ptx_isa
+from optfuse.kernels.target import default_arch
+from optfuse.kernels.util import norm_dtype, rows_of, static_int
+
+
+@pytest.mark.parametrize("text,cc", [("sm_90", 90), ("90", 90), ("sm80", 80), ("8.6", 86), ("compute_89", 89), (90, 90), ("sm_90a", 90)])
+def test_parse_arch(text, cc):
+    assert parse_arch(text) == cc
+    assert arch_name(cc) == f"sm_{cc}"
+
+
+@pytest.mark.parametrize("bad", ["sm_x", "", "sm_900", 5])
+def test_parse_arch_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_arch(bad)
+
+
+def test_default_arch(monkeypatch):
+    monkeypatch.setenv("OPTFUSE_ARCH", "sm_86")
+    assert default_arch() == 86
+    monkeypatch.delenv("OPTFUSE_ARCH")
+    from optfuse.kernels import target
+
+    monkeypatch.setattr(target, "detect_arch", lambda: None)
+    assert default_arch() == 90
+
+
+def test_helpers():
+    assert cdiv(10, 4) == 3 and cdiv(8, 4) == 2
+    assert rows_of([2, 3, 768]) == 6 and rows_of([768]) == 1
+    assert static_int(768) == 768
+    for s in ("float16", "fp16", "torch.float16", "half"):
+        assert norm_dtype(s) == "float16"
+    assert norm_dtype("torch.bfloat16") == "bfloat16"
+    with pytest.raises(ValueError):
+        norm_dtype("int8")
+
+
+def test_fit_ptx_to_driver():
+    ptx = "//\n.version 9.4\n.target sm_90a\n.address_size 64\n"
+    assert max_ptx_isa(13000) == 90 and max_ptx_isa(12080) == 87 and max_ptx_isa(12040) == 84
+    assert ".version 9.0\n" in fit_ptx_to_driver(ptx, 13000)
+    assert ".version 8.7\n" in fit_ptx_to_driver(ptx, 12080)
+    assert fit_ptx_to_driver(ptx, 13050) == ptx  # new enough: untouched
+    low = ptx.replace("9.4", "8.0")
+    assert fit_ptx_to_driver(low, 12040) == low
+
+
+def test_artifact_save_load(tmp_path):
+    art = KernelArtifact(
+        name="k", arch=90, cubin=b"\x7fELFxyz", ptx=".version 8.7\n", threads=128, shared_mem=70000,
+        n_inputs=2, n_extra=1, n_outputs=1, n_scratch=2, key="abc", metadata={"op": "X"},
+    )
+    d = art.save(tmp_path / "a")
+    back = KernelArtifact.load(d)
+    assert back == art and back.n_params == 6
+    art.save(tmp_path / "a")  # saving the same key again keeps a valid entry
+    assert KernelArtifact.load(d) == art
+
+
+def test_launch_params_defaults():
+    p = LaunchParams(grid=(4, 1, 1), block=(128, 1, 1))
+    assert p.shared_mem == 0 and p.extra_args == []
+
+
+def test_launcher_module_imports_without_torch():
+    """The launcher and the kernel modules never import torch."""
+    code = (
+        "import sys; import optfuse.kernels.launcher, optfuse.kernels.cache, optfuse.kernels.triton_aot, "
+        "optfuse.kernels.nvrtc, optfuse.kernels.device, optfuse.kernels.testing;"
+        "from optfuse.kernels.registry import plugin_module;"
+        "[plugin_module(f, m) for f in ('layer_norm', 'rms_norm') for m in ('launch', 'reference')];"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic')]; assert not bad, bad"
+    )
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_registry_lists_norm_kernels():
+    from optfuse.kernels.registry import all_sources, plugin_folders
+
+    assert {"layer_norm", "rms_norm"} <= set(plugin_folders())
+    names = [s.name for s in all_sources(["layer_norm", "rms_norm"])]
+    for op in ("LayerNorm", "SkipLayerNorm", "RMSNorm", "SkipRMSNorm"):
+        assert any(f"/{op}/" in n for n in names)
+
+
+def test_every_kernel_compiles(tmp_path, monkeypatch):
+    """CI gate: ``optfuse kernels build --target sm_80,sm_90`` compiles every plugin kernel
+    (no GPU), then ``list`` shows them; a second build is served from the cache."""
+    from typer.testing import CliRunner
+
+    from optfuse.kernels.cli import kernels_app
+    from optfuse.kernels.registry import all_sources
+
+    monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path))
+    runner = CliRunner()
+    r = runner.invoke(kernels_app, ["build", "--target", "sm_80,sm_90", "--jobs", str(min(8, os.cpu_count() or 1))])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    n = len(all_sources())
+    entries = list(KernelCache(tmp_path).entries())
+    assert len(entries) == 2 * n
+    assert {m["arch"] for _, m in entries} == {80, 90}
+    assert all(m["has_cubin"] and m["has_ptx"] for _, m in entries)
+    r = runner.invoke(kernels_app, ["list", "--target", "sm_90"])
+    assert r.exit_code == 0 and f"{n} kernels" in r.output and "rms_norm_fwd" in r.output
+    import optfuse.kernels.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "compile_source", lambda *a: (_ for _ in ()).throw(AssertionError("recompiled")))
+    r = runner.invoke(kernels_app, ["build", "--target", "90", "--jobs", "1"])
+    assert r.exit_code == 0, r.output
+
+
+def test_python_m_entry_point(tmp_path):
+    import subprocess
+
+    env = dict(os.environ, OPTFUSE_CACHE=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "optfuse.kernels", "list"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "0 kernels" in r.stdout, r.stderr
