@@ -154,3 +154,27 @@ def test_recipe_from_dict_in_code():
     assert r.resolve_path(r.model.path) == Path("/abs/m.onnx")
     with pytest.raises(InputError, match="field 'model': missing"):
         recipe_from_dict({"name": "x"}, label="recipe x")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_shipped_recipes_match_their_exported_models(path, exported_model):
+    """Each recipe describes the model its export spec produces: input names, dtypes, shapes, ranges."""
+    import onnx
+
+    from optfuse.verify import plan_inputs
+
+    recipe = load_recipe(path)
+    spec = recipe.model.export
+    if spec is None:
+        pytest.skip("recipe names a model file")
+    m = exported_model(spec.family, spec.exporter, spec.attn, spec.opset)
+    assert set(recipe.inputs) == {i.name for i in m.inputs}
+    for info in m.inputs:
+        ours = recipe.inputs[info.name]
+        assert ours.dtype == info.dtype and ours.shape == info.shape and ours.kind == info.kind
+        if ours.range is not None:
+            assert ours.range == [info.low, info.high]
+    for name, rng in m.dims.items():
+        assert recipe.dims[name].model_dump() == rng
+    plan_inputs(onnx.load(m.path), recipe)  # agrees with the graph's inputs
