@@ -18,7 +18,7 @@ import onnx_graphsurgeon as gs
 
 from . import DOMAIN
 from .ir.query import outside_uses, tensor_bytes
-from .pattern import Context, FusionRule, Rewrite, match
+from .pattern import Context, FusionRule, NewTensor, Rewrite, match
 from .spec import get_spec, plugin_module
 
 
@@ -58,16 +58,54 @@ def _node_names(nodes: Sequence[gs.Node]) -> list[str]:
 
 
 def _leak_reason(m_nodes: Sequence[gs.Node], rw: Rewrite, graph: gs.Graph) -> str | None:
-    """An intermediate that something outside the match reads cannot disappear."""
+    """An intermediate that something outside the match reads cannot disappear.
+
+    A reader that only feeds the match itself (e.g. the Shape -> Concat chain that computes a
+    matched Reshape's target from a matched tensor) dies with the match and does not count.
+    """
     kept = {id(t) for t in rw.outputs if t is not None}
+    inside = {id(n) for n in m_nodes}
+    reads = _rewrite_reads(rw)
+    memo: dict[int, bool] = {}
     for node in m_nodes:
         for t in node.outputs:
             if id(t) in kept:
                 continue
             uses = outside_uses(t, m_nodes, graph)
+            if uses and not any(o is t for o in graph.outputs):
+                outside = [c for c in t.outputs if id(c) not in inside]
+                if all(_dies_with(c, inside, graph, reads, memo) for c in outside):
+                    continue
             if uses:
                 return f"intermediate {t.name!r} is also used by {', '.join(uses)}"
     return None
+
+
+def _rewrite_reads(rw: Rewrite) -> set[int]:
+    """Ids of the existing tensors the fused node (and the nodes it adds) will read."""
+    out: set[int] = set()
+    stack = list(rw.inputs)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, NewTensor):
+            stack.extend(x.inputs)
+        elif isinstance(x, gs.Tensor):
+            out.add(id(x))
+    return out
+
+
+def _dies_with(node: gs.Node, inside: set[int], graph: gs.Graph, reads: set[int], memo: dict[int, bool],
+               depth: int = 8) -> bool:
+    """`node` only feeds the match (transitively), so removing the match leaves it dead."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = False  # cycle guard
+    ok = depth > 0 and all(
+        id(o) not in reads and not any(g is o for g in graph.outputs)
+        and all(id(c) in inside or _dies_with(c, inside, graph, reads, memo, depth - 1) for c in o.outputs)
+        for o in node.outputs)
+    memo[id(node)] = ok
+    return ok
 
 
 def _try_rule(rule: FusionRule, out: gs.Tensor, ctx: Context, claimed: set[int]):
@@ -121,6 +159,19 @@ def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context,
     return result
 
 
+# Ops whose output has the element count and dtype of their first input.
+_SAME_SIZE = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
+
+
+def _bytes(t: gs.Tensor, dims: dict[str, int], depth: int = 8) -> int | None:
+    """tensor_bytes, or that of the tensor a Reshape/Transpose/... made it from (shape inference
+    often names a merged dim, e.g. batch * heads, with a fresh symbol)."""
+    b = tensor_bytes(t, dims)
+    if b is None and depth and len(t.inputs) == 1 and t.inputs[0].op in _SAME_SIZE and t.inputs[0].inputs:
+        return _bytes(t.inputs[0].inputs[0], dims, depth - 1)
+    return b
+
+
 def _traffic(nodes: Sequence[gs.Node], dims: dict[str, int]) -> int | None:
     """Bytes a node sequence moves through memory: each input read once, each output written once."""
     total = 0
@@ -130,26 +181,58 @@ def _traffic(nodes: Sequence[gs.Node], dims: dict[str, int]) -> int | None:
         for t in list(n.inputs) + list(n.outputs):
             if not t.name:
                 continue
-            b = tensor_bytes(t, dims)
+            b = _bytes(t, dims)
             if b is None:
                 return None
             total += b
     return total
 
 
+def _materialize(x: NewTensor, name: str, graph: gs.Graph, made: dict[int, gs.Tensor],
+                 new_nodes: list[gs.Node]) -> gs.Tensor:
+    """The tensor of a NewTensor: its node is created once per plan (shared NewTensors stay shared)."""
+    if id(x) in made:
+        return made[id(x)]
+    base = f"{name}/{x.name or x.op.lower()}_{len(made)}"
+    inputs: list[gs.Tensor] = []
+    for j, a in enumerate(x.inputs):
+        if a is None:
+            inputs.append(gs.Variable.empty())
+        elif isinstance(a, NewTensor):
+            inputs.append(_materialize(a, name, graph, made, new_nodes))
+        elif isinstance(a, np.ndarray):
+            inputs.append(gs.Constant(f"{base}/in{j}", np.ascontiguousarray(a)))
+        else:
+            inputs.append(a)
+    out = gs.Variable(base, dtype=x.dtype, shape=x.shape)
+    node = gs.Node(op=x.op, name=base, attrs=dict(x.attrs), inputs=inputs, outputs=[out])
+    graph.nodes.append(node)
+    new_nodes.append(node)
+    made[id(x)] = out
+    return out
+
+
 def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], start_index: int = 0) -> None:
-    """Replace every accepted match by one optfuse node (the only mutating step)."""
+    """Replace every accepted match by one optfuse node (the only mutating step).
+
+    NewTensor inputs become new standard nodes; their traffic counts against the fusion that first
+    created them.
+    """
+    made: dict[int, gs.Tensor] = {}
     for i, acc in enumerate(result.accepted, start=start_index):
         rw = acc.rewrite
         spec = get_spec(rw.op)
         name = f"optfuse/{acc.rule}/{i}"
         before = _traffic(acc.matched, dims)
+        new_nodes: list[gs.Node] = []
         inputs: list[gs.Tensor] = []
         for j, x in enumerate(rw.inputs):
             if x is None:
                 inputs.append(gs.Variable.empty())
             elif isinstance(x, np.ndarray):
                 inputs.append(gs.Constant(f"{name}/{spec.inputs[j].name}", np.ascontiguousarray(x)))
+            elif isinstance(x, NewTensor):
+                inputs.append(_materialize(x, name, graph, made, new_nodes))
             else:
                 inputs.append(x)
         while inputs and not inputs[-1].name:  # trailing absent optional inputs are just omitted
@@ -168,7 +251,7 @@ def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], star
         node = gs.Node(op=rw.op, name=name, domain=DOMAIN, attrs=attrs, inputs=inputs, outputs=outputs)
         graph.nodes.append(node)
         acc.node_name = name
-        after = _traffic([node], dims)
+        after = _traffic([node, *new_nodes], dims)
         acc.hbm_saved_bytes = None if before is None or after is None else before - after
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
 

@@ -16,18 +16,38 @@ import onnx_graphsurgeon as gs
 from .core import Match, Pattern
 
 
+@dataclass(eq=False)
+class NewTensor:
+    """A tensor a rewrite adds: the output of one new standard-ONNX node (e.g. a Transpose that puts
+    k back in [B, H, S, D] layout, or a Slice that keeps one row of a mask).
+
+    Planning never mutates the graph, so a rule describes the node and `apply_plan` creates it.
+    inputs: existing tensors, NumPy arrays (new constants), other NewTensors or None (absent).
+    dtype/shape: of the output (shape may hold symbolic dims; used by the HBM estimate).
+    The same NewTensor object used by several rewrites of one plan becomes one node.
+    """
+
+    op: str
+    inputs: list[Any]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    dtype: Any = None
+    shape: list[Any] | None = None
+    name: str = ""
+
+
 @dataclass
 class Rewrite:
     """The fused node a rule wants: op name, ordered inputs, outputs taken over, attributes.
 
-    inputs: existing tensors, NumPy arrays (become new constants) or None (absent optional input).
+    inputs: existing tensors, NumPy arrays (become new constants), NewTensors (computed by a new
+      node that apply_plan adds) or None (absent optional input).
     outputs: existing tensors the fused node will produce (consumers keep reading them), or None
       for an output nobody reads.
     info: extra facts for the report (e.g. the attention mask class).
     """
 
     op: str
-    inputs: list[gs.Tensor | np.ndarray | None]
+    inputs: list[gs.Tensor | np.ndarray | NewTensor | None]
     outputs: list[gs.Tensor | None]
     attrs: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
