@@ -77,7 +77,7 @@ def sources_for(args):
         launch = plugin_module(folder, "launch")
         for dt in args.dtypes:
             for h in args.hidden:
-                cfgs = launch.candidate_configs(dt, h) if args.sweep else [launch.choose_config(dt, h)]
+                cfgs = launch.candidate_configs(dt, h, op) if args.sweep else [launch.choose_config(dt, h, op)]
                 for i, cfg in enumerate(cfgs):
                     srcs[(op, dt, h, i)] = (launch.kernel_config(op, dt, {"epsilon": eps}, {"hidden": h}, config=cfg), cfg)
     return srcs

@@ -92,15 +92,23 @@ class KernelCache:
         return art
 
     def build_many(
-        self, sources: Iterable[KernelSource], arch: int | str | None = None, jobs: int | None = None, force: bool = False
+        self,
+        sources: Iterable[KernelSource],
+        arch: int | str | None = None,
+        jobs: int | None = None,
+        force: bool = False,
+        isolate: bool = False,
     ) -> list[KernelArtifact]:
         """Build several kernels, compiling the misses in parallel processes (spawned, so safe
-        after CUDA was initialised in this process)."""
+        after CUDA was initialised in this process). ``isolate=True`` compiles in a child process
+        even for one kernel (Triton's interpreter, once run in a process, breaks later compiles
+        there)."""
         arch = resolve_arch(arch)
         sources = list(sources)
         todo = [s for s in sources if force or self.get(s, arch) is None]
         jobs = jobs if jobs is not None else min(len(todo), os.cpu_count() or 1, 16)
-        if len(todo) > 1 and jobs > 1:
+        if todo and (isolate or (len(todo) > 1 and jobs > 1)):
+            jobs = max(1, jobs)
             ctx = multiprocessing.get_context("spawn")
             with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
                 futs = [pool.submit(_build_worker, s, arch, str(self.root), force) for s in todo]

@@ -104,3 +104,52 @@ def gpu_run(artifact, params, inputs: Sequence[np.ndarray | None], out_like: Seq
     finally:
         for b in bufs:
             b.free()
+
+
+# -- Triton interpreter runs (CPU) ------------------------------------------------------------
+# Triton's interpreter patches triton.language while it runs and does not fully restore it: a
+# real compile in the same process afterwards fails. So interpreted runs happen in one spawned
+# child process, kept for the session.
+_interp_pool = None
+
+
+def _interp_child(src, grid, extra, inputs, outputs):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from .triton_aot import load_module
+
+    def to_torch(a):
+        if a is None:
+            return None
+        if a.dtype == np_dtype("bfloat16"):
+            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(a.copy())
+
+    def to_np(t, like):
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(like.dtype)
+        return t.numpy()
+
+    fn = getattr(load_module(src.path, interpret=True), src.entry)
+    touts = [to_torch(o) for o in outputs]
+    fn[grid](*[to_torch(a) for a in inputs], *extra, *touts, **src.constexprs, num_warps=src.num_warps)
+    return [to_np(t, o) for t, o in zip(touts, outputs)]
+
+
+def run_interpreted(src, params, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> None:
+    """Run the Triton kernel ``src`` under ``TRITON_INTERPRET=1`` on the CPU with the AOT launch's
+    grid and argument order; NumPy arrays in, ``outputs`` overwritten with the results."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    global _interp_pool
+    if _interp_pool is None:
+        _interp_pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    grid = tuple(int(g) for g in params.grid)
+    extra = [int(a) for a in params.extra_args]
+    res = _interp_pool.submit(_interp_child, src, grid, extra, list(inputs), list(outputs)).result()
+    for o, r in zip(outputs, res):
+        o[...] = r

@@ -15,9 +15,8 @@ import re
 import sys
 import types
 from pathlib import Path
-from typing import Any, Sequence
 
-from .artifact import KernelArtifact, KernelSource, LaunchParams
+from .artifact import KernelArtifact, KernelSource
 
 DEFAULT_PTX_VERSION = 87
 
@@ -146,13 +145,3 @@ def compile_triton(src: KernelSource, arch: int, ptx_version: int | None = None)
             **src.meta,
         },
     )
-
-
-def run_interpreted(src: KernelSource, params: LaunchParams, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
-    """Run ``src`` under the Triton interpreter (CPU; tensors are torch CPU tensors) with the
-    same argument order and grid as the AOT launch."""
-    fn = getattr(load_module(src.path, interpret=True), src.entry)
-    grid = tuple(int(g) for g in params.grid)
-    args = [*inputs, *[int(a) for a in params.extra_args], *outputs]
-    with _interpret_env(True):
-        fn[grid](*args, **src.constexprs, num_warps=src.num_warps)

@@ -36,6 +36,7 @@ class LNConfig:
     block_m: int  # rows per program
     block_n: int  # next power of two >= hidden
     num_warps: int
+    evict_first: bool = True  # L2 evict-first hint on the streamed loads
 
 
 def _check_op(op: str) -> None:
@@ -43,24 +44,27 @@ def _check_op(op: str) -> None:
         raise ValueError(f"layer_norm plugin has no op {op!r} (ops: {OPS})")
 
 
-def choose_config(dtype: str, hidden: int) -> LNConfig:
-    """Heuristic tile: ~8K elements per program (several rows for small hidden), 16-byte
-    vectors, about four vectors per thread."""
-    dtype = norm_dtype(dtype)
+def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig:
+    """Tile per program, from the H200 sweep (README "Tuning"): rows of <= 1024 padded elements
+    go two (or more, up to 2048 elements) to a program of 2 warps; longer rows one to a program
+    of 4-8 warps (LayerNorm) or 8-16 warps (SkipLayerNorm, twice the streams)."""
+    norm_dtype(dtype)
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
     block_n = next_pow2(hidden)
-    block_m = max(1, 8192 // block_n)
-    vec = 16 // ITEMSIZE[dtype]
-    warps = (block_m * block_n) // (vec * 32 * 4)
-    return LNConfig(block_m, block_n, max(1, min(16, warps)))
+    if block_n <= 1024:
+        return LNConfig(max(1, 2048 // block_n), block_n, 2)
+    if op == "SkipLayerNorm":
+        return LNConfig(1, block_n, min(16, block_n // 256))
+    return LNConfig(1, block_n, min(8, block_n // 512) if block_n <= 8192 else 16)
 
 
-def candidate_configs(dtype: str, hidden: int) -> list[LNConfig]:
-    """Configs a benchmark sweep may try (the default first)."""
+def candidate_configs(dtype: str, hidden: int, op: str = "LayerNorm") -> list[LNConfig]:
+    """Configs a benchmark sweep may try (the op's default first)."""
     block_n = next_pow2(hidden)
-    out = [choose_config(dtype, hidden)]
-    for block_m in (1, 2, 4, 8, 16):
+    first = choose_config(dtype, hidden, op)
+    out = [first, LNConfig(first.block_m, block_n, first.num_warps, evict_first=False)]
+    for block_m in (1, 2, 4, 8):
         if block_m * block_n > 16384 or (block_m > 1 and block_m * block_n < 1024):
             continue
         for warps in (2, 4, 8, 16):
@@ -82,7 +86,7 @@ def kernel_config(
     _check_op(op)
     dtype = norm_dtype(dtype)
     hidden = static_int(static_shape["hidden"], "hidden")
-    cfg = config or choose_config(dtype, hidden)
+    cfg = config or choose_config(dtype, hidden, op)
     eps = _epsilon(attrs)
     ty = "*" + TRITON_TYPE[dtype]
     ins, outs = _INPUTS[op], _OUTPUTS[op]
@@ -90,7 +94,7 @@ def kernel_config(
     if op == "SkipLayerNorm":
         signature["S"] = ty
     return KernelSource(
-        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/m{cfg.block_m}w{cfg.num_warps}",
+        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/m{cfg.block_m}w{cfg.num_warps}{'' if cfg.evict_first else 'n'}",
         lang="triton",
         path=KERNEL_PATH,
         entry=_ENTRY[op],
@@ -98,7 +102,9 @@ def kernel_config(
         n_extra=1,
         n_outputs=len(outs),
         signature=signature,
-        constexprs={"HIDDEN": hidden, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "EPS": eps},
+        constexprs={
+            "HIDDEN": hidden, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "EPS": eps, "EVICT_FIRST": cfg.evict_first,
+        },
         num_warps=cfg.num_warps,
         num_stages=1,
         pointer_align=16 if (hidden * ITEMSIZE[dtype]) % 16 == 0 else ITEMSIZE[dtype],
@@ -120,7 +126,7 @@ def launch_params(
     _check_op(op)
     dtype = norm_dtype(dtypes[0])
     hidden = static_int(static_shape["hidden"] if static_shape else shapes[0][-1], "hidden")
-    cfg = config or choose_config(dtype, hidden)
+    cfg = config or choose_config(dtype, hidden, op)
     rows = rows_of(shapes[0])
     return LaunchParams(
         grid=(cdiv(rows, cfg.block_m), 1, 1),

@@ -49,9 +49,13 @@ def _check_op(op: str) -> None:
         raise ValueError(f"rms_norm plugin has no op {op!r} (ops: {OPS})")
 
 
-def choose_config(dtype: Any, hidden: int, vpt: int = 4, block_threads: int = 256) -> RMSConfig:
-    """About ``vpt`` 16-byte accesses per thread; rows of <= 32*vpt accesses get a (sub-)warp
-    each, ``block_threads`` threads per block; longer rows get a block each."""
+def choose_config(
+    dtype: Any, hidden: int, op: str = "RMSNorm", *, vpt: int | None = None, block_threads: int = 256
+) -> RMSConfig:
+    """``vpt`` accesses (16 bytes, or one element when hidden is not a multiple of 16 bytes)
+    per thread -- by default 1 for rows of <= 128 accesses, else 2 (from the H200 sweep, README
+    "Tuning"); rows of <= 32 threads get a (sub-)warp each, ``block_threads`` threads per block;
+    longer rows a block each (at most 1024 threads, more accesses per thread beyond)."""
     dtype = norm_dtype(dtype)
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
@@ -59,6 +63,8 @@ def choose_config(dtype: Any, hidden: int, vpt: int = 4, block_threads: int = 25
     if hidden % vec:
         vec = 1
     nv = -(-hidden // vec)
+    if vpt is None:
+        vpt = 1 if nv <= 128 else 2
     need = -(-nv // vpt)
     if need <= 32:
         tpr = next_pow2(need)
@@ -67,12 +73,12 @@ def choose_config(dtype: Any, hidden: int, vpt: int = 4, block_threads: int = 25
     return RMSConfig(vec, tpr, 1)
 
 
-def candidate_configs(dtype: Any, hidden: int) -> list[RMSConfig]:
+def candidate_configs(dtype: Any, hidden: int, op: str = "RMSNorm") -> list[RMSConfig]:
     """Configs a benchmark sweep may try (the default first)."""
-    out = [choose_config(dtype, hidden)]
-    for vpt in (1, 2, 4, 8):
+    out = [choose_config(dtype, hidden, op)]
+    for vpt in (1, 2, 3, 4, 8):
         for bt in (128, 256, 512):
-            c = choose_config(dtype, hidden, vpt, bt)
+            c = choose_config(dtype, hidden, op, vpt=vpt, block_threads=bt)
             if c not in out:
                 out.append(c)
     return out
@@ -90,7 +96,7 @@ def kernel_config(
     _check_op(op)
     dtype = norm_dtype(dtype)
     hidden = static_int(static_shape["hidden"], "hidden")
-    cfg = config or choose_config(dtype, hidden)
+    cfg = config or choose_config(dtype, hidden, op)
     eps = _epsilon(attrs)
     n_in, n_out = _N_IO[op]
     return KernelSource(
@@ -129,7 +135,7 @@ def launch_params(
     _check_op(op)
     dtype = norm_dtype(dtypes[0])
     hidden = static_int(static_shape["hidden"] if static_shape else shapes[0][-1], "hidden")
-    cfg = config or choose_config(dtype, hidden)
+    cfg = config or choose_config(dtype, hidden, op)
     rows = rows_of(shapes[0])
     return LaunchParams(grid=(cdiv(rows, cfg.rpb), 1, 1), block=(cfg.threads, 1, 1), shared_mem=0, extra_args=[rows])
 
