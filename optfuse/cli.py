@@ -273,13 +273,18 @@ def _print_fuse_summary(out: Console, outcome) -> None:
         per_op.setdefault(f["op"], []).append(f["hbm_saved_bytes"])
     for op, saved in sorted(per_op.items()):
         known = [s for s in saved if s is not None]
-        text = format_bytes(sum(known)) + (f" + {len(saved) - len(known)} unknown" if len(known) < len(saved) else "")
+        if not known:
+            text = "unknown"
+        else:
+            text = format_bytes(sum(known)) + (f" + {len(saved) - len(known)} unknown" if len(known) < len(saved) else "")
         t.add_row(op, str(len(saved)), text)
     if not per_op:
         t.add_row("(nothing fused)", "0", "-")
     out.print(t)
     total = format_bytes(report["hbm_saved_bytes_total"])
     unknown = f" (+{report['hbm_unknown']} unknown)" if report["hbm_unknown"] else ""
+    if report["hbm_unknown"] and report["hbm_unknown"] == report["fused_nodes"]:
+        total, unknown = "unknown", ""
     out.print(f"{report['original_nodes_replaced']} nodes -> {report['fused_nodes']} fused nodes; "
               f"HBM traffic saved per run ~{total}{unknown}; {len(report['rejected'])} candidate(s) rejected; "
               f"dims {_dims_text(report)}")

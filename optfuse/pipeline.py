@@ -54,10 +54,11 @@ def resolve_model(model: str | os.PathLike | None, recipe: Recipe | None, workdi
     out_dir = Path(workdir) if workdir is not None else Path.cwd()
     dest = out_dir / f"{recipe.name}.onnx"
     status(f"exporting {spec.family} ({spec.exporter}, attn={spec.attn})")
-    return export_model(spec.family, dest, exporter=spec.exporter, attn=spec.attn, opset=spec.opset)
+    return export_model(spec.family, dest, exporter=spec.exporter, attn=spec.attn, opset=spec.opset, config=spec.config)
 
 
-def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = "sdpa", opset: int | None = None) -> Path:
+def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = "sdpa", opset: int | None = None,
+                 config: dict | None = None) -> Path:
     """Export a tiny model of `family` through optfuse.models (needs torch + transformers)."""
     try:
         import torch  # noqa: F401
@@ -74,7 +75,7 @@ def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = 
         raise InputError(f"unknown model family {family!r}; known: {', '.join(models.FAMILIES)}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return Path(models.export(family, dest, exporter=exporter, attn=attn, opset=opset))
+        return Path(models.export(family, dest, exporter=exporter, attn=attn, opset=opset, **(config or {})))
     except models.ExportError as exc:
         raise OptfuseError(str(exc)) from None
     except ValueError as exc:
@@ -263,9 +264,13 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
 # ------------------------------------------------------------------------------------------------
 # demo
 # ------------------------------------------------------------------------------------------------
+# The tiny BERT with 2 heads of 32 (the default 4 x 16 is below FlashAttention's smallest head dim),
+# so the demo shows every fusion: LayerNorm, SkipLayerNorm and FlashAttention.
 DEMO_RECIPE = {
     "name": "bert",
-    "model": {"export": {"family": "bert", "exporter": "dynamo", "attn": "sdpa"}},
+    "model": {"export": {"family": "bert", "exporter": "dynamo", "attn": "sdpa",
+                         "config": {"num_attention_heads": 2}}},
+    "dims": {"batch": {"min": 1, "opt": 2, "max": 8}, "sequence": {"min": 1, "opt": 16, "max": 128}},
 }
 
 

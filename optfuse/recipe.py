@@ -47,6 +47,8 @@ class ExportSpec(_Strict):
     attn: Literal["sdpa", "eager"] = "sdpa"
     # None: the exporter's default (17 for TorchScript, 18+ for dynamo)
     opset: Optional[int] = Field(None, ge=7, le=23)
+    # transformers config fields over the family's tiny defaults, e.g. {num_attention_heads: 2}
+    config: dict[str, Union[bool, int, float, str]] = {}
 
     @field_validator("family")
     @classmethod

@@ -85,9 +85,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("Nothing was fused.")
     total = report.get("hbm_saved_bytes_total", 0)
     unknown = report.get("hbm_unknown", 0)
+    if unknown and unknown == report.get("fused_nodes"):
+        saved = "**unknown** (symbolic dims the estimate could not resolve)"
+    else:
+        saved = f"**{format_bytes(total)}**" + (f" (plus {unknown} fusion(s) of unknown size)" if unknown else "")
     lines += ["", f"Original nodes replaced: {report.get('original_nodes_replaced', 0)}. "
-              f"Estimated HBM traffic saved per run: **{format_bytes(total)}**"
-              + (f" (plus {unknown} fusion(s) of unknown size)" if unknown else "") + "."]
+              f"Estimated HBM traffic saved per run: {saved}."]
 
     ver = report.get("verification")
     if ver:

@@ -269,4 +269,7 @@ def test_demo(tmp_path, monkeypatch):
     files = sorted(p.name for p in (tmp_path / "optfuse-demo").iterdir())
     assert "fusion_report.json" in files and "fusion_report.md" in files
     report = json.loads((tmp_path / "optfuse-demo" / "fusion_report.json").read_text())
-    assert report["fused_nodes"] > 0 and report["verification"]["passed"]
+    assert report["verification"]["passed"]
+    assert set(report["counts"]) == {"LayerNorm", "SkipLayerNorm", "FlashAttention"}
+    attention = [f for f in report["fusions"] if f["op"] == "FlashAttention"]
+    assert all(f["info"]["mask_class"] == "padding" for f in attention)

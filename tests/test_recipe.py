@@ -81,6 +81,16 @@ def test_good_recipe_and_derived_values(tmp_path):
     assert r.target.arch == "sm_89"
 
 
+def test_export_config_overrides():
+    r = Recipe.model_validate({"name": "x", "model": {"export": {"family": "llama", "config": {
+        "num_attention_heads": 2, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": True}}}})
+    assert r.model.export.config == {"num_attention_heads": 2, "rope_theta": 500000.0, "hidden_act": "silu",
+                                     "tie_word_embeddings": True}
+    assert type(r.model.export.config["tie_word_embeddings"]) is bool
+    with pytest.raises(InputError, match="field 'model.export.family': expected one of the model families"):
+        recipe_from_dict({"name": "x", "model": {"export": {"family": "resnet"}}})
+
+
 def test_defaults_fp32():
     r = Recipe.model_validate({"name": "x", "model": {"export": {"family": "bert"}}})
     assert r.tolerance("y") == (1e-4, 1e-3)
@@ -168,7 +178,7 @@ def test_shipped_recipes_match_their_exported_models(path, exported_model):
     spec = recipe.model.export
     if spec is None:
         pytest.skip("recipe names a model file")
-    m = exported_model(spec.family, spec.exporter, spec.attn, spec.opset)
+    m = exported_model(spec.family, spec.exporter, spec.attn, spec.opset, **spec.config)
     assert set(recipe.inputs) == {i.name for i in m.inputs}
     for info in m.inputs:
         ours = recipe.inputs[info.name]

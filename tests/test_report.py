@@ -37,7 +37,11 @@ def test_unresolved_dims_are_unknown():
     assert f["hbm_saved_bytes"] is None
     assert report["hbm_unknown"] == 1 and report["hbm_saved_bytes_total"] == 0
     md = render_markdown(report)
-    assert "| unknown |" in md and "1 fusion(s) of unknown size" in md
+    assert "| unknown |" in md and "saved per run: **unknown**" in md
+    # mixed: the known part is summed, the rest counted
+    report["fusions"].append({**f, "hbm_saved_bytes": 4096})
+    report.update(fused_nodes=2, hbm_saved_bytes_total=4096)
+    assert "**4.0 KiB** (plus 1 fusion(s) of unknown size)" in render_markdown(report)
 
 
 def test_rejections_have_reasons():
