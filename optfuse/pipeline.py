@@ -218,7 +218,10 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
     status("sanitizing, matching, rewriting")
     fused, result = fuse_model(proto, dims=dims, families=families, options=_options(recipe))
     status(f"writing {out}")
-    save_model(fused, out)
+    try:
+        save_model(fused, out)
+    except OSError as exc:
+        raise InputError(f"cannot write {out}: {exc.strerror or exc}") from None
     verification = None
     if verify_after:
         status("verifying")
@@ -226,7 +229,10 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
     report = build_report(result, model=str(path), fused_model=str(out), recipe=_recipe_label(recipe), dims=dims,
                           dims_source=dims_source, families=families,
                           verification=verification.to_dict() if verification is not None else None)
-    paths = write_report(report, out.parent)
+    try:
+        paths = write_report(report, out.parent)
+    except OSError as exc:
+        raise InputError(f"cannot write the fusion report next to {out}: {exc.strerror or exc}") from None
     return FuseOutcome(path, out, report, paths, result, verification)
 
 
