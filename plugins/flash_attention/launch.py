@@ -1,0 +1,225 @@
+"""Kernel configs and launch parameters of FlashAttention (Triton kernel in kernel.py).
+
+* ``kernel_config(op, dtype, attrs, static_shape)`` -> :class:`KernelSource`: scale and causal are
+  compiled in, and so are the static facts ``static_shape`` gives: ``head_dim`` (D) and
+  ``bias_shape`` (absent / None: no bias input; else the bias dims, where a dim that is statically 1
+  broadcasts and any other value -- an int, -1, a symbolic dim -- is taken as full).
+* ``launch_params(op, shapes, dtypes, attrs, cdiv=...)`` -> :class:`LaunchParams`, written with
+  ``+ - *`` and ``cdiv`` over the dynamic dims (B, H, Hkv, Sq, Sk), so TensorRT QDP ``aot_impl``
+  can call it with symbolic shapes.
+
+Argument order (QDP): inputs q, k, v[, bias], extra int32 (H, Hkv, Sq, Sk), output o. Tensors are
+contiguous; strides are derived from the shapes inside the kernel. H and Hkv are runtime
+arguments (one integer division per program), so one artifact serves every head count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from optfuse.kernels.artifact import KernelSource, LaunchParams
+from optfuse.kernels.util import TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, static_int
+
+KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
+ENTRY = "_flash_attention_fwd_kernel"
+OP = "FlashAttention"
+DTYPES = ("float32", "float16", "bfloat16")
+HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+
+
+@dataclass(frozen=True)
+class FAConfig:
+    block_m: int  # query rows per program
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the K/V loads
+    pipeline_qk: bool = False  # issue q @ k^T of the next block before this block's softmax
+    lazy_rescale: bool = False  # rescale acc only when a row max grows by > 2^8 (unmasked blocks)
+
+
+# Tuned on the H200 (README "Tuning"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
+# ranks the configs the same): ("half" = fp16/bf16, head_dim, causal) -> config. Other head dims
+# fall back to _default_config.
+TUNED: dict[tuple[str, int, bool], FAConfig] = {
+    ("half", 64, False): FAConfig(128, 64, 8, 3),
+    ("half", 64, True): FAConfig(64, 64, 4, 3),
+    ("half", 128, False): FAConfig(128, 64, 8, 3),
+    ("half", 128, True): FAConfig(128, 64, 8, 4),
+}
+
+
+def _default_config(dtype: str, head_dim: int, causal: bool) -> FAConfig:
+    d_pad = next_pow2(head_dim)
+    if dtype == "float32":
+        # Correctness path (IEEE fp32 dot on the FMA units): small tiles, few registers.
+        return FAConfig(32 if d_pad >= 256 else 64, 32, 4, 2)
+    if d_pad <= 64:
+        return FAConfig(64, 64, 4, 3) if causal else FAConfig(128, 64, 8, 3)
+    if d_pad <= 128:
+        return FAConfig(128, 64, 8, 4) if causal else FAConfig(128, 64, 8, 3)
+    return FAConfig(64, 64, 4, 2)
+
+
+def choose_config(dtype: Any, head_dim: int, causal: bool, has_bias: bool = False) -> FAConfig:
+    dtype = norm_dtype(dtype)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
+    cls = "float32" if dtype == "float32" else "half"
+    return TUNED.get((cls, head_dim, bool(causal))) or _default_config(dtype, head_dim, causal)
+
+
+def candidate_configs(dtype: Any, head_dim: int, causal: bool) -> list[FAConfig]:
+    """Configs a tuning sweep tries (the current choice first).
+    FAConfig(block_m, block_n, num_warps, num_stages, pipeline_qk, lazy_rescale)."""
+    C = FAConfig
+    if next_pow2(head_dim) <= 64:
+        extra = [C(128, 64, 8, 3), C(128, 64, 4, 3), C(64, 64, 4, 3), C(128, 128, 4, 3),
+                 C(128, 64, 8, 3, False, True)]
+    else:
+        extra = [C(128, 64, 8, 3), C(128, 64, 8, 4), C(128, 64, 8, 3, True), C(64, 64, 4, 3),
+                 C(128, 128, 8, 2, True), C(128, 64, 8, 3, False, True)]
+    out = [choose_config(dtype, head_dim, causal)]
+    for c in extra:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _check_op(op: Any) -> None:
+    name = getattr(op, "op", op)
+    if name != OP:
+        raise ValueError(f"flash_attention plugin has no op {name!r}")
+
+
+def bias_pattern(bias_shape: Sequence[Any] | None) -> tuple[int, int, int, int] | None:
+    """(full_B, full_H, full_Sq, full_Sk) flags of a bias shape, left-padded to rank 4; None when
+    there is no bias. A dim counts as broadcast only when it is statically 1."""
+    if bias_shape is None:
+        return None
+    dims = list(bias_shape)
+    if len(dims) > 4:
+        raise ValueError(f"FlashAttention: bias rank {len(dims)} > 4")
+    dims = [1] * (4 - len(dims)) + dims
+    flags = []
+    for d in dims:
+        try:
+            flags.append(0 if static_int(d) == 1 else 1)
+        except ValueError:
+            flags.append(1)
+    return tuple(flags)  # type: ignore[return-value]
+
+
+def _head_dim(static_shape: dict) -> int:
+    if "head_dim" in static_shape:
+        return static_int(static_shape["head_dim"], "head_dim")
+    return static_int(static_shape["q"][-1], "head_dim")
+
+
+def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
+                  config: FAConfig | None = None) -> KernelSource:
+    """What to compile: dtype is q's (k, v, o share it); bias may have its own
+    (``static_shape['bias_dtype']``, default q's)."""
+    _check_op(op)
+    dtype = norm_dtype(dtype)
+    head_dim = _head_dim(static_shape)
+    scale = float(attrs["scale"])
+    causal = bool(int(attrs.get("causal", 0) or 0))
+    pattern = bias_pattern(static_shape.get("bias_shape"))
+    has_bias = pattern is not None and any(pattern)
+    scalar_bias = pattern is not None and not any(pattern)
+    cfg = config or choose_config(dtype, head_dim, causal, has_bias)
+    ty = "*" + TRITON_TYPE[dtype]
+    signature = {"Q": ty, "K": ty, "V": ty}
+    constexprs: dict[str, Any] = {}
+    if pattern is not None:
+        bdt = norm_dtype(static_shape.get("bias_dtype") or dtype)
+        signature["Bias"] = "*" + TRITON_TYPE[bdt]
+    else:
+        constexprs["Bias"] = None
+    signature.update({"H": "i32", "Hkv": "i32", "Sq": "i32", "Sk": "i32", "Out": ty})
+    flags = pattern or (0, 0, 0, 0)
+    constexprs.update({
+        "SCALE": scale, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
+        "HAS_BIAS": has_bias, "BIAS_B": flags[0], "BIAS_H": flags[1], "BIAS_M": flags[2],
+        "BIAS_N": flags[3], "SCALAR_BIAS": scalar_bias, "PIPELINE_QK": cfg.pipeline_qk,
+        "LAZY_RESCALE": cfg.lazy_rescale,
+    })
+    bias_tag = "nobias" if pattern is None else "bias" + "".join(map(str, flags))
+    return KernelSource(
+        name=(f"flash_attention/{OP}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{bias_tag}/"
+              f"scale{scale:.6g}/m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+              f"{'p' if cfg.pipeline_qk else ''}{'l' if cfg.lazy_rescale else ''}"),
+        lang="triton",
+        path=KERNEL_PATH,
+        entry=ENTRY,
+        n_inputs=3 + (pattern is not None),
+        n_extra=4,
+        n_outputs=1,
+        signature=signature,
+        constexprs=constexprs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        pointer_align=16,
+        meta={"op": OP, "dtype": dtype, "head_dim": head_dim, "causal": causal, "scale": scale,
+              "bias_pattern": flags if pattern is not None else None, "config": asdict(cfg)},
+    )
+
+
+def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any], attrs: dict,
+                  cdiv=_cdiv, *, static_shape: dict | None = None,
+                  config: FAConfig | None = None) -> LaunchParams:
+    """One program per (BLOCK_M query rows, b, h): grid x = cdiv(Sq, BLOCK_M) * B * H.
+
+    ``shapes`` = [q, k, v(, bias)] shapes: q [B, H, Sq, D], k/v [B, Hkv, Sk, D].
+    """
+    _check_op(op)
+    dtype = norm_dtype(dtypes[0])
+    q, k = shapes[0], shapes[1]
+    B, H, Sq = q[0], q[1], q[2]
+    Hkv, Sk = k[1], k[2]
+    head_dim = _head_dim(static_shape) if static_shape else static_int(q[3], "head_dim")
+    causal = bool(int(attrs.get("causal", 0) or 0))
+    has_bias = len(shapes) > 3 and shapes[3] is not None and any(bias_pattern(shapes[3]) or ())
+    cfg = config or choose_config(dtype, head_dim, causal, has_bias)
+    return LaunchParams(
+        grid=(cdiv(Sq, cfg.block_m) * (B * H), 1, 1),
+        block=(cfg.num_warps * 32, 1, 1),
+        shared_mem=0,  # Triton's shared memory comes with the artifact (metadata.shared)
+        extra_args=[H, Hkv, Sq, Sk],
+    )
+
+
+def check_shapes(shapes: Sequence[Sequence[int]], attrs: dict) -> None:
+    """Concrete-shape checks (tests, launcher users): GQA, head dim, bias broadcast."""
+    q, k, v = (list(s) for s in shapes[:3])
+    B, H, Sq, D = q
+    if len(k) != 4 or k[0] != B or k[3] != D or list(v) != list(k):
+        raise ValueError(f"FlashAttention: q{q} k{k} v{v} do not fit [B,H,Sq,D] / [B,Hkv,Sk,D]")
+    if H != int(attrs["num_heads"]) or k[1] != int(attrs["num_kv_heads"]) or H % k[1]:
+        raise ValueError(f"FlashAttention: heads {H}/{k[1]} vs attrs {attrs}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"FlashAttention: head_dim {D} not in {HEAD_DIMS}")
+    if len(shapes) > 3 and shapes[3] is not None:
+        b = [1] * (4 - len(shapes[3])) + list(shapes[3])
+        for have, full in zip(b, (B, H, Sq, k[2])):
+            if have not in (1, full):
+                raise ValueError(f"FlashAttention: bias {list(shapes[3])} does not broadcast to "
+                                 f"{[B, H, Sq, k[2]]}")
+
+
+#: Specializations ``optfuse kernels build`` compiles ahead of time: half dtypes, the head dims of
+#: common models, causal or not, no bias / scalar bias (what the rewrite emits when the graph has
+#: none) / key-padding bias [B, 1, 1, Sk], at the usual 1/sqrt(D) scale.
+def prebuild_sources() -> list[KernelSource]:
+    out = []
+    for dt in ("float16", "bfloat16"):
+        for d in (64, 128):
+            for causal in (0, 1):
+                for bias in (None, (), (-1, 1, 1, -1)):
+                    static = {"head_dim": d, "bias_shape": bias}
+                    out.append(kernel_config(OP, dt, {"scale": d ** -0.5, "causal": causal},
+                                             static))
+    return out

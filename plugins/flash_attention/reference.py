@@ -1,0 +1,176 @@
+"""Reference semantics of FlashAttention: a NumPy function (float64) and an ONNX function.
+
+    s = scale * q @ k^T + bias            per (b, h), kv head h // (H / Hkv)
+    s[i, j] = -inf  where causal and j > i + (Sk - Sq)
+    o = softmax(s) @ v                    a row whose every score is -inf gives o = 0
+
+A finite very negative bias (HF masks use finfo(dtype).min) is added as a number, as in the unfused
+graph: a row masked everywhere with finfo(float32).min gives the uniform average of v, because the
+scores are absorbed by the bias.
+
+ONNX function and the optional bias
+-----------------------------------
+onnxruntime does not cope with a missing optional input inside a function body: the inliner turns
+it into "", which ops with a required slot reject, and ops with an optional slot (Sum,
+LayerNormalization) crash on (onnxruntime 1.32; ``Optional("")`` fails type inference, ``If``
+branches that name the input are rejected). ONNX function overloads would work but
+onnx-graphsurgeon drops the node's ``overload`` field. So the function takes ``bias`` as a
+**required** input, and the rewrite stage must always give the fused node four inputs: where the
+matched subgraph has no additive mask it passes a scalar (rank-0) zero of q's dtype. The kernel
+treats an all-broadcast (scalar) bias as a constant shift, which softmax ignores: it only checks it
+once for -inf / NaN (see launch.py), so the dummy input costs nothing on the GPU.
+The NumPy reference accepts ``bias=None`` as well.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+# The body uses ops whose semantics are the same from opset 15 on (CastLike: 15, Trilu: 14, Shape
+# start/end: 15); it runs under the model's own default-domain opset.
+FUNCTION_OPSET = 17
+
+
+def _attrs(op, attrs: dict) -> tuple[float, bool, int, int]:
+    scale = float(attrs["scale"])
+    causal = bool(int(attrs.get("causal", 0)))
+    return scale, causal, int(attrs["num_heads"]), int(attrs["num_kv_heads"])
+
+
+def reference(op, inputs: list, attrs: dict) -> list[np.ndarray]:
+    """NumPy FlashAttention in float64; returns o in q's dtype.
+
+    ``op`` is the OpSpec (or anything; it is not read). ``inputs`` = [q, k, v, bias or None].
+    """
+    q, k, v = inputs[0], inputs[1], inputs[2]
+    bias = inputs[3] if len(inputs) > 3 else None
+    scale, causal, h, hkv = _attrs(op, attrs)
+    B, H, Sq, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    if H != h or Hkv != hkv or H % Hkv or Dk != D or v.shape != k.shape or Bk != B:
+        raise ValueError(f"bad shapes q{q.shape} k{k.shape} v{v.shape} for num_heads={h}, "
+                         f"num_kv_heads={hkv}")
+    g = H // Hkv
+    qf = q.astype(np.float64)
+    kf = np.repeat(k.astype(np.float64), g, axis=1)  # query head i reads kv head i // g
+    vf = np.repeat(v.astype(np.float64), g, axis=1)
+    s = scale * (qf @ kf.transpose(0, 1, 3, 2))
+    if bias is not None:
+        s = s + np.broadcast_to(bias.astype(np.float64), s.shape)
+    if causal:
+        i = np.arange(Sq)[:, None]
+        j = np.arange(Sk)[None, :]
+        s = np.where(j > i + (Sk - Sq), -np.inf, s)
+    m = s.max(axis=-1, keepdims=True) if Sk else np.full(s.shape[:-1] + (1,), -np.inf)
+    dead = ~np.isfinite(m) & (m < 0)  # every score -inf (or Sk == 0)
+    m = np.where(dead, 0.0, m)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.exp(s - m)
+        l = p.sum(axis=-1, keepdims=True)
+        o = (p @ vf) / np.where(dead, 1.0, l)
+    o = np.where(dead, 0.0, o)
+    return [o.astype(q.dtype)]
+
+
+def _attr_ref(name: str, ref: str, kind: int) -> onnx.AttributeProto:
+    a = onnx.AttributeProto()
+    a.name, a.type, a.ref_attr_name = name, kind, ref
+    return a
+
+
+def _const_from_attr(out: str, value_field: str, attr: str, kind: int) -> onnx.NodeProto:
+    """Constant whose value is the function's attribute ``attr``."""
+    n = helper.make_node("Constant", [], [out])
+    n.attribute.append(_attr_ref(value_field, attr, kind))
+    return n
+
+
+def onnx_function(op=None, opset: int = FUNCTION_OPSET) -> onnx.FunctionProto:
+    """``optfuse::FlashAttention(q, k, v, bias) -> o`` as an ONNX function onnxruntime can run.
+
+    ``opset`` is the default-domain opset the body imports; onnx.checker wants it equal to the
+    model's (>= 15), so the rewrite stage passes the model's opset.
+
+    bias is required here (see the module docstring); it broadcasts to [B, H, Sq, Sk] and may be
+    a scalar zero. GQA repeats kv heads with Unsqueeze/Expand/Reshape; the causal mask is built
+    with Trilu from the shapes (diagonal offset Sk - Sq, or Sk when causal = 0, which keeps all);
+    rows whose every score is -inf are set to 0 after Softmax (which would give NaN).
+    """
+    mk = helper.make_node
+    i64 = lambda name, vals: helper.make_tensor(name, TensorProto.INT64, [len(vals)], vals)  # noqa: E731
+    nodes = [
+        # -- attributes as tensors ----------------------------------------------------------------
+        _const_from_attr("scale_f", "value_float", "scale", onnx.AttributeProto.FLOAT),
+        _const_from_attr("h_s", "value_int", "num_heads", onnx.AttributeProto.INT),
+        _const_from_attr("hkv_s", "value_int", "num_kv_heads", onnx.AttributeProto.INT),
+        _const_from_attr("causal_s", "value_int", "causal", onnx.AttributeProto.INT),
+        mk("Constant", [], ["one_i"], value=helper.make_tensor("one_i", TensorProto.INT64, [], [1])),
+        mk("Constant", [], ["one_i_1"], value=i64("one_i_1", [1])),
+        mk("Constant", [], ["axis2"], value=i64("axis2", [2])),
+        mk("Constant", [], ["neg1"], value=i64("neg1", [-1])),
+        mk("Constant", [], ["zero_f"], value=helper.make_tensor("zero_f", TensorProto.FLOAT, [], [0.0])),
+        mk("Constant", [], ["ninf_f"],
+           value=helper.make_tensor("ninf_f", TensorProto.FLOAT, [], [float("-inf")])),
+        mk("Constant", [], ["one_f"], value=helper.make_tensor("one_f", TensorProto.FLOAT, [1], [1.0])),
+        # -- shapes ---------------------------------------------------------------------------------
+        mk("Shape", ["q"], ["b_1"], start=0, end=1),
+        mk("Shape", ["q"], ["sq_1"], start=2, end=3),
+        mk("Shape", ["k"], ["hkv_1"], start=1, end=2),
+        mk("Shape", ["k"], ["skd_2"], start=2, end=4),
+        mk("Shape", ["k"], ["sk_1"], start=2, end=3),
+        # -- GQA: k, v [B, Hkv, Sk, D] -> [B, Hkv, G, Sk, D] -> [B, H, Sk, D] ------------------------
+        mk("Div", ["h_s", "hkv_s"], ["g_s"]),
+        mk("Unsqueeze", ["g_s", "neg1"], ["g_1"]),
+        mk("Unsqueeze", ["h_s", "neg1"], ["h_1"]),
+        mk("Concat", ["b_1", "hkv_1", "g_1", "skd_2"], ["exp_shape"], axis=0),
+        mk("Concat", ["b_1", "h_1", "skd_2"], ["rep_shape"], axis=0),
+        mk("Unsqueeze", ["k", "axis2"], ["k5"]),
+        mk("Expand", ["k5", "exp_shape"], ["k5e"]),
+        mk("Reshape", ["k5e", "rep_shape"], ["kr"]),
+        mk("Unsqueeze", ["v", "axis2"], ["v5"]),
+        mk("Expand", ["v5", "exp_shape"], ["v5e"]),
+        mk("Reshape", ["v5e", "rep_shape"], ["vr"]),
+        # -- scores = scale * q @ k^T + bias -----------------------------------------------------------
+        mk("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]),
+        mk("MatMul", ["q", "kt"], ["qk"]),
+        mk("CastLike", ["scale_f", "q"], ["scale_t"]),
+        mk("Mul", ["qk", "scale_t"], ["s0"]),
+        mk("CastLike", ["bias", "q"], ["bias_t"]),
+        mk("Add", ["s0", "bias_t"], ["s1"]),
+        # -- causal: allowed = Trilu(ones[Sq, Sk], k = Sk - Sq + (1 - causal) * Sq) ------------------
+        mk("Concat", ["sq_1", "sk_1"], ["sqsk"], axis=0),
+        mk("ConstantOfShape", ["sqsk"], ["ones2"],
+           value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])),
+        mk("Sub", ["sk_1", "sq_1"], ["diag0"]),
+        mk("Sub", ["one_i", "causal_s"], ["not_causal"]),
+        mk("Mul", ["not_causal", "sq_1"], ["diag_extra"]),
+        mk("Add", ["diag0", "diag_extra"], ["diag_1"]),
+        mk("Squeeze", ["diag_1"], ["diag"]),
+        mk("Trilu", ["ones2", "diag"], ["allowed_f"], upper=0),
+        mk("Cast", ["allowed_f"], ["allowed"], to=TensorProto.BOOL),
+        mk("CastLike", ["ninf_f", "q"], ["ninf_t"]),
+        mk("Where", ["allowed", "s1", "ninf_t"], ["s"]),
+        # -- softmax; rows with no finite score -> 0 ---------------------------------------------------
+        mk("Softmax", ["s"], ["p0"], axis=-1),
+        mk("IsInf", ["s"], ["s_inf"], detect_positive=0),
+        mk("Not", ["s_inf"], ["s_live"]),
+        mk("CastLike", ["s_live", "q"], ["live_t"]),
+        mk("CastLike", ["one_f", "q"], ["one_t"]),
+        mk("Concat", ["sk_1", "one_i_1"], ["col_shape"], axis=0),
+        mk("Expand", ["one_t", "col_shape"], ["ones_col"]),
+        mk("MatMul", ["live_t", "ones_col"], ["n_live"]),
+        mk("CastLike", ["zero_f", "q"], ["zero_t"]),
+        mk("Greater", ["n_live", "zero_t"], ["row_live"]),
+        mk("Where", ["row_live", "p0", "zero_t"], ["p"]),
+        mk("MatMul", ["p", "vr"], ["o"]),
+    ]
+    fn = helper.make_function(
+        "optfuse", "FlashAttention", ["q", "k", "v", "bias"], ["o"], nodes,
+        [helper.make_opsetid("", opset)],
+        attributes=["scale", "num_heads", "num_kv_heads", "plugin_namespace", "plugin_version"],
+        attribute_protos=[helper.make_attribute("causal", 0)],
+        doc_string="softmax(scale * q @ k^T + bias [+ causal mask]) @ v; GQA by repeating kv "
+                   "heads; bias is required (a scalar 0 when the fused graph has none).")
+    return fn

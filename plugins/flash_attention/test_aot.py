@@ -1,0 +1,42 @@
+"""AOT compiles of the FlashAttention kernel through optfuse.kernels (CPU only, no GPU needed)."""
+
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+
+from optfuse.kernels import KernelCache  # noqa: E402
+from optfuse.kernels.registry import plugin_module  # noqa: E402
+
+L = plugin_module("flash_attention", "launch")
+
+# Max dynamic shared memory per block: sm_80 163 KiB, sm_90 227 KiB.
+SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+
+
+@pytest.mark.parametrize("arch,dtype,D,causal,bias_shape", [
+    (90, "bfloat16", 128, 1, None),
+    (90, "float16", 64, 0, ()),
+    (80, "float16", 128, 0, (-1, 1, 1, -1)),
+    (80, "float32", 80, 1, (-1, -1, -1, -1)),
+])
+def test_aot_compile(tmp_path, arch, dtype, D, causal, bias_shape):
+    attrs = {"scale": D ** -0.5, "causal": causal, "num_heads": 8, "num_kv_heads": 2}
+    src = L.kernel_config("FlashAttention", dtype, attrs, {"head_dim": D, "bias_shape": bias_shape})
+    art = KernelCache(tmp_path).build(src, arch)
+    n_in = 3 if bias_shape is None else 4
+    assert (art.n_inputs, art.n_extra, art.n_outputs) == (n_in, 4, 1)
+    assert art.cubin and art.arch == arch
+    assert art.threads == src.num_warps * 32
+    assert 0 < art.shared_mem <= SMEM_LIMIT[arch]
+    # QDP order: inputs, H, Hkv, Sq, Sk, output, then Triton's scratch pointers
+    entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
+    params = re.findall(r"\.param\s+\.(\w+)", entry)
+    assert params[:n_in] == ["u64"] * n_in
+    assert params[n_in:n_in + 4] == ["u32"] * 4
+    assert len(params) == n_in + 4 + 1 + art.n_scratch
+    if arch == 90 and dtype != "float32":
+        assert "wgmma" in art.ptx  # Hopper tensor-core path
+    # a second build is a cache hit
+    assert KernelCache(tmp_path).build(src, arch).key == art.key

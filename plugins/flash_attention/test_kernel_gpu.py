@@ -1,0 +1,87 @@
+"""FlashAttention AOT artifacts launched through optfuse.kernels.launcher on a GPU, against the
+float64 NumPy reference. Fresh random inputs every run (the seed is printed); outputs are poisoned
+with NaN before each launch so unwritten elements fail.
+
+Run on the device machine: ``python -m pytest plugins/flash_attention -m gpu``. With
+``$OPTFUSE_FA_PREBUILT`` pointing at a KernelCache root built on the CPU machine (Triton 3.9 cubins
+for sm_90), those artifacts are used; otherwise they are compiled with the local Triton.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from optfuse.kernels.registry import plugin_module  # noqa: E402
+
+T = plugin_module("flash_attention", "testing")
+L = plugin_module("flash_attention", "launch")
+
+pytestmark = pytest.mark.gpu
+
+# (B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, poison): shapes chosen so that Sq and Sk are
+# not multiples of the tiles (64/128) and the causal band, GQA and every bias pattern appear.
+CASES = [
+    (2, 8, 2, 300, 517, 128, 0, None, "bfloat16", None),
+    (2, 8, 2, 517, 300, 128, 1, None, "bfloat16", None),          # Sk < Sq: dead rows -> 0
+    (1, 4, 4, 1000, 1000, 128, 1, None, "float16", None),
+    (3, 6, 3, 257, 383, 64, 0, (3, 1, 1, 383), "float16", "pad"),  # key padding, finfo.min
+    (2, 4, 1, 129, 700, 64, 1, (2, 1, 1, 700), "bfloat16", "pad"),
+    (2, 4, 4, 200, 190, 64, 0, (2, 4, 200, 190), "float16", "rows"),  # full bias, -inf rows
+    (1, 4, 2, 333, 333, 32, 1, None, "float16", None),
+    (2, 2, 2, 150, 260, 80, 0, None, "bfloat16", None),           # padded head dims
+    (2, 2, 1, 260, 150, 96, 1, (150,), "float16", None),
+    (1, 2, 2, 190, 310, 256, 0, (), "bfloat16", None),            # scalar bias (rewrite's 0)
+    (1, 2, 2, 190, 310, 256, 1, None, "float16", None),
+    (2, 2, 1, 77, 91, 64, 1, (2, 2, 77, 91), "float32", "rows"),
+    (1, 2, 2, 65, 130, 96, 0, None, "float32", None),
+]
+
+
+@pytest.fixture(scope="module")
+def seed():
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"\nflash_attention gpu tests: seed {s}")
+    return s
+
+
+def _poison_bias(bias, how):
+    if how == "pad":  # HF key-padding mask: the last keys of each batch masked with finfo.min
+        for b in range(bias.shape[0]):
+            bias[b, ..., bias.shape[-1] - 17 * (b + 1):] = torch.finfo(bias.dtype).min
+    elif how == "rows":
+        bias[..., 3, :] = float("-inf")
+        bias[..., 5, :] = torch.finfo(bias.dtype).min
+        bias[..., 7, ::3] = float("-inf")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])).replace(" ", ""))
+def test_artifact_matches_reference(case, seed):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from optfuse.kernels import launch
+
+    B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, poison = case
+    gen = torch.Generator().manual_seed(seed + hash(case) % 1000)
+    q, k, v, bias = T.random_inputs(B, H, Hkv, Sq, Sk, D, dtype, bias_shape, generator=gen)
+    if poison:
+        _poison_bias(bias, poison)
+    attrs = T.attrs_for(H, Hkv, D, causal)
+    src, params = T.case_sources(dtype, [q.shape, k.shape, v.shape,
+                                         None if bias is None else bias.shape], attrs)
+    art = T.get_artifact(src)
+    dev = [t.cuda() if t is not None else None for t in (q, k, v, bias)]
+    out = torch.full_like(dev[0], float("nan"))
+    ins = dev[:3] + ([dev[3]] if bias is not None else [])
+    for _ in range(2):  # twice: a race or a read of unwritten memory shows as a changing result
+        out.fill_(float("nan"))
+        launch(art, params, ins, [out], torch.cuda.current_stream().cuda_stream, sync=True)
+        ref = T.reference_of(q, k, v, bias, attrs)
+        T.check_close(out, ref, dtype, src.name)
+    if poison == "rows":
+        assert (out[..., 3, :] == 0).all()
+    if causal and Sk < Sq:
+        assert (out[:, :, : Sq - Sk, :] == 0).all()
+    assert np.isfinite(out.float().cpu().numpy()).all()

@@ -1,0 +1,105 @@
+"""The Triton kernel under the Triton interpreter (CPU), against the float64 reference.
+
+TRITON_INTERPRET must be set before triton is imported (triton.language's own @jit helpers such
+as tl.cdiv are decided at import), so the cases run in one child process started with it; each
+test checks its case's result. Small tiles (16 x 16) make short sequences cover several blocks,
+partial blocks and the causal band. bf16 is left to the GPU tests: the interpreter's tl.dot on
+bf16 operands is wrong (Triton 3.9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+# id -> (B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra)
+CASES = {
+    "gqa_odd_lengths": (1, 2, 1, 37, 29, 32, 0, None, "float16", {}),
+    "causal_sk_lt_sq_dead_rows": (1, 2, 1, 37, 29, 32, 1, None, "float16", {}),
+    "causal_key_padding": (1, 2, 2, 20, 45, 64, 1, (1, 1, 1, 45), "float16", {}),
+    "full_bias_d80_padded": (2, 4, 2, 33, 17, 80, 0, (2, 4, 33, 17), "float16", {}),
+    "row_bias_fp32": (1, 3, 3, 19, 23, 32, 0, (19, 1), "float32", {}),
+    "scalar_bias": (1, 2, 1, 19, 23, 32, 1, (), "float16", {}),
+    "fp32_d96_causal": (1, 2, 1, 31, 17, 96, 1, None, "float32", {}),
+    "masked_rows": (1, 2, 1, 19, 23, 32, 0, (1, 2, 19, 23), "float32", {"poison": "rows"}),
+    "masked_rows_causal": (1, 2, 1, 19, 23, 32, 1, (1, 2, 19, 23), "float32", {"poison": "rows"}),
+    "scalar_bias_minus_inf": (1, 2, 2, 9, 11, 32, 0, (), "float16", {"poison": "all"}),
+    "pipelined": (1, 2, 1, 37, 29, 32, 0, None, "float16", {"pipe": True}),
+    "pipelined_causal": (1, 2, 1, 37, 67, 32, 1, None, "float16", {"pipe": True}),
+    "pipelined_scalar_bias": (1, 2, 1, 64, 64, 32, 0, (), "float16", {"pipe": True}),
+    "negative_scale": (1, 2, 1, 21, 21, 32, 1, None, "float16", {"scale": -0.2}),
+    "lazy_rescale": (1, 2, 1, 37, 53, 32, 0, None, "float16", {"lazy": True, "spread": True}),
+    "lazy_rescale_bias": (1, 2, 1, 37, 53, 32, 1, (1, 2, 37, 53), "float32", {"lazy": True}),
+    "lazy_pipelined_causal": (1, 2, 2, 45, 67, 64, 1, (), "float16",
+                              {"lazy": True, "pipe": True, "spread": True}),
+}
+
+
+def _run_case(B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra):
+    import torch
+
+    from optfuse.kernels.registry import plugin_module
+
+    T = plugin_module("flash_attention", "testing")
+    L = plugin_module("flash_attention", "launch")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, bias = T.random_inputs(B, H, Hkv, Sq, Sk, D, dtype, bias_shape, generator=gen)
+    if extra.get("poison") == "rows":
+        bias[..., 3, :] = float("-inf")                   # every score -inf -> 0
+        bias[..., 5, :] = torch.finfo(torch.float32).min  # HF mask -> uniform average of v
+        bias[..., 7, ::2] = float("-inf")                 # partly masked: a normal softmax
+    elif extra.get("poison") == "all":
+        bias.fill_(float("-inf"))
+    attrs = T.attrs_for(H, Hkv, D, causal, extra.get("scale"))
+    if extra.get("spread"):  # growing key norms: the row max keeps rising, lazy rescales fire
+        k.mul_(torch.linspace(0.5, 8.0, Sk).reshape(1, 1, Sk, 1).to(k.dtype))
+    cfg = L.FAConfig(16, 16, 1, 1, extra.get("pipe", False), extra.get("lazy", False))
+    src, params = T.case_sources(dtype, [q.shape, k.shape, v.shape, None if bias is None else bias.shape],
+                                 attrs, config=cfg)
+    out = torch.full_like(q, float("nan"))
+    T.run_triton(src, params, [q, k, v] + ([bias] if bias is not None else []), [out], interpret=True)
+    ref = T.reference_of(q, k, v, bias, attrs)
+    T.check_close(out, ref, dtype, src.name)
+    if extra.get("poison") == "rows":
+        assert (out[..., 3, :] == 0).all(), "an all -inf row must give 0"
+    if extra.get("poison") == "all":
+        assert (out == 0).all(), "a -inf scalar bias masks everything"
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"interpreter child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreter_matches_reference(results, case):
+    assert results.get(case) == "ok", results.get(case, "not run")
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    out = {}
+    for name, args in CASES.items():
+        try:
+            _run_case(*args)
+            out[name] = "ok"
+        except Exception:  # reported per case by the parent
+            out[name] = traceback.format_exc(limit=3)[-2000:]
+    print(json.dumps(out))

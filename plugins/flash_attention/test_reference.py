@@ -1,0 +1,182 @@
+"""CPU tests of the FlashAttention reference: NumPy semantics and the ONNX function in onnxruntime."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from optfuse.kernels.registry import plugin_module
+
+R = plugin_module("flash_attention", "reference")
+L = plugin_module("flash_attention", "launch")
+
+
+def _attrs(H, Hkv, causal, scale=0.3):
+    return {"scale": scale, "causal": causal, "num_heads": H, "num_kv_heads": Hkv}
+
+
+def _naive(q, k, v, bias, scale, causal):
+    """Row-by-row float64 loop: the definition written out, for cross-checking reference()."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g = H // Hkv
+    o = np.zeros((B, H, Sq, D))
+    full = None if bias is None else np.broadcast_to(bias, (B, H, Sq, Sk)).astype(np.float64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(Sq):
+                s = scale * (k[b, h // g].astype(np.float64) @ q[b, h, i].astype(np.float64))
+                if full is not None:
+                    s = s + full[b, h, i]
+                if causal:
+                    s[np.arange(Sk) > i + Sk - Sq] = -np.inf
+                if np.all(s == -np.inf):
+                    continue  # defined as 0
+                p = np.exp(s - s.max())
+                o[b, h, i] = p @ v[b, h // g].astype(np.float64) / p.sum()
+    return o
+
+
+@pytest.mark.parametrize("B,H,Hkv,Sq,Sk,D,causal,bias_shape", [
+    (2, 4, 2, 5, 7, 8, 0, None),
+    (2, 4, 1, 7, 5, 8, 1, (2, 1, 1, 5)),   # Sk < Sq: the first rows see no key
+    (1, 6, 3, 9, 13, 16, 1, (6, 9, 13)),
+    (2, 2, 2, 4, 4, 8, 0, ()),
+])
+def test_reference_matches_loop(B, H, Hkv, Sq, Sk, D, causal, bias_shape):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, H, Sq, D))
+    k = rng.standard_normal((B, Hkv, Sk, D))
+    v = rng.standard_normal((B, Hkv, Sk, D))
+    bias = None if bias_shape is None else rng.standard_normal(bias_shape)
+    (o,) = R.reference(None, [q, k, v, bias], _attrs(H, Hkv, causal))
+    np.testing.assert_allclose(o, _naive(q, k, v, bias, 0.3, causal), rtol=1e-12, atol=1e-12)
+
+
+def test_masked_rows_defined():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    bias = rng.standard_normal((1, 2, 6, 5)).astype(np.float32)
+    bias[..., 1, :] = -np.inf                        # every score -inf -> 0
+    bias[..., 2, :] = np.finfo(np.float32).min       # HF mask: absorbed -> uniform average of v
+    (o,) = R.reference(None, [q, k, v, bias], _attrs(2, 2, 0))
+    assert o.dtype == np.float32 and np.isfinite(o).all()
+    np.testing.assert_array_equal(o[..., 1, :], 0.0)
+    np.testing.assert_allclose(o[..., 2, :], v.mean(axis=2), rtol=1e-6, atol=1e-6)
+    # causal with Sk < Sq: row i sees keys j <= i - 1, so row 0 sees none
+    (oc,) = R.reference(None, [q, k, v, None], _attrs(2, 2, 1))
+    np.testing.assert_array_equal(oc[..., 0, :], 0.0)
+    assert np.abs(oc[..., 1:, :]).min() >= 0 and np.isfinite(oc).all()
+
+
+def test_gqa_equals_repeated_heads():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 6, 5, 8))
+    k = rng.standard_normal((2, 2, 7, 8))
+    v = rng.standard_normal((2, 2, 7, 8))
+    (o,) = R.reference(None, [q, k, v, None], _attrs(6, 2, 1))
+    (o2,) = R.reference(None, [q, np.repeat(k, 3, 1), np.repeat(v, 3, 1), None], _attrs(6, 6, 1))
+    np.testing.assert_array_equal(o, o2)
+
+
+def _one_node_model(B, H, Hkv, Sq, Sk, D, bias_shape, attrs, opset):
+    node = helper.make_node("FlashAttention", ["q", "k", "v", "bias"], ["o"], domain="optfuse",
+                            plugin_namespace="optfuse", plugin_version="1", **attrs)
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node], "fa",
+        [helper.make_tensor_value_info("q", f, [B, H, Sq, D]),
+         helper.make_tensor_value_info("k", f, [B, Hkv, Sk, D]),
+         helper.make_tensor_value_info("v", f, [B, Hkv, Sk, D]),
+         helper.make_tensor_value_info("bias", f, list(bias_shape))],
+        [helper.make_tensor_value_info("o", f, [B, H, Sq, D])])
+    model = helper.make_model(graph, functions=[R.onnx_function(None, opset=opset)],
+                              opset_imports=[helper.make_opsetid("", opset),
+                                             helper.make_opsetid("optfuse", 1)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("B,H,Hkv,Sq,Sk,D,causal,bias_shape,opset", [
+    (2, 4, 2, 5, 7, 8, 0, (2, 1, 1, 7), 17),     # GQA + key padding
+    (2, 4, 2, 5, 7, 8, 1, (2, 1, 1, 7), 17),     # + causal, Sk > Sq
+    (2, 4, 1, 7, 5, 8, 1, (), 17),               # scalar zero bias (no mask), causal Sk < Sq
+    (1, 6, 3, 9, 9, 16, 1, (1, 6, 9, 9), 21),
+    (1, 2, 2, 6, 5, 8, 0, (6, 5), 18),
+])
+def test_onnx_function_matches_reference(B, H, Hkv, Sq, Sk, D, causal, bias_shape, opset):
+    ort = pytest.importorskip("onnxruntime")
+    attrs = _attrs(H, Hkv, causal)
+    model = _one_node_model(B, H, Hkv, Sq, Sk, D, bias_shape, attrs, opset)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((B, H, Sq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    bias = (np.zeros(bias_shape, np.float32) if bias_shape == ()
+            else rng.standard_normal(bias_shape).astype(np.float32))
+    if len(bias_shape) >= 2 and bias_shape[-2] > 3:
+        bias[..., 2, :] = -np.inf
+        bias[..., 3, :] = np.finfo(np.float32).min
+    (o,) = sess.run(None, {"q": q, "k": k, "v": v, "bias": bias})
+    (ref,) = R.reference(None, [q, k, v, bias], attrs)
+    assert np.isfinite(o).all()
+    assert np.abs(o - ref).max() <= 1e-5
+
+
+def test_function_signature_follows_spec():
+    spec_attrs = {"scale", "causal", "num_heads", "num_kv_heads"}
+    fn = R.onnx_function(None)
+    assert (fn.domain, fn.name) == ("optfuse", "FlashAttention")
+    names = set(fn.attribute) | {a.name for a in fn.attribute_proto}
+    assert names == spec_attrs | {"plugin_namespace", "plugin_version"}
+    assert list(fn.input) == ["q", "k", "v", "bias"] and list(fn.output) == ["o"]
+
+
+def test_launch_params_use_only_ring_ops():
+    """launch_params must work on symbolic dims: feed objects that only support + - * and cdiv."""
+
+    class Sym:
+        def __init__(self, e):
+            self.e = e
+
+        def __add__(self, o):
+            return Sym(f"({self.e}+{getattr(o, 'e', o)})")
+
+        def __sub__(self, o):
+            return Sym(f"({self.e}-{getattr(o, 'e', o)})")
+
+        def __mul__(self, o):
+            return Sym(f"({self.e}*{getattr(o, 'e', o)})")
+
+        __radd__, __rmul__ = __add__, __mul__
+
+    def cdiv(a, b):
+        return Sym(f"cdiv({getattr(a, 'e', a)},{getattr(b, 'e', b)})")
+
+    B, H, Hkv, Sq, Sk = (Sym(n) for n in ("B", "H", "Hkv", "Sq", "Sk"))
+    attrs = {"scale": 0.125, "causal": 1, "num_heads": 8, "num_kv_heads": 2}
+    p = L.launch_params("FlashAttention", [[B, H, Sq, 64], [B, Hkv, Sk, 64], [B, Hkv, Sk, 64],
+                                          [B, 1, 1, Sk]], ["float16"], attrs, cdiv=cdiv)
+    cfg = L.choose_config("float16", 64, True)
+    assert p.grid[0].e == f"(cdiv(Sq,{cfg.block_m})*(B*H))"
+    assert [a.e for a in p.extra_args] == ["H", "Hkv", "Sq", "Sk"]
+    assert p.block == (cfg.num_warps * 32, 1, 1)
+
+
+def test_kernel_config_variants():
+    attrs = {"scale": 0.125, "causal": 0, "num_heads": 8, "num_kv_heads": 8}
+    nb = L.kernel_config("FlashAttention", "float16", attrs, {"head_dim": 64})
+    assert nb.n_inputs == 3 and nb.constexprs["Bias"] is None and "Bias" not in nb.signature
+    kp = L.kernel_config("FlashAttention", "bfloat16", attrs, {"head_dim": 80, "bias_shape": (-1, 1, 1, -1)})
+    assert kp.n_inputs == 4 and kp.signature["Bias"] == "*bf16" and kp.constexprs["HEAD_DIM_PAD"] == 128
+    assert (kp.constexprs["BIAS_B"], kp.constexprs["BIAS_H"], kp.constexprs["BIAS_M"], kp.constexprs["BIAS_N"]) == (1, 0, 0, 1)
+    sc = L.kernel_config("FlashAttention", "float16", attrs, {"head_dim": 64, "bias_shape": ()})
+    assert sc.constexprs["SCALAR_BIAS"] and not sc.constexprs["HAS_BIAS"]
+    assert list(sc.signature) == ["Q", "K", "V", "Bias", "H", "Hkv", "Sq", "Sk", "Out"]
+    with pytest.raises(ValueError):
+        L.kernel_config("FlashAttention", "float16", attrs, {"head_dim": 48})
+    assert len(L.prebuild_sources()) == 24

@@ -1,0 +1,168 @@
+"""Helpers shared by the FlashAttention tests and scripts/bench_attention.py (no pydantic).
+
+* :func:`case_sources` -- KernelSource + LaunchParams of one case, from launch.py;
+* :func:`run_triton` -- run the Triton kernel of a KernelSource directly (JIT on a GPU, or the
+  interpreter on CPU) with the launcher's argument order, binding by parameter name so an absent
+  bias (a ``None`` constexpr in the middle of the signature) works;
+* :func:`prebuilt_artifact` / :func:`get_artifact` -- an artifact compiled elsewhere (this repo's
+  CPU machine: Triton 3.9 cubins for sm_90), looked up by its spec, else compiled here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from optfuse.kernels.artifact import KernelArtifact, KernelSource, LaunchParams
+from optfuse.kernels.registry import plugin_module
+
+OP = "FlashAttention"
+
+
+def launch_mod():
+    return plugin_module("flash_attention", "launch")
+
+
+def reference_mod():
+    return plugin_module("flash_attention", "reference")
+
+
+def attrs_for(H: int, Hkv: int, D: int, causal: bool, scale: float | None = None) -> dict:
+    return {"scale": D ** -0.5 if scale is None else scale, "causal": int(causal),
+            "num_heads": H, "num_kv_heads": Hkv}
+
+
+def case_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict,
+                 config=None, bias_dtype: str | None = None) -> tuple[KernelSource, LaunchParams]:
+    """(KernelSource, LaunchParams) for concrete shapes [q, k, v, bias-or-None]."""
+    L = launch_mod()
+    q = list(shapes[0])
+    bias = shapes[3] if len(shapes) > 3 else None
+    static = {"head_dim": q[3], "bias_shape": None if bias is None else tuple(bias),
+              "bias_dtype": bias_dtype}
+    src = L.kernel_config(OP, dtype, attrs, static, config=config)
+    shp = [list(s) for s in shapes[:3]] + ([list(bias)] if bias is not None else [])
+    params = L.launch_params(OP, shp, [dtype], attrs, config=config)
+    return src, params
+
+
+@contextlib.contextmanager
+def _interpret(on: bool):
+    old = os.environ.get("TRITON_INTERPRET")
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def run_triton(src: KernelSource, params: LaunchParams, inputs: Sequence[Any],
+               outputs: Sequence[Any], interpret: bool = False) -> None:
+    """Launch ``src``'s @triton.jit function on torch tensors (GPU JIT, or CPU interpreter)."""
+    from optfuse.kernels.triton_aot import load_module
+
+    fn = getattr(load_module(src.path, interpret=interpret), src.entry)
+    runtime = list(src.signature)
+    values = [*inputs, *[int(a) for a in params.extra_args], *outputs]
+    if len(values) != len(runtime):
+        raise ValueError(f"{src.name}: {len(values)} arguments for signature {runtime}")
+    kwargs = dict(zip(runtime, values))
+    with _interpret(interpret):
+        fn[tuple(int(g) for g in params.grid)](**kwargs, **src.constexprs,
+                                                num_warps=src.num_warps,
+                                                num_stages=src.num_stages)
+
+
+def _expected_key(src: KernelSource, arch: int, compiler: str) -> str:
+    blob = json.dumps({"spec": src.spec_dict(), "arch": arch, "compiler": compiler}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def prebuilt_artifact(src: KernelSource, root: str | os.PathLike, arch: int = 90) -> KernelArtifact | None:
+    """The artifact of exactly ``src`` (same source hash and specialization) under a KernelCache
+    root, built by any Triton version (the key is recomputed with the compiler it records)."""
+    from optfuse.kernels.cache import KernelCache
+
+    cache = KernelCache(root)
+    probe = cache.path_for(src, arch, "x" * 24).parent
+    if not probe.is_dir():
+        return None
+    for meta_path in sorted(probe.glob("*/meta.json")):
+        meta = json.loads(meta_path.read_text())
+        compiler = meta.get("metadata", {}).get("compiler", "")
+        if meta.get("key") == _expected_key(src, arch, compiler):
+            return KernelArtifact.load(meta_path.parent)
+    return None
+
+
+def get_artifact(src: KernelSource, arch: int | None = None) -> KernelArtifact:
+    """``$OPTFUSE_FA_PREBUILT`` (a KernelCache root carried from the CPU machine) first, else
+    build (and cache) with the Triton installed here."""
+    from optfuse.kernels import build_kernel
+
+    root = os.environ.get("OPTFUSE_FA_PREBUILT")
+    if root:
+        art = prebuilt_artifact(src, root, arch or 90)
+        if art is not None:
+            return art
+    return build_kernel(src, arch)
+
+
+def random_inputs(B, H, Hkv, Sq, Sk, D, dtype, bias_shape=None, *, device="cpu", generator=None):
+    """q, k, v, bias (torch) from N(0, 1); bias N(0, 1) too (None when bias_shape is None)."""
+    import torch
+
+    tdt = getattr(torch, dtype)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device=device, dtype=tdt)
+
+    q, k, v = rnd(B, H, Sq, D), rnd(B, Hkv, Sk, D), rnd(B, Hkv, Sk, D)
+    bias = None if bias_shape is None else rnd(*bias_shape) if len(bias_shape) else rnd(1).reshape(())
+    return q, k, v, bias
+
+
+def to_numpy64(t):
+    return None if t is None else t.detach().float().cpu().double().numpy()
+
+
+def reference_of(q, k, v, bias, attrs):
+    import numpy as np
+
+    R = reference_mod()
+    o = R.reference(None, [to_numpy64(q), to_numpy64(k), to_numpy64(v), to_numpy64(bias)], attrs)[0]
+    return np.asarray(o, dtype=np.float64)
+
+
+#: Error bounds vs the float64 reference, by dtype: (max relative L2 error, max abs error).
+#: fp16/bf16: the kernel rounds p to the input dtype before p @ v (as every FlashAttention does)
+#: and o to the output dtype: ~2^-11 (fp16) / 2^-8 (bf16) relative. fp32: IEEE dots.
+TOLERANCE = {"float16": (2e-3, 1e-2), "bfloat16": (1.6e-2, 6e-2), "float32": (1e-5, 1e-4)}
+
+
+def check_close(out, ref, dtype: str, what: str = "") -> tuple[float, float]:
+    import numpy as np
+
+    o = out.detach().float().cpu().double().numpy() if hasattr(out, "detach") else np.asarray(out, np.float64)
+    if np.isnan(o).any():
+        raise AssertionError(f"{what}: {int(np.isnan(o).sum())} NaN outputs (unwritten or bad math)")
+    rel = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
+    mx = float(np.abs(o - ref).max()) if o.size else 0.0
+    tr, ta = TOLERANCE[dtype]
+    if rel > tr or mx > ta:
+        raise AssertionError(f"{what}: rel L2 {rel:.2e} (<= {tr}), max abs {mx:.2e} (<= {ta})")
+    return rel, mx
+
+
+def cache_root_default() -> Path:
+    return Path(__file__).resolve().parents[2] / ".optfuse_cache" / "flash_attention"

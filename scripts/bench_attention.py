@@ -1,0 +1,383 @@
+#!/usr/bin/env python3
+"""FlashAttention benchmark: the optfuse kernel vs torch scaled_dot_product_attention.
+
+Sweep (issue 5): B*S = 16k tokens, H*D = 2048, S in 512..16k, D in {64, 128}, causal and not,
+bf16 and fp16. For each shape it times
+
+* ``ours``: the AOT artifact (cubin) launched through ``optfuse.kernels.launcher`` -- what a
+  TensorRT plugin runs; taken from ``--prebuilt`` (a KernelCache root built on the CPU machine
+  with ``--build``) or compiled with the local Triton;
+* ``jit``: the same KernelSource through Triton's JIT (local Triton) as a cross-check;
+* SDPA with each backend that runs (flash, cudnn, efficient) and the default choice.
+
+TF/s = 4 * B * H * S^2 * D / time (half of that for causal). Times are medians of
+triton.testing.do_bench (L2 flushed between calls).
+
+    python scripts/bench_attention.py --build .optfuse_cache/fa          # CPU: prebuild cubins
+    python scripts/bench_attention.py --prebuilt .optfuse_cache/fa --out bench.json   # GPU
+    python scripts/bench_attention.py --sweep --prebuilt ... --out sweep.json         # tuning
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from optfuse.kernels.registry import plugin_module  # noqa: E402
+
+T = plugin_module("flash_attention", "testing")
+L = plugin_module("flash_attention", "launch")
+
+TOKENS = 16384
+HIDDEN = 2048
+SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+DIMS = (64, 128)
+DTYPES = ("bfloat16", "float16")
+SWEEP_SEQS = (1024, 4096)
+
+
+def shape_of(S: int, D: int) -> tuple[int, int]:
+    return TOKENS // S, HIDDEN // D
+
+
+def flops(B, H, S, D, causal) -> float:
+    f = 4.0 * B * H * S * S * D
+    return f / 2 if causal else f
+
+
+def source_for(dtype, S, D, causal, config=None, bias_shape=None):
+    B, H = shape_of(S, D)
+    attrs = T.attrs_for(H, H, D, causal)
+    shapes = [(B, H, S, D), (B, H, S, D), (B, H, S, D), bias_shape]
+    return T.case_sources(dtype, shapes, attrs, config=config)
+
+
+def _gpu_test_sources():
+    spec = importlib.util.spec_from_file_location(
+        "_fa_gpu_cases", ROOT / "plugins" / "flash_attention" / "test_kernel_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = []
+    for (B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, _) in mod.CASES:
+        attrs = T.attrs_for(H, Hkv, D, causal)
+        src, _ = T.case_sources(dtype, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D), bias_shape], attrs)
+        out.append(src)
+    return out
+
+
+def build_sources(sweep: bool = True, tests: bool = True, configs: dict | None = None,
+                  sweep_dtypes=("bfloat16",)):
+    """Every KernelSource a device run may need, most needed first: the GPU test cases, the chosen
+    config of each benchmark shape (plus bias variants), then the sweep candidates."""
+    srcs = {}
+    if tests:
+        for s in _gpu_test_sources():
+            srcs[s.name] = s
+    combos = [(dt, D, c) for dt in DTYPES for D in DIMS for c in (0, 1)]
+    for dtype, D, causal in combos:
+        cfg = (configs or {}).get((D, causal))
+        s, _ = source_for(dtype, 4096, D, causal, cfg)
+        srcs[s.name] = s
+        B, H = shape_of(4096, D)
+        for bshape in ((), (B, 1, 1, 4096)):
+            s, _ = source_for(dtype, 4096, D, causal, cfg, bshape)
+            srcs[s.name] = s
+    if sweep:
+        for dtype, D, causal in combos:
+            if dtype not in sweep_dtypes:
+                continue
+            for cfg in L.candidate_configs(dtype, D, causal):
+                s, _ = source_for(dtype, 4096, D, causal, cfg)
+                srcs[s.name] = s
+    return list(srcs.values())
+
+
+def prebuild_missing(runners, srcs, jobs=16):
+    """Compile (in parallel, local Triton) the sources no prebuilt root has."""
+    from optfuse.kernels import default_cache
+
+    missing = [s for s in srcs
+               if not any(r.prebuilt and T.prebuilt_artifact(s, r.prebuilt) for r in runners)]
+    if missing:
+        t0 = time.time()
+        default_cache().build_many(missing, None, jobs=jobs)
+        print(f"compiled {len(missing)} missing artifacts locally in {time.time() - t0:.0f}s", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def _default_backend(q, k, v, causal):
+    import torch
+
+    from torch.nn.attention import SDPBackend
+
+    try:
+        idx = torch._fused_sdp_choice(q, k, v, None, 0.0, bool(causal))
+        return SDPBackend(int(idx)).name.lower()
+    except Exception as e:  # private API; report what happened
+        return f"? ({type(e).__name__})"
+
+
+class Runner:
+    """Artifacts from one prebuilt KernelCache root (else compiled with the local Triton)."""
+
+    def __init__(self, prebuilt: str | None):
+        self.prebuilt = prebuilt
+
+    def artifact(self, src):
+        if self.prebuilt:
+            art = T.prebuilt_artifact(src, self.prebuilt)
+            if art is not None:
+                return art, "prebuilt:" + Path(self.prebuilt).name
+        from optfuse.kernels import build_kernel
+
+        return build_kernel(src), "local"
+
+
+def choose_from_sweep(path):
+    """(D, causal) -> (FAConfig, root): the config with the best geometric mean TF/s over the
+    swept sequence lengths (one config per (D, causal): kernel_config cannot see S)."""
+    import math
+
+    rows = [r for r in json.loads(Path(path).read_text())["rows"] if r.get("ours_tfs") and not r.get("error")]
+    best = {}
+    for D, causal in {(r["D"], r["causal"]) for r in rows}:
+        seqs = {r["S"] for r in rows if (r["D"], r["causal"]) == (D, causal)}
+        score = {}
+        for r in rows:
+            if (r["D"], r["causal"]) != (D, causal):
+                continue
+            key = (tuple(r["config"]), r["root"])
+            score.setdefault(key, {}).setdefault(r["S"], []).append(r["ours_tfs"])
+        full = {k: math.exp(sum(math.log(sum(v) / len(v)) for v in d.values()) / len(d))
+                for k, d in score.items() if set(d) == seqs}
+        (cfg, root), tfs = max(full.items(), key=lambda kv: kv[1])
+        best[(D, causal)] = (L.FAConfig(*cfg), root, tfs)
+    return best
+
+
+def _bench(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
+
+
+def time_ours(runner, src, params, q, k, v, bias, out):
+    import torch
+
+    from optfuse.kernels import launch
+
+    art, where = runner.artifact(src)
+    ins = [q, k, v] + ([bias] if bias is not None else [])
+    stream = torch.cuda.current_stream().cuda_stream
+    out.fill_(float("nan"))
+    launch(art, params, ins, [out], stream, sync=True)
+    assert not torch.isnan(out).any(), f"{src.name}: NaN in the output"
+    return _bench(lambda: launch(art, params, ins, [out], stream)), where, art
+
+
+def time_jit(src, params, q, k, v, bias, out):
+    ins = [q, k, v] + ([bias] if bias is not None else [])
+    T.run_triton(src, params, ins, [out])
+    return _bench(lambda: T.run_triton(src, params, ins, [out]))
+
+
+def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, jit=True):
+    import torch
+    import torch.nn.functional as F
+
+    B, H = shape_of(S, D)
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(S * 31 + D)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=tdt, generator=gen) for _ in range(3))
+    bias_t = None
+    if bias == "scalar":
+        bias_t = torch.zeros((), device="cuda", dtype=tdt)
+    elif bias == "keypad":
+        bias_t = torch.zeros(B, 1, 1, S, device="cuda", dtype=tdt)
+        bias_t[..., S - S // 8:] = torch.finfo(tdt).min
+    src, params = source_for(dtype, S, D, causal, config, None if bias_t is None else tuple(bias_t.shape))
+    out = torch.empty_like(q)
+    fl = flops(B, H, S, D, causal)
+    row = {"dtype": dtype, "B": B, "H": H, "S": S, "D": D, "causal": int(causal),
+           "bias": bias or "none", "kernel": src.name}
+    ms, where, art = time_ours(runner, src, params, q, k, v, bias_t, out)
+    row.update(ours_ms=ms, ours_tfs=fl / ms * 1e-9, artifact=where,
+               compiler=art.metadata.get("compiler"), smem=art.shared_mem)
+    mask = bias_t if bias_t is not None and bias_t.dim() else None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=bool(causal))
+    row["max_abs_vs_sdpa"] = err = float((out.float() - ref.float()).abs().max())
+    if not err < 0.05:  # bf16/fp16 outputs of N(0,1) inputs: ~1e-2 at most
+        row["error"] = f"output differs from SDPA by {err:.3g}"
+    del ref
+    if sdpa:
+        row["default_backend"] = _default_backend(q, k, v, causal)
+        from torch.nn.attention import sdpa_kernel
+
+        for name, be in _sdpa_backends().items():
+            try:
+                with sdpa_kernel([be]):
+                    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))  # noqa: E731
+                    fn()
+                    t = _bench(fn)
+                row[f"{name}_tfs"] = fl / t * 1e-9
+            except Exception as e:
+                row[f"{name}_tfs"] = None
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        best = max((row[f"{n}_tfs"] or 0) for n in _sdpa_backends())
+        row["sdpa_best_tfs"] = best
+        row["ratio"] = row["ours_tfs"] / best if best else None
+    if jit:
+        try:
+            row["jit_tfs"] = fl / time_jit(src, params, q, k, v, bias_t, out) * 1e-9
+        except Exception as e:
+            row["jit_tfs"] = None
+            row["jit_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    del q, k, v, out
+    torch.cuda.empty_cache()
+    return row
+
+
+def fmt(x, spec="7.1f"):
+    return format(x, spec) if isinstance(x, (int, float)) else f"{'-':>7}"
+
+
+def print_table(rows):
+    print(f"{'dtype':9} {'S':>6} {'D':>4} {'c':>2} {'bias':7} {'ours':>7} {'jit':>7} {'flash':>7} "
+          f"{'cudnn':>7} {'effic':>7} {'ratio':>6}  default")
+    for r in rows:
+        print(f"{r['dtype']:9} {r['S']:6d} {r['D']:4d} {r['causal']:2d} {r['bias']:7} {fmt(r['ours_tfs'])} "
+              f"{fmt(r.get('jit_tfs'))} {fmt(r.get('flash_tfs'))} {fmt(r.get('cudnn_tfs'))} "
+              f"{fmt(r.get('efficient_tfs'))} {fmt(r.get('ratio'), '6.2f')}  {r.get('default_backend', '')}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", metavar="DIR", help="CPU: compile every needed artifact into DIR and exit")
+    ap.add_argument("--prebuilt", metavar="DIR[,DIR]", default=os.environ.get("OPTFUSE_FA_PREBUILT"),
+                    help="KernelCache root(s) with prebuilt artifacts (else compile locally); "
+                         "--sweep times each root")
+    ap.add_argument("--sweep", action="store_true", help="time every candidate config (tuning)")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--seqs", default=",".join(map(str, SEQS)))
+    ap.add_argument("--dims", default=",".join(map(str, DIMS)))
+    ap.add_argument("--no-jit", action="store_true")
+    ap.add_argument("--tuned-from", metavar="SWEEP_JSON",
+                    help="use the best config per (D, causal) of a --sweep run (else launch.py's)")
+    ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--build-sweep-dtypes", default="bfloat16",
+                    help="--build: dtypes whose sweep candidates are compiled too")
+    args = ap.parse_args(argv)
+
+    if args.build:
+        from optfuse.kernels import KernelCache
+
+        srcs = build_sources(sweep_dtypes=tuple(args.build_sweep_dtypes.split(",")))
+        t0 = time.time()
+        KernelCache(args.build).build_many(srcs, 90, jobs=args.jobs)
+        print(f"built {len(srcs)} artifacts for sm_90 in {time.time() - t0:.0f}s into {args.build}")
+        return 0
+
+    import torch
+
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    runners = [Runner(p) for p in (args.prebuilt or "").split(",")]
+    dtypes = args.dtypes.split(",")
+    dims = [int(d) for d in args.dims.split(",")]
+    rows = []
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "cudnn": torch.backends.cudnn.version()}
+    print(json.dumps(info))
+    if args.sweep:
+        seqs = [int(s) for s in args.seqs.split(",")] if args.seqs != ",".join(map(str, SEQS)) else SWEEP_SEQS
+        prebuild_missing(runners, [source_for(dt, 4096, D, c, cfg)[0] for dt in dtypes for D in dims
+                                   for c in (0, 1) for cfg in L.candidate_configs(dt, D, c)])
+        for runner in runners:
+            for dtype in dtypes:
+                for D in dims:
+                    for causal in (0, 1):
+                        for S in seqs:
+                            for cfg in L.candidate_configs(dtype, D, causal):
+                                try:
+                                    r = run_shape(runner, dtype, S, D, causal, cfg, sdpa=False, jit=False)
+                                except Exception as e:
+                                    r = {"dtype": dtype, "S": S, "D": D, "causal": causal,
+                                         "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                                r["config"] = list(cfg.__dict__.values())
+                                r["root"] = runner.prebuilt
+                                rows.append(r)
+                                print(f"{dtype:9} S{S:6d} D{D:4d} c{causal} {str(r['config']):40} "
+                                      f"{Path(runner.prebuilt or 'local').name:6} {fmt(r.get('ours_tfs'))} TF/s "
+                                      f"{r.get('error', '')}", flush=True)
+        print("\n== sweep: best three (config, root) per (dtype, S, D, causal); TF/s ==")
+        keys = sorted({(r["dtype"], r["S"], r["D"], r["causal"]) for r in rows})
+        for key in keys:
+            sel = [r for r in rows if (r["dtype"], r["S"], r["D"], r["causal"]) == key]
+            rs = sorted((r for r in sel if r.get("ours_tfs")), key=lambda r: -r["ours_tfs"])
+            print(f"{key[0]:9} S{key[1]:6d} D{key[2]:4d} c{key[3]}  first {fmt(sel[0].get('ours_tfs'))}  "
+                  + "  ".join(f"{r['config']}@{Path(r['root'] or 'local').name} {r['ours_tfs']:.0f}"
+                              for r in rs[:3]))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+        best = choose_from_sweep(args.out) if args.out else {}
+        print("\n== chosen (geometric mean over S) ==")
+        for (D, causal), (cfg, root, tfs) in sorted(best.items()):
+            print(f"D{D} causal={causal}: {cfg} from {root}: {tfs:.0f} TF/s")
+        return 0
+
+    chosen = choose_from_sweep(args.tuned_from) if args.tuned_from else {}
+    by_root = {r.prebuilt: r for r in runners}
+
+    def pick(D, causal):
+        if (D, causal) in chosen:
+            cfg, root, _ = chosen[(D, causal)]
+            return cfg, by_root.get(root) or Runner(root)
+        return None, runners[0]
+
+    prebuild_missing(runners + [Runner(c[1]) for c in chosen.values()],
+                     build_sources(sweep=False, tests=False,
+                                   configs={k: v[0] for k, v in chosen.items()}))
+    for dtype in dtypes:
+        for D in dims:
+            for causal in (0, 1):
+                cfg, runner = pick(D, causal)
+                for S in (int(s) for s in args.seqs.split(",")):
+                    rows.append(run_shape(runner, dtype, S, D, causal, cfg, jit=not args.no_jit))
+                    print_table(rows[-1:])
+                    sys.stdout.flush()
+    for bias in ("scalar", "keypad"):  # what a plugin with a mask input costs
+        for causal in (0, 1):
+            cfg, runner = pick(128, causal)
+            rows.append(run_shape(runner, "bfloat16", 4096, 128, causal, cfg, bias=bias, sdpa=False,
+                                  jit=False))
+    print("\n== summary (TF/s; ratio = ours / best SDPA backend) ==")
+    for (D, causal), (cfg, root, _) in sorted(chosen.items()):
+        print(f"config D{D} causal={causal}: {cfg} ({Path(root or 'local').name})")
+    print_table(rows)
+    losses = [r for r in rows if r.get("ratio") is not None and
+              r["ratio"] < (0.9 if r["S"] <= 512 else 1.0)]
+    print(f"\nshapes under target: {len(losses)}")
+    for r in losses:
+        print(f"  {r['dtype']} S{r['S']} D{r['D']} causal={r['causal']}: {r['ratio']:.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
