@@ -35,28 +35,34 @@ def reference(op: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     raise ValueError(f"layer_norm plugin has no op {op!r}")
 
 
-def onnx_function(op: str, opset: int = 17):
-    """``onnx.FunctionProto`` (domain ``optfuse``, name ``op``) built on the standard
-    ``LayerNormalization`` (opset >= 17), attributes epsilon / plugin_namespace / plugin_version."""
+def onnx_function(op: str, opset: int = 17, dtype: str = "float32"):
+    """``onnx.FunctionProto`` (domain ``optfuse``, name ``op``), attributes epsilon /
+    plugin_namespace / plugin_version, written for the model's default-domain ``opset``:
+
+    * opset >= 17: the standard ``LayerNormalization`` (SkipLayerNorm adds an ``Add``);
+    * opset 15-16: the same math decomposed (ReduceMean, Sub, Mul, Sqrt, Div) in float32,
+      cast back with ``CastLike``;
+    * opset 13-14 (no ``CastLike``): decomposed in float32 and cast back to ``dtype`` (the
+      model's I/O dtype, float32 unless told).
+    """
     import onnx
     from onnx import helper
 
-    if opset < 17:
-        raise ValueError("LayerNorm functions need default-domain opset >= 17 (LayerNormalization)")
-    eps_attr = helper.make_attribute_ref("epsilon", onnx.AttributeProto.FLOAT)
+    if opset < 13:
+        raise ValueError("optfuse ONNX functions need default-domain opset >= 13")
     if op == "LayerNorm":
-        inputs, outputs = ["x", "gamma", "beta"], ["y"]
-        ln_in = "x"
-        nodes = []
+        inputs, outputs, ln_in, nodes = ["x", "gamma", "beta"], ["y"], "x", []
     elif op == "SkipLayerNorm":
-        inputs, outputs = ["x", "skip", "gamma", "beta"], ["y", "sum"]
-        ln_in = "sum"
+        inputs, outputs, ln_in = ["x", "skip", "gamma", "beta"], ["y", "sum"], "sum"
         nodes = [helper.make_node("Add", ["x", "skip"], ["sum"])]
     else:
         raise ValueError(f"layer_norm plugin has no op {op!r}")
-    ln = helper.make_node("LayerNormalization", [ln_in, "gamma", "beta"], ["y"], axis=-1)
-    ln.attribute.append(eps_attr)
-    nodes.append(ln)
+    if opset >= 17:
+        ln = helper.make_node("LayerNormalization", [ln_in, "gamma", "beta"], ["y"], axis=-1)
+        ln.attribute.append(helper.make_attribute_ref("epsilon", onnx.AttributeProto.FLOAT))
+        nodes.append(ln)
+    else:
+        nodes += _decomposed(ln_in, opset, dtype)
     attribute_proto = [
         helper.make_attribute("epsilon", DEFAULT_EPSILON),
         helper.make_attribute("plugin_namespace", "optfuse"),
@@ -73,3 +79,41 @@ def onnx_function(op: str, opset: int = 17):
         attribute_protos=attribute_proto,
         doc_string=f"optfuse {op}: reference semantics for onnxruntime (TensorRT maps the node to a plugin).",
     )
+
+
+def _decomposed(x: str, opset: int, dtype: str) -> list:
+    """LayerNorm of ``x`` into ``y`` from standard ops, statistics in float32."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def mean(inp, out):
+        if opset >= 18:
+            return [helper.make_node("Constant", [], [out + "_axes"], value_ints=[-1]),
+                    helper.make_node("ReduceMean", [inp, out + "_axes"], [out], keepdims=1)]
+        return [helper.make_node("ReduceMean", [inp], [out], axes=[-1], keepdims=1)]
+
+    F = TensorProto.FLOAT
+    eps = helper.make_node("Constant", [], ["eps"])
+    ref = onnx.AttributeProto()
+    ref.name, ref.ref_attr_name, ref.type = "value_float", "epsilon", onnx.AttributeProto.FLOAT
+    eps.attribute.append(ref)
+    nodes = [helper.make_node("Cast", [x], ["xf"], to=F)]
+    nodes += mean("xf", "mean")
+    nodes += [helper.make_node("Sub", ["xf", "mean"], ["xc"]), helper.make_node("Mul", ["xc", "xc"], ["sq"])]
+    nodes += mean("sq", "var")
+    nodes += [
+        eps,
+        helper.make_node("Add", ["var", "eps"], ["var_eps"]),
+        helper.make_node("Sqrt", ["var_eps"], ["std"]),
+        helper.make_node("Div", ["xc", "std"], ["xn"]),
+        helper.make_node("Cast", ["gamma"], ["gf"], to=F),
+        helper.make_node("Cast", ["beta"], ["bf"], to=F),
+        helper.make_node("Mul", ["xn", "gf"], ["xg"]),
+        helper.make_node("Add", ["xg", "bf"], ["yf"]),
+    ]
+    if opset >= 15:
+        nodes.append(helper.make_node("CastLike", ["yf", "x"], ["y"]))
+    else:
+        to = helper.np_dtype_to_tensor_dtype(__import__("numpy").dtype(dtype)) if dtype != "bfloat16" else TensorProto.BFLOAT16
+        nodes.append(helper.make_node("Cast", ["yf"], ["y"], to=to))
+    return nodes

@@ -32,14 +32,17 @@ def reference(op: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     raise ValueError(f"rms_norm plugin has no op {op!r}")
 
 
-def onnx_function(op: str, opset: int = 17):
+def onnx_function(op: str, opset: int = 17, dtype: str = "float32"):
     """``onnx.FunctionProto`` (domain ``optfuse``, name ``op``): the RMSNorm decomposed into
     standard ops, computed in float32 (``Cast`` in, ``CastLike`` out) for any I/O dtype.
     ``opset`` is the default-domain opset of the model it goes into (ReduceMean's axes moved
-    from attribute to input in opset 18)."""
+    from attribute to input in opset 18; below opset 15, which lacks ``CastLike``, the result is
+    cast to ``dtype``, the model's I/O dtype)."""
     import onnx
     from onnx import TensorProto, helper
 
+    if opset < 13:
+        raise ValueError("optfuse ONNX functions need default-domain opset >= 13")
     if op == "RMSNorm":
         inputs, outputs = ["x", "gamma"], ["y"]
         nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT)]
@@ -68,8 +71,12 @@ def onnx_function(op: str, opset: int = 17):
         helper.make_node("Div", ["xf", "rms"], ["xn"]),
         helper.make_node("Cast", ["gamma"], ["gf"], to=TensorProto.FLOAT),
         helper.make_node("Mul", ["xn", "gf"], ["yf"]),
-        helper.make_node("CastLike", ["yf", "x"], ["y"]),
     ]
+    if opset >= 15:
+        nodes.append(helper.make_node("CastLike", ["yf", "x"], ["y"]))
+    else:
+        to = TensorProto.BFLOAT16 if dtype == "bfloat16" else helper.np_dtype_to_tensor_dtype(__import__("numpy").dtype(dtype))
+        nodes.append(helper.make_node("Cast", ["yf"], ["y"], to=to))
     attribute_protos = [
         helper.make_attribute("epsilon", DEFAULT_EPSILON),
         helper.make_attribute("plugin_namespace", "optfuse"),

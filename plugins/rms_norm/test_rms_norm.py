@@ -53,13 +53,13 @@ def test_reference_formula(op):
         np.testing.assert_array_equal(outs[1], ins[0] + ins[1])
 
 
-@pytest.mark.parametrize("opset", [17, 18])
+@pytest.mark.parametrize("opset", [14, 15, 17, 18])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("op", OPS)
 def test_onnx_function_runs_in_onnxruntime(op, dtype, opset):
     rng = np.random.default_rng(2)
     ins = make_inputs(op, dtype, 5, 771, rng)
-    fn = reference.onnx_function(op, opset=opset)
+    fn = reference.onnx_function(op, opset=opset, dtype=dtype)
     assert fn.domain == "optfuse" and fn.name == op
     assert {a.name for a in fn.attribute_proto} >= {"epsilon", "plugin_namespace", "plugin_version"}
     got = run_onnx_function(fn, ins, {"epsilon": 1e-4}, opset=opset)
