@@ -17,7 +17,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from . import DOMAIN
-from .ir.query import outside_uses, tensor_bytes
+from .ir.query import concrete_shapes, outside_uses, tensor_bytes
 from .pattern import Context, FusionRule, NewTensor, Rewrite, match
 from .spec import get_spec, plugin_module
 
@@ -163,16 +163,22 @@ def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context,
 _SAME_SIZE = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
 
 
-def _bytes(t: gs.Tensor, dims: dict[str, int], depth: int = 8) -> int | None:
-    """tensor_bytes, or that of the tensor a Reshape/Transpose/... made it from (shape inference
-    often names a merged dim, e.g. batch * heads, with a fresh symbol)."""
-    b = tensor_bytes(t, dims)
+def _bytes(t: gs.Tensor, dims: dict[str, int], shapes: dict[str, tuple[int, ...]] | None = None,
+           depth: int = 8) -> int | None:
+    """Size of `t`: from the concrete shapes inferred for the analysis dims when known, else from its
+    own (symbolic) shape, else that of the tensor a Reshape/Transpose/... made it from (shape
+    inference often names a merged dim, e.g. batch * heads, with a fresh symbol)."""
+    if shapes and t.name in shapes:
+        b = tensor_bytes(t, dims, shape=shapes[t.name])
+    else:
+        b = tensor_bytes(t, dims)
     if b is None and depth and len(t.inputs) == 1 and t.inputs[0].op in _SAME_SIZE and t.inputs[0].inputs:
-        return _bytes(t.inputs[0].inputs[0], dims, depth - 1)
+        return _bytes(t.inputs[0].inputs[0], dims, shapes, depth - 1)
     return b
 
 
-def _traffic(nodes: Sequence[gs.Node], dims: dict[str, int]) -> int | None:
+def _traffic(nodes: Sequence[gs.Node], dims: dict[str, int],
+             shapes: dict[str, tuple[int, ...]] | None = None) -> int | None:
     """Bytes a node sequence moves through memory: each input read once, each output written once."""
     total = 0
     for n in nodes:
@@ -181,7 +187,7 @@ def _traffic(nodes: Sequence[gs.Node], dims: dict[str, int]) -> int | None:
         for t in list(n.inputs) + list(n.outputs):
             if not t.name:
                 continue
-            b = _bytes(t, dims)
+            b = _bytes(t, dims, shapes)
             if b is None:
                 return None
             total += b
@@ -219,11 +225,14 @@ def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], star
     created them.
     """
     made: dict[int, gs.Tensor] = {}
+    # HBM estimates use concrete shapes (inputs' symbolic dims set to `dims`), before and after
+    shapes = concrete_shapes(graph, dims) if result.accepted else {}
+    fused_nodes: list[list[gs.Node]] = []
     for i, acc in enumerate(result.accepted, start=start_index):
         rw = acc.rewrite
         spec = get_spec(rw.op)
         name = f"optfuse/{acc.rule}/{i}"
-        before = _traffic(acc.matched, dims)
+        before = _traffic(acc.matched, dims, shapes)
         new_nodes: list[gs.Node] = []
         inputs: list[gs.Tensor] = []
         for j, x in enumerate(rw.inputs):
@@ -251,9 +260,14 @@ def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], star
         node = gs.Node(op=rw.op, name=name, domain=DOMAIN, attrs=attrs, inputs=inputs, outputs=outputs)
         graph.nodes.append(node)
         acc.node_name = name
-        after = _traffic([node, *new_nodes], dims)
-        acc.hbm_saved_bytes = None if before is None or after is None else before - after
+        acc.hbm_saved_bytes = before  # minus the fused node's traffic, once its shapes are known
+        fused_nodes.append([node, *new_nodes])
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    # fused nodes produce the tensors they took over, so the shapes from before still hold for them
+    shapes = {**shapes, **concrete_shapes(graph, dims)} if result.accepted else {}
+    for acc, nodes in zip(result.accepted, fused_nodes):
+        after = _traffic(nodes, dims, shapes)
+        acc.hbm_saved_bytes = None if acc.hbm_saved_bytes is None or after is None else acc.hbm_saved_bytes - after
 
 
 def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:

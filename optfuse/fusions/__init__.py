@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import onnx_graphsurgeon as gs
 
+from ..ir.query import concrete_shapes, probe_dims
 from ..pattern import Context
 from ..rewrite import FusionResult, apply_plan, plan_family
 
@@ -44,6 +45,7 @@ def fuse_graph(graph: gs.Graph, ctx: Context, families: Iterable[str] | None = N
     """Plan and apply each enabled family in order; returns everything accepted and rejected."""
     enabled = set(available_families() if families is None else families)
     total = FusionResult()
+    ctx.probe_shapes = concrete_shapes(graph, probe_dims(graph))
     for name in available_families():
         if name not in enabled:
             continue

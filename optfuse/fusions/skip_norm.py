@@ -20,17 +20,13 @@ from ..ir.query import dtype_name
 from ..pattern import FusionRule, Match, Rewrite, Var, op
 
 
-def _same_shape(a, b) -> bool:
-    return a.shape is not None and b.shape is not None and list(a.shape) == list(b.shape)
-
-
 def _check(m: Match, ctx) -> str | None:
     norm, a, b = m["norm"], m["a"], m["b"]
     if norm.domain != DOMAIN:
         return f"{norm.op} is not an optfuse node"
     if dtype_name(a) != dtype_name(b):
         return f"residual operands have different dtypes ({dtype_name(a)}, {dtype_name(b)})"
-    if not _same_shape(a, b):
+    if not ctx.same_shape(a, b):
         return f"residual Add broadcasts ({a.shape} + {b.shape}); the skip kernel needs equal shapes"
     return None
 

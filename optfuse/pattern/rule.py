@@ -60,6 +60,16 @@ class Context:
     graph: gs.Graph
     dims: dict[str, int] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    # Shapes of the original graph's tensors with the inputs' symbolic dims set to distinct
+    # primes (see ir.query.probe_dims): equal here means equal for every input size.
+    probe_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def same_shape(self, a: gs.Tensor, b: gs.Tensor) -> bool:
+        """Whether two tensors always have the same shape (symbolically, else by probe shapes)."""
+        if a.shape is not None and b.shape is not None and list(a.shape) == list(b.shape):
+            return True
+        pa, pb = self.probe_shapes.get(a.name), self.probe_shapes.get(b.name)
+        return pa is not None and pa == pb
 
     def limits(self, op: str) -> dict[str, Any]:
         from ..spec import get_spec
