@@ -123,3 +123,31 @@ def test_broadcasting_residual_stays_a_plain_norm():
     assert res.counts() == {"LayerNorm": 1}
     assert any("broadcasts" in r.reason for r in res.rejected), res.rejected
     _assert_same(model, fused)
+
+
+# --- real exports: every norm layer of every family fuses, both exporters ---------------------------
+_FAMILIES = ["bert", "gpt2", "vit", "llama", "t5"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", _FAMILIES)
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_exported_models_fuse_every_norm(exported_model, family, exporter):
+    em = exported_model(family, exporter, "eager")
+    model = onnx.load(str(em.path))
+    fused, res = fuse_model(model, dims={d: r["opt"] for d, r in em.dims.items()},
+                            families=["layer_norm", "rms_norm", "skip_norm"])
+    counts = res.counts()
+    kind = "layer_norm" if em.counts.get("layer_norm") else "rms_norm"
+    plain, skip = ("LayerNorm", "SkipLayerNorm") if kind == "layer_norm" else ("RMSNorm", "SkipRMSNorm")
+    expected_skip = em.counts[f"skip_{kind}"]
+    assert counts.get(plain, 0) + counts.get(skip, 0) == em.counts[kind], (counts, res.rejected)
+    assert counts.get(skip, 0) == expected_skip, (counts, [r.reason for r in res.rejected])
+    left = [n.op_type for n in fused.graph.node]
+    assert "LayerNormalization" not in left and "ReduceMean" not in left
+    # every fused norm saves traffic except a plain native LayerNormalization (one node to one node)
+    assert all(a.hbm_saved_bytes is not None for a in res.accepted)
+    feeds = em.make_inputs(seed=3)
+    ref, got = _run(model, feeds), _run(fused, feeds)
+    for r, g in zip(ref, got):
+        assert np.abs(r.astype(np.float64) - g).max() <= 1e-4
