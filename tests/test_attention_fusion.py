@@ -270,7 +270,7 @@ def test_additive_masks(mask, cls, causal):
     ("where_causal", "causal", 1),
     ("where_causal_weak", "causal", 1),
     ("where_inverted", "causal", 1),
-    ("where_window", "sliding_window", 0),
+    ("where_window", "sliding_window", 1),
     ("where_block", "block", 0),
     ("where_input", "dynamic", 0),
 ])

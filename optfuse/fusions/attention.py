@@ -22,6 +22,8 @@ attention) write around it as an alternative::
 
 - ``attention.onnx``: ONNX's own ``Attention`` op (opset 23+) with 4-D q/k/v, an optional bool or
   additive ``attn_mask``, ``is_causal``, ``scale`` (no cache inputs, no softcap, only output Y used).
+- ``attention.unrecognized``: never fuses; reports a Softmax -> MatMul that no rule above took,
+  with the ops that produced its scores (e.g. BLOOM's 3-D baddbmm scores), so the report says why.
 
 What the fused node gets:
 
@@ -39,7 +41,8 @@ What the fused node gets:
     padding              the key-padding row of the mask, [B, 1, 1, Sk] (one ``Slice`` of the
                          mask's last query row, shared by all layers)
     causal+padding       causal=1 and that row
-    anything else        the mask as it is (sliding_window, block, bias, dynamic, unknown, ...)
+    sliding_window[+padding]  the mask as it is, and causal=1 (the kernel skips blocks above the diagonal)
+    anything else        the mask as it is (block, bias, dynamic, unknown, ...)
 
   ``Where(cond, scores, fill)`` becomes the bias ``Where(cond, 0, fill)`` (a new node) when that
   cannot change a result: fill <= -1e30 or -inf (it absorbs the score), or a constant cond whose
@@ -50,16 +53,20 @@ or read by anything else, live dropout, a non-constant scale, unknown head count
 the kernel's ``head_dims``, a mask that does not broadcast to [B, H, Sq, Sk].
 
 Exactness. Masks are passed with their own values, so the fused op computes what the graph did.
-The one exception is ``causal+padding``: a query row whose every allowed key is padding (only left
-padding or an all-zero mask row makes one) gets the average of its causal keys instead of the
-average of all keys. Set ``options["attention.keep_full_mask"] = True`` to pass such masks whole
-(exact for every row, but the kernel then reads an Sq x Sk mask).
+The one exception is a padded mask with causal structure (``causal+padding``,
+``sliding_window+padding``): a query row whose every allowed key is padding (only left padding or
+an all-zero mask row makes one; such a row is itself a padding position) gets the average of its
+causal keys instead of the average of all keys. Every real token's output is exact, so are all
+outputs with right padding. Set ``options["attention.keep_full_mask"] = True`` to pass such masks
+whole with causal=0 (exact for every row, but the kernel then reads an Sq x Sk mask and computes
+the masked blocks).
 
 Target: ``optfuse::FlashAttention`` v1 (plugins/flash_attention).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,9 +123,114 @@ def _k_transposed():
 
 
 def _scaled(x, name: str):
-    """x, or x times / divided by a constant scalar (captured as name_mul / name_div)."""
-    return AnyOf(op.Mul(x, Const(name=f"{name}_mul", where=_scalar)),
-                 op.Div(x, Const(name=f"{name}_div", where=_scalar)), x)
+    """x, or x times / divided by a static scalar (captured as name_mul / name_div)."""
+    return AnyOf(op.Mul(x, Var(f"{name}_mul", where=_is_static_scalar)),
+                 op.Div(x, Var(f"{name}_div", where=_is_static_scalar)), x)
+
+
+def _is_static_scalar(t: gs.Tensor) -> bool:
+    v = static_value(t)
+    return v is not None and v.size == 1 and np.issubdtype(v.dtype, np.floating)
+
+
+_FOLD = {
+    "Cast": lambda x, a: x.astype(_cast_np(a.get("to"))),
+    "Sqrt": lambda x, a: np.sqrt(x), "Reciprocal": lambda x, a: 1.0 / x, "Neg": lambda x, a: -x,
+    "Mul": lambda x, y, a: x * y, "Div": lambda x, y, a: (x // y if np.issubdtype(np.asarray(x).dtype, np.integer)
+                                                         else x / y),
+    "Add": lambda x, y, a: x + y, "Sub": lambda x, y, a: x - y, "Pow": lambda x, y, a: np.power(x, y),
+}
+
+
+def _cast_np(to):
+    import onnx
+
+    return onnx.helper.tensor_dtype_to_np_dtype(int(to))
+
+
+#: Placeholder for a dim Shape cannot tell (static_value(partial=True) keeps it, others reject it).
+UNKNOWN_DIM = -(1 << 62)
+
+
+# Memo of sdim / static_value (planning never mutates the graph); entries hold a weak reference to
+# their tensor, so an id reused by another graph's tensor is a miss. Reset when the graph changes.
+_MEMO: dict[str, Any] = {"graph": lambda: None, "sdim": {}, "value": {}}
+
+
+def _memo(graph: gs.Graph | None) -> None:
+    if graph is None or _MEMO["graph"]() is not graph:
+        _MEMO.update(graph=weakref.ref(graph) if graph is not None else (lambda: None), sdim={}, value={})
+
+
+def static_value(t: gs.Tensor, depth: int = 12, partial: bool = False) -> np.ndarray | None:
+    """The value of a small tensor that only depends on constants and static dims (a scale written
+    as ``1 / sqrt(q.size(-1))`` by TorchScript, a Reshape target built from Shape), else None.
+
+    partial: shape vectors may hold UNKNOWN_DIM where a dim is not static.
+    """
+    out = _static_partial(t, depth)
+    if out is not None and not partial and np.issubdtype(out.dtype, np.integer) and (out == UNKNOWN_DIM).any():
+        return None
+    return out
+
+
+def _static_partial(t: gs.Tensor, depth: int) -> np.ndarray | None:
+    key = (id(t), depth)
+    hit = _MEMO["value"].get(key)
+    if hit is None or hit[0]() is not t:
+        hit = _MEMO["value"][key] = (weakref.ref(t), _static_value(t, depth))
+    return hit[1]
+
+
+def _static_value(t: gs.Tensor, depth: int) -> np.ndarray | None:
+    v = const_value(t)
+    if v is not None or depth <= 0 or len(t.inputs) != 1:
+        return v
+    node = t.inputs[0]
+    ins = node.inputs
+    try:
+        if node.op == "Shape":
+            r = rank(ins[0])
+            if r is None:
+                return None
+            start, end = int(node.attrs.get("start", 0)), node.attrs.get("end")
+            start = start % r if start < 0 else min(start, r)
+            end = r if end is None else (int(end) % r if int(end) < 0 else min(int(end), r))
+            dims = [sdim(ins[0], i) for i in range(start, end)]
+            out = np.array([UNKNOWN_DIM if d is None else d for d in dims], np.int64)
+        else:
+            vals = [_static_partial(x, depth - 1) for x in ins if x.name]
+            if any(x is None for x in vals):
+                return None
+            if node.op == "Gather":
+                out = np.take(vals[0], vals[1], axis=int(node.attrs.get("axis", 0)))
+            elif node.op == "Slice":
+                starts, ends = vals[1], vals[2]
+                axes = vals[3] if len(vals) > 3 else np.arange(len(starts))
+                steps = vals[4] if len(vals) > 4 else np.ones(len(starts), np.int64)
+                idx = [slice(None)] * vals[0].ndim
+                for a, b, e, st in zip(axes, starts, ends, steps):
+                    idx[int(a)] = slice(int(b), int(e), int(st))
+                out = vals[0][tuple(idx)]
+            elif node.op == "Concat":
+                out = np.concatenate([np.atleast_1d(x) for x in vals], axis=int(node.attrs.get("axis", 0)))
+            elif node.op in ("Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"):
+                x = vals[0]
+                if node.op == "Squeeze":
+                    out = x.reshape(()) if x.size == 1 and rank(t) == 0 else np.squeeze(x)
+                elif node.op == "Unsqueeze":
+                    out = x.reshape((1,) + x.shape) if x.ndim == 0 else (x.reshape(-1) if rank(t) == 1 else None)
+                else:
+                    out = x.reshape(-1) if rank(t) == 1 else (x.reshape(()) if rank(t) == 0 else None)
+            elif node.op in _FOLD and len(vals) in (1, 2):
+                if any((np.asarray(x) == UNKNOWN_DIM).any() for x in vals if np.issubdtype(np.asarray(x).dtype, np.integer)):
+                    return None
+                out = np.asarray(_FOLD[node.op](*vals, node.attrs))
+            else:
+                return None
+    except Exception:  # noqa: BLE001 - anything odd is just "not static"
+        return None
+    return None if out is None else np.asarray(out)
 
 
 def _scores():
@@ -154,6 +266,28 @@ def _masked_fill():
     return _probs(AnyOf(op.Add(filled, Var("bias")), filled))
 
 
+def _flat(name: str):
+    """x3 = Reshape(x) with x [B, H, S, D] and x3 [B*H, S, D] (heads merged into the batch)."""
+    return op.Reshape(Var(name), Var(f"{name}_flat_shape"), out=f"{name}3")
+
+
+def _batched():
+    """BLOOM-style 3-D attention: bmm over [B*H, S, D], the scores reshaped to 4-D around Softmax."""
+    kt3 = AnyOf(op.Transpose(_flat("k"), perm=[0, 2, 1], capture="k_t"),
+                op.Reshape(op.Transpose(Var("k"), perm=[0, 1, 3, 2]), Var("k_flat_shape"), out="k3"))
+    qk = op.MatMul(_scaled(_flat("q"), "q"), _scaled(kt3, "k"), capture="qk")
+    s3 = AnyOf(op.Mul(qk, Var("s_mul")), op.Div(qk, Var("s_div")), qk)
+    s4 = op.Reshape(AnyOf(op.Add(s3, Var("bias3")), s3), Var("s_shape"), out="s4")
+    filled = AnyOf(op.Where(Var("cond"), s4, Var("fill"), capture="where"),
+                   op.Where(Var("cond_inv"), Var("fill"), s4, capture="where"))
+    logits = AnyOf(op.Add(s4, Var("bias")), op.Add(filled, Var("bias")), filled, s4)
+    softmax = op.Softmax(maybe_cast(logits), capture="softmax")
+    sm = AnyOf(op.Cast(softmax, out="p"), op.Softmax(maybe_cast(logits), capture="softmax", out="p"))
+    guarded = AnyOf(op.Where(op.IsNaN(Var("p")), Const(0.0), sm, capture="nan_guard"), sm)
+    o3 = op.MatMul(op.Reshape(guarded, Var("p_flat_shape"), out="p3"), _flat("v"), capture="pv")
+    return op.Reshape(o3, Var("o_shape"), capture="o_unflat")
+
+
 _onnx_attention = AnyOf(
     op.Attention(Var("q"), Var("k"), Var("v"), Var("attn_mask"), capture="attn"),
     op.Attention(Var("q"), Var("k"), Var("v"), capture="attn"),
@@ -172,6 +306,14 @@ _FIRST_INPUT = {"Cast", "Dropout", "RotaryEmbedding", "Clip", "Trilu", "Softmax"
 
 def sdim(t: gs.Tensor, axis: int, depth: int = 16) -> int | None:
     """Static size of `t` along `axis`, looking through producers when shape inference left it symbolic."""
+    key = (id(t), axis, depth)
+    hit = _MEMO["sdim"].get(key)
+    if hit is None or hit[0]() is not t:
+        hit = _MEMO["sdim"][key] = (weakref.ref(t), _sdim(t, axis, depth))
+    return hit[1]
+
+
+def _sdim(t: gs.Tensor, axis: int, depth: int) -> int | None:
     r = rank(t)
     if r is None or not -r <= axis < r:
         return None
@@ -317,12 +459,16 @@ def _shape_entries(shape_t: gs.Tensor, r: int | None) -> list[int | None] | None
     v = const_value(shape_t)
     if v is not None:
         return [int(x) for x in v.reshape(-1)]
+    sv = static_value(shape_t, partial=True)
+    if sv is not None and sv.ndim == 1:
+        out_sv = [None if int(x) == UNKNOWN_DIM else int(x) for x in sv]
+        return out_sv if r is None or len(out_sv) == r else None
     if len(shape_t.inputs) == 1 and shape_t.inputs[0].op == "Concat":
         out: list[int | None] = []
         for p in shape_t.inputs[0].inputs:
-            pv = const_value(p)
+            pv = static_value(p, partial=True)
             if pv is not None:
-                out.extend(int(x) for x in pv.reshape(-1))
+                out.extend(None if int(x) == UNKNOWN_DIM else int(x) for x in pv.reshape(-1))
             elif p.shape is not None and len(p.shape) == 1 and static_dim(p, 0) is not None:
                 out.extend([None] * static_dim(p, 0))
             else:
@@ -362,11 +508,18 @@ def _cache(ctx: Context) -> dict:
 
 
 def _plan(m: Match, ctx: Context) -> _Plan | str:
+    _memo(ctx.graph)
     plans = _cache(ctx)["plans"]
     key = id(m)
     if key not in plans:
         try:
-            plans[key] = (m, _plan_decomposed(m, ctx) if "softmax" in m else _plan_onnx(m, ctx))
+            if "o_unflat" in m:
+                plan = _plan_batched(m, ctx)
+            elif "softmax" in m:
+                plan = _plan_decomposed(m, ctx)
+            else:
+                plan = _plan_onnx(m, ctx)
+            plans[key] = (m, plan)
         except _Reject as r:
             plans[key] = (m, str(r))
     return plans[key][1]
@@ -415,6 +568,43 @@ def _plan_decomposed(m: Match, ctx: Context) -> _Plan:
     return _Plan([q, k_in, v_in, bias], attrs, info)
 
 
+def _plan_batched(m: Match, ctx: Context) -> _Plan:
+    """3-D variant: q, k, v are [B, H, S, D] tensors flattened to [B*H, S, D] around the bmm's.
+
+    The Reshapes must only merge/split the leading (B, H) dims: each 3-D tensor keeps the last two
+    dims of its 4-D source (checked where shapes tell), the scores and the output are split back
+    into H heads, and k, v have the heads of q (one flattened batch index addresses all three).
+    """
+    g = ctx.graph
+    sm = m["softmax"]
+    r = rank(sm.inputs[0])
+    axis = int(sm.attrs.get("axis", -1 if (g.opset or 17) >= 13 else 1))
+    _need(r == 4 and axis % 4 == 3, "Softmax is not over the key axis of 4-D scores")
+    for p in filter(None, [sm.outputs[0], m.get("p"), m.get("p3")]):
+        _need(not any(o is p for o in g.outputs), f"attention probabilities {p.name!r} are a graph output")
+    q, k, v = m["q"], m["k"], m["v"]
+    out = m.root
+    _need(all(rank(x) == 4 for x in (q, k, v, out)), "q/k/v/output are not 4-D around the 3-D bmm's")
+    H, D = sdim(q, 1), sdim(q, 3)
+    _need(H is not None and D is not None, f"number of heads or head dim of {q.name!r} is unknown")
+    limits = get_spec(OP).limits.get("head_dims")
+    _need(limits is None or D in limits, f"head dim {D} is not supported by {OP} (head_dims {limits})")
+    _need(sdim(k, 1) == H and sdim(v, 1) == H, "3-D attention with k/v heads differing from q's")
+    _need(sdim(k, 3) == D and sdim(v, 3) == D, "k/v head dims differ from q's")
+    _need(sdim(m["s4"], 1) == H and sdim(out, 1) == H and sdim(out, 3) == D,
+          "the 3-D scores / output are not split back into the query heads")
+    for x4, x3 in ((q, m["q3"]), (v, m["v3"])) + (((k, m["k3"]),) if "k_t" in m else ()):
+        _need(rank(x3) == 3 and sdim(x3, 2) == D, f"{x3.name!r} is not [B*H, S, D]")
+        _need(_same_dim(x3, 1, x4, 2) is not False, f"{x3.name!r} does not keep the sequence of {x4.name!r}")
+    if "k_t" not in m:
+        _need(rank(m["k3"]) == 3 and sdim(m["k3"], 1) == D, f"{m['k3'].name!r} is not [B*H, D, S]")
+    scale = _scale(m)
+    _check_dtypes(q, [k, v], out)
+    bias, causal, info = _plan_mask(m, ctx, q, {"H": H}, split={"bias3": H})
+    info.update(scale=scale, num_heads=H, num_kv_heads=H, head_dim=D, layout="3-D batched heads")
+    return _Plan([q, k, v, bias], {"scale": scale, "causal": causal, "num_heads": H, "num_kv_heads": H}, info)
+
+
 def _check_dropout(m: Match) -> None:
     node = m["dropout"]
     training = m.get("drop_training")
@@ -461,12 +651,12 @@ def _scale(m: Match) -> float:
     scale = 1.0
     for name, inv in (("q_mul", False), ("q_div", True), ("k_mul", False), ("k_div", True)):
         if name in m:
-            c = float(np.asarray(m[name], dtype=np.float64).reshape(()))
+            c = float(np.asarray(static_value(m[name]), dtype=np.float64).reshape(()))
             scale *= 1.0 / c if inv else c
     for name, inv in (("s_mul", False), ("s_div", True)):
         if name in m:
             t = m[name]
-            val = const_value(t)
+            val = static_value(t)
             _need(val is not None, f"attention scores are scaled by a non-constant tensor {t.name!r}")
             _need(val.size == 1, f"attention scale {t.name!r} is not a scalar (shape {list(val.shape)})")
             c = float(np.asarray(val, dtype=np.float64).reshape(()))
@@ -526,12 +716,21 @@ def _np(dt: str):
     return np.dtype(dt)
 
 
-def _plan_mask(m: Match, ctx: Context, q: gs.Tensor, heads: dict) -> tuple[Any, int, dict]:
-    """(bias input, causal flag, report info) for the decomposed rules."""
+def _plan_mask(m: Match, ctx: Context, q: gs.Tensor, heads: dict,
+               split: dict[str, int] | None = None) -> tuple[Any, int, dict]:
+    """(bias input, causal flag, report info) for the decomposed rules.
+
+    split: bindings of 3-D [B*H, Sq, Sk] bias terms -> H (the batched variant).
+    """
     dt = dtype_name(q)
-    terms = [m[n] for n in ("bias", "bias2") if n in m]
-    for t in terms:
-        _check_bias_shape(t, heads["H"])
+    split = split or {}
+    names = [n for n in ("bias3", "bias", "bias2") if n in m]
+    terms = [m[n] for n in names]
+    for n, t in zip(names, terms):
+        if n in split:
+            _need(rank(t) is not None and rank(t) <= 3, f"bias {t.name!r} of the 3-D scores is not 3-D")
+        else:
+            _check_bias_shape(t, heads["H"])
     where = None
     if "where" in m:
         inverted = "cond_inv" in m
@@ -547,7 +746,7 @@ def _plan_mask(m: Match, ctx: Context, q: gs.Tensor, heads: dict) -> tuple[Any, 
     if not terms and where is None:
         return np.zeros((), dtype=_np(dt)), 0, {"mask_class": "none"}
 
-    expr = _MaskExpr(terms, where, _np(dt))
+    expr = _MaskExpr(terms, where, _np(dt), {i: split[n] for i, n in enumerate(names) if n in split})
     cls = _cache(ctx)["masks"].classify(expr.sources, expr.evaluate, expr.key)
     info: dict[str, Any] = {"mask_class": cls.name}
     if cls.source:
@@ -558,13 +757,29 @@ def _plan_mask(m: Match, ctx: Context, q: gs.Tensor, heads: dict) -> tuple[Any, 
         info["mask_detail"] = dict(cls.detail)
     if where is not None:
         _check_fill(where, cls)
+    mode, causal = _mask_mode(cls, bool(ctx.options.get(KEEP_FULL_MASK)))
+    if mode == "none":
+        return np.zeros((), dtype=_np(dt)), causal, info
+    return _shared(ctx, (mode,) + expr.key, lambda: expr.build(row=mode == "row")), causal, info
+
+
+def _mask_mode(cls: MaskClass, keep_full: bool) -> tuple[str, int]:
+    """How the fused node takes a mask: ("none" | "row" | "full", causal flag).
+
+    causal=1 next to a mask that already holds the causal structure skips the masked key blocks;
+    it only changes rows with no allowed key at all (see the module doc), which exist only with
+    padding, so keep_full keeps causal=0 there.
+    """
     base, pad = cls.base, cls.padding
-    keep_full = bool(ctx.options.get(KEEP_FULL_MASK))
     if base in ("none", "causal") and not pad:
-        return np.zeros((), dtype=_np(dt)), int(base == "causal"), info
-    if base == "none" or (base == "causal" and not keep_full):
-        return _shared(ctx, ("row",) + expr.key, lambda: expr.build(row=True)), int(base == "causal"), info
-    return _shared(ctx, ("full",) + expr.key, lambda: expr.build(row=False)), 0, info
+        return "none", int(base == "causal")
+    if base == "none":
+        return "row", 0
+    if base == "causal" and not keep_full:
+        return "row", 1
+    if base == "sliding_window":
+        return "full", int(not (pad and keep_full))
+    return "full", 0
 
 
 def _check_fill(where, cls: MaskClass) -> None:
@@ -596,15 +811,20 @@ def _shared(ctx: Context, key, make: Callable[[], Any]):
 class _MaskExpr:
     """The additive mask a match applies: sum(terms) [+ where(cond, 0, fill)]."""
 
-    def __init__(self, terms: list[gs.Tensor], where, np_dtype):
+    def __init__(self, terms: list[gs.Tensor], where, np_dtype, split_heads: dict[int, int] | None = None):
+        """split_heads: term index -> H for terms laid out [B*H, Sq, Sk] (made [B, H, Sq, Sk])."""
         self.terms, self.where, self.dtype = terms, where, np_dtype
+        self.split = dict(split_heads or {})
         self.sources: list[gs.Tensor] = list(terms) + ([where[0]] if where else [])
-        self.key = tuple(id(s) for s in self.sources) + ((where[1], where[2]) if where else ())
+        self.key = tuple(id(s) for s in self.sources) + ((where[1], where[2]) if where else ()) + \
+            tuple(sorted(self.split.items()))
 
     def evaluate(self, values: list[np.ndarray]) -> np.ndarray:
         out = None
-        for v in values[:len(self.terms)]:
+        for i, v in enumerate(values[:len(self.terms)]):
             v = np.asarray(v, dtype=self.dtype)
+            if i in self.split:
+                v = _split_heads_np(v, self.split[i])
             out = v if out is None else out + v
         if self.where is not None:
             cond, fill, inverted = self.where
@@ -619,6 +839,7 @@ class _MaskExpr:
     def build(self, row: bool):
         """The mask as the fused node's bias: whole, or its last query row ([..., 1, Sk])."""
         parts = [_last_row(t) if row else t for t in self.terms]
+        parts = [_split_heads(p, self.split[i], self.dtype) if i in self.split else p for i, p in enumerate(parts)]
         if self.where is not None:
             cond, fill, inverted = self.where
             c = _last_row(cond) if row else cond
@@ -629,6 +850,29 @@ class _MaskExpr:
         for p in parts[1:]:
             out = NewTensor("Add", [out, p], {}, self.dtype, _broadcast_shape(_shape_of(out), _shape_of(p)), "mask")
         return out
+
+
+def _split_heads_np(v: np.ndarray, H: int) -> np.ndarray:
+    """[Z, X, Y] (Z = B*H, or 1) -> [B, H, X, Y]; lower ranks broadcast over Z."""
+    v = v.reshape((1,) * (3 - v.ndim) + v.shape) if v.ndim < 3 else v
+    return v[None] if v.shape[0] == 1 else v.reshape((-1, H) + v.shape[1:])
+
+
+def _split_heads(t, H: int, dtype):
+    """The NewTensor form of _split_heads_np: Unsqueeze to rank 4, then Reshape [-1, H, 0, 0]."""
+    if isinstance(t, np.ndarray):
+        return _split_heads_np(t, H)
+    shape = _shape_of(t)
+    r = len(shape) if shape is not None else rank(t)
+    _need(r is not None and r <= 3, "3-D attention bias of unknown rank")
+    lead = (shape[0] if shape else None) if r == 3 else 1
+    axes = list(range(4 - r))
+    new_shape = [1] * (4 - r) + list(shape) if shape is not None else None
+    u = NewTensor("Unsqueeze", [t, np.array(axes, np.int64)], {}, dtype, new_shape, "bias_4d")
+    if r < 3 or lead == 1:
+        return u
+    out_shape = None if shape is None else [None, H, shape[1], shape[2]]
+    return NewTensor("Reshape", [u, np.array([-1, H, 0, 0], np.int64)], {}, dtype, out_shape, "bias_heads")
 
 
 def _shape_of(t) -> list | None:
@@ -710,18 +954,13 @@ def _plan_onnx(m: Match, ctx: Context) -> _Plan:
             _need(dtype_name(mask) == dt, f"attn_mask has dtype {dtype_name(mask)}, q has {dt}")
             expr = _MaskExpr([mask], None, _np(dt))
         cls = _cache(ctx)["masks"].classify(expr.sources, expr.evaluate, expr.key)
-        base, pad = cls.base, cls.padding
-        keep_full = bool(ctx.options.get(KEEP_FULL_MASK))
-        info["mask_class"] = ("causal+" if causal and base != "causal" else "") + cls.name
+        mode, mask_causal = _mask_mode(cls, bool(ctx.options.get(KEEP_FULL_MASK)))
+        info["mask_class"] = ("causal+" if causal and cls.base != "causal" else "") + cls.name
         if cls.source:
             info["mask_source"] = cls.source
-        if base in ("none", "causal") and not pad:
-            causal = int(causal or base == "causal")
-        elif base == "none" or (base == "causal" and not keep_full):
-            causal = int(causal or base == "causal")
-            bias = _shared(ctx, ("row",) + expr.key, lambda: expr.build(row=True))
-        else:
-            bias = _shared(ctx, ("full",) + expr.key, lambda: expr.build(row=False))
+        causal = int(causal or mask_causal)
+        if mode != "none":
+            bias = _shared(ctx, (mode,) + expr.key, lambda: expr.build(row=mode == "row"))
     attrs = {"scale": scale, "causal": causal, "num_heads": H, "num_kv_heads": Hk}
     return _Plan([q, k, v, bias], attrs, info)
 
@@ -741,11 +980,51 @@ def _rewrite(m: Match, ctx: Context) -> Rewrite:
     return Rewrite(OP, list(p.inputs), [out], dict(p.attrs), dict(p.info))
 
 
+# ------------------------------------------------------------------------------------------------
+# Diagnostics: an attention-like Softmax -> MatMul no rule above recognised
+# ------------------------------------------------------------------------------------------------
+def _unrecognized():
+    sm = op.Softmax(Var("logits"), capture="softmax", out="p")
+    probs = AnyOf(op.Where(op.IsNaN(Var("p")), Const(0.0), sm), op.Reshape(sm, Var("_p_shape")), op.Cast(sm), sm)
+    return op.MatMul(probs, Var("v"))
+
+
+def _explain(m: Match, ctx: Context) -> str:
+    """Why a Softmax -> MatMul stayed unfused: the ops that produce its scores."""
+    _memo(ctx.graph)
+    chain, t = [], m["logits"]
+    for _ in range(8):
+        if len(t.inputs) != 1:
+            break
+        node = t.inputs[0]
+        chain.append(node.op)
+        if node.op in ("MatMul", "Gemm", "Einsum"):
+            break
+        live = [x for x in node.inputs if x.name and const_value(x) is None and dtype_name(x) != "bool"]
+        if not live:
+            break
+        t = max(live, key=lambda x: rank(x) or 0)  # the scores, not a broadcast mask or scale
+    why = "the scores are not MatMul(q, k^T) [* scale] [+ bias | masked_fill]"
+    if "Reshape" in chain:
+        why = "the scores are reshaped between MatMul(q, k^T) and Softmax (3-D [B*H, S, D] batched heads)"
+    elif chain and chain[-1] == "Einsum":
+        why = "the scores come from an Einsum"
+    return f"Softmax -> MatMul not recognised as attention: {why}; scores <- {' <- '.join(chain) or 'graph input'}"
+
+
+def _no_rewrite(m: Match, ctx: Context) -> Rewrite:  # pragma: no cover - _explain always rejects
+    raise AssertionError("attention.unrecognized never rewrites")
+
+
 RULES = [
     FusionRule("attention.additive", OP, _additive(), _check, _rewrite,
                doc="MatMul(q, k^T) [* scale] [+ bias] -> Softmax -> MatMul(., v) (eager and SDPA, both exporters)"),
     FusionRule("attention.masked_fill", OP, _masked_fill(), _check, _rewrite,
                doc="MatMul(q, k^T) [* scale] -> Where(cond, ., fill) [+ bias] -> Softmax -> MatMul(., v)"),
+    FusionRule("attention.batched", OP, _batched(), _check, _rewrite,
+               doc="3-D bmm attention over [B*H, S, D] with 4-D Softmax (BLOOM's baddbmm + ALiBi)"),
     FusionRule("attention.onnx", OP, _onnx_attention, _check, _rewrite,
                doc="ONNX Attention (opset 23+), 4-D inputs"),
+    FusionRule("attention.unrecognized", OP, _unrecognized(), _explain, _no_rewrite,
+               doc="reports Softmax -> MatMul candidates no rule above recognised (never fuses)"),
 ]
