@@ -133,12 +133,6 @@ class Fusions(_Strict):
         return [name for name, on in self.model_dump().items() if on]
 
 
-class Precision(_Strict):
-    mode: Literal["fp32", "fp16", "bf16"] = "fp32"
-    keep_fp32: list[str] = []
-    io_dtype: Literal["keep", "fp16"] = "keep"
-
-
 class OutputTolerance(_Strict):
     atol: Optional[float] = Field(None, ge=0)
     rtol: Optional[float] = Field(None, ge=0)
@@ -150,6 +144,15 @@ class Tolerances(_Strict):
     atol: Optional[float] = Field(None, ge=0)
     rtol: Optional[float] = Field(None, ge=0)
     outputs: dict[str, OutputTolerance] = {}
+
+
+class Precision(_Strict):
+    mode: Literal["fp32", "fp16", "bf16"] = "fp32"
+    keep_fp32: list[str] = []
+    io_dtype: Literal["keep", "fp16"] = "keep"
+    # how close the reduced-precision model must stay to the FP32 original (defaults by mode);
+    # the top-level `tolerances` are for FP32 candidates (the fused model)
+    tolerances: Tolerances = Tolerances()
 
 
 class Target(_Strict):
@@ -221,10 +224,11 @@ class Recipe(_Strict):
         spec = self.inputs[input_name]
         return [d if isinstance(d, int) else self.dims[d].opt for d in spec.shape]
 
-    def tolerance(self, output: str) -> tuple[float, float]:
-        """(atol, rtol) for one output: its override, else the recipe default, else the precision default."""
-        atol, rtol = DEFAULT_TOLERANCES[self.precision.mode]
-        t = self.tolerances
+    def tolerance(self, output: str, mode: str = "fp32") -> tuple[float, float]:
+        """(atol, rtol) for one output of a candidate computed in `mode`: its override, else the
+        recipe default (`tolerances` for fp32, `precision.tolerances` otherwise), else the mode's default."""
+        atol, rtol = DEFAULT_TOLERANCES[mode]
+        t = self.tolerances if mode == "fp32" else self.precision.tolerances
         atol = t.atol if t.atol is not None else atol
         rtol = t.rtol if t.rtol is not None else rtol
         o = t.outputs.get(output)

@@ -455,9 +455,10 @@ def verify(original: str | os.PathLike | onnx.ModelProto, candidate: str | os.Pa
     cand_iters = results["candidate"]
 
     out_names = [o.name for o in ref_model.graph.output]
+    mode = precision_of(cand_model)
     outputs = []
     for name in out_names:
-        a, r = _tolerance(name, recipe, atol, rtol)
+        a, r = _tolerance(name, recipe, atol, rtol, mode)
         if any(name not in it for it in cand_iters):
             outputs.append(OutputResult(name, False, float("inf"), float("inf"), float("inf"), a, r, None,
                                         "missing from the candidate"))
@@ -487,9 +488,21 @@ class _Loader:
         return self.feeds[i]
 
 
-def _tolerance(name: str, recipe: Recipe | None, atol: float | None, rtol: float | None) -> tuple[float, float]:
-    a, r = recipe.tolerance(name) if recipe else DEFAULT_TOLERANCES["fp32"]
+def _tolerance(name: str, recipe: Recipe | None, atol: float | None, rtol: float | None,
+               mode: str = "fp32") -> tuple[float, float]:
+    a, r = recipe.tolerance(name, mode) if recipe else DEFAULT_TOLERANCES[mode]
     return (a if atol is None else atol), (r if rtol is None else rtol)
+
+
+def precision_of(model: onnx.ModelProto) -> str:
+    """'fp16' / 'bf16' when the model keeps floating weights in that type, else 'fp32': the
+    tolerance a candidate is held to follows the precision it computes in."""
+    kinds = {t.data_type for t in model.graph.initializer}
+    if onnx.TensorProto.BFLOAT16 in kinds:
+        return "bf16"
+    if onnx.TensorProto.FLOAT16 in kinds:
+        return "fp16"
+    return "fp32"
 
 
 def _check_candidate_inputs(plans: list[InputPlan], cand: onnx.ModelProto) -> None:

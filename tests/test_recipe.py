@@ -74,8 +74,14 @@ def test_good_recipe_and_derived_values(tmp_path):
     r = load_recipe(_write(tmp_path, GOOD))
     assert r.opt_dims() == {"batch": 2, "seq": 16}
     assert r.opt_shape("input_ids") == [2, 16]
-    assert r.tolerance("logits") == (1e-3, 0.05)  # override on top of the recipe default
-    assert r.tolerance("other") == (1e-3, 1e-2)  # rtol from the fp16 default
+    # FP32 candidates (the fused model): top-level tolerances, per-output override on top
+    assert r.tolerance("logits") == (1e-3, 0.05)
+    assert r.tolerance("other") == (1e-3, 1e-3)  # rtol from the fp32 default
+    # reduced-precision candidates: precision.tolerances, else the mode's default
+    assert r.tolerance("other", "fp16") == (1e-2, 1e-2)
+    r2 = load_recipe(_write(tmp_path, _with(precision__tolerances={"atol": 0.02, "outputs": {"logits": {"rtol": 0.1}}})))
+    assert r2.tolerance("logits", "fp16") == (0.02, 0.1)
+    assert r2.tolerance("logits") == (1e-3, 0.05)
     assert r.fusions.enabled() == ["layer_norm", "rms_norm", "skip_norm"]
     assert r.resolve_path(r.model.path) == tmp_path / "model.onnx"  # relative to the recipe file
     assert r.target.arch == "sm_89"

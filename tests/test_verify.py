@@ -156,3 +156,21 @@ def test_recipe_must_match_the_model(inputs, fragment):
     with pytest.raises(InputError) as exc:
         plan_inputs(graphs.layer_norm(), recipe)
     assert fragment in str(exc.value)
+
+
+def test_candidate_precision_picks_the_tolerance():
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from optfuse.verify import precision_of
+
+    def model(dtype):
+        w = numpy_helper.from_array(np.ones(4, dtype=dtype), "w")
+        g = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [w])
+        return helper.make_model(g)
+
+    assert precision_of(model(np.float32)) == "fp32"
+    assert precision_of(model(np.float16)) == "fp16"
+    assert isinstance(onnx.TensorProto.BFLOAT16, int)

@@ -60,7 +60,7 @@ def verify_engine(original: str | os.PathLike, engine: str | os.PathLike, recipe
             got.append({k: np.array(v) for k, v in runner.infer(f).items()})
     outputs = []
     for o in ref_model.graph.output:
-        a, r = _tolerance(o.name, recipe, None, None)
+        a, r = _tolerance(o.name, recipe, None, None, recipe.precision.mode if recipe else "fp32")
         outputs.append(compare_arrays(o.name, [x[o.name] for x in ref], [x[o.name] for x in got], a, r))
     infos = [InputInfo(p.name, np.dtype(p.dtype).name, list(p.shape), p.source) for p in plans]
     return VerifyResult(outputs, infos, len(feeds), seed, str(original), str(engine))
