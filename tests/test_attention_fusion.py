@@ -63,7 +63,7 @@ def attention_graph(*, H=4, Hkv=None, D=32, S: int | None = None, k_layout="bhsd
               dynamo (Reshape/Transpose(0,2,1)/Reshape), raw (k^T is a graph input).
     scale: mul | div | qk_sqrt (sqrt on q and k^T) | none | input (a graph input).
     mask: None | bias_input | padding_min | padding_1e4 | range_causal | range_causal_padding |
-          where_causal | where_causal_weak | where_window | where_block | where_input | where_input_weak |
+          range_window | range_window_padding | where_causal | where_causal_weak | where_window | where_block | where_input | where_input_weak |
           where_inverted.
     """
     Hkv = Hkv or H
@@ -119,14 +119,16 @@ def attention_graph(*, H=4, Hkv=None, D=32, S: int | None = None, k_layout="bhsd
         ext = b.node("Mul", inv, b.const(FMIN if mask == "padding_min" else -1e4))
         ext = b.node("Unsqueeze", ext, b.const([1, 2], dtype=np.int64))
         scores = b.node("Add", scores, ext)
-    elif mask in ("range_causal", "range_causal_padding"):
+    elif mask in ("range_causal", "range_causal_padding", "range_window", "range_window_padding"):
         seq = b.node("Squeeze", b.node("Slice", b.node("Shape", "q"), b.const([2], dtype=np.int64),
                                        b.const([3], dtype=np.int64)), b.const([0], dtype=np.int64))
         r = b.node("Range", b.const(0, dtype=np.int64), seq, b.const(1, dtype=np.int64))
         rows = b.node("Unsqueeze", r, b.const([1], dtype=np.int64))
         cols = b.node("Unsqueeze", r, b.const([0], dtype=np.int64))
         allowed = b.node("LessOrEqual", cols, rows)
-        if mask == "range_causal_padding":
+        if "window" in mask:  # Mistral: j > i - window
+            allowed = b.node("And", allowed, b.node("Greater", cols, b.node("Sub", rows, b.const(window, dtype=np.int64))))
+        if mask.endswith("padding"):
             inputs.append(graphs.io("attention_mask", ["b", s], TensorProto.INT64))
             pad = b.node("Unsqueeze", b.node("Cast", "attention_mask", to=TensorProto.BOOL),
                          b.const([1, 2], dtype=np.int64))
@@ -251,9 +253,11 @@ def test_grouped_query_attention_takes_unrepeated_kv(k_layout):
     ("padding_1e4", "dynamic", 0),
     ("range_causal", "causal", 1),
     ("range_causal_padding", "causal+padding", 1),
+    ("range_window", "sliding_window", 1),
+    ("range_window_padding", "sliding_window+padding", 0),
 ])
 def test_additive_masks(mask, cls, causal):
-    model = attention_graph(mask=mask)
+    model = attention_graph(mask=mask, S=None)
     fused, res, err = _fuse_and_compare(model)
     assert res.counts() == {OP: 1}, _rejections(res)
     acc = _fa(res)[0]
@@ -344,6 +348,70 @@ def test_onnx_attention_op():
     feeds["mask"] = np.ones((2, 1, 8, 8), bool)
     feeds["mask"][1, ..., 5:] = False
     assert _max_abs(_run(model, feeds), _run(fused, feeds)) <= 1e-4
+
+
+def batched_graph(*, H=2, D=32, alibi=True, mask="additive"):
+    """BLOOM / DeBERTa-v2 style: bmm over [B*H, S, D], scores reshaped to [B, H, S, S] around Softmax.
+
+    mask: additive (+ [B, 1, S, S] bias) | masked_fill (Where(Not(cond), min, scores), DeBERTa).
+    """
+    b = graphs.Builder(17)
+    seq = b.node("Slice", b.node("Shape", "q"), b.const([2], dtype=np.int64), b.const([3], dtype=np.int64))
+    q3 = b.node("Reshape", "q", b.node("Concat", b.const([-1], dtype=np.int64), seq, b.const([D], dtype=np.int64), axis=0))
+    k3 = b.node("Reshape", "k", b.node("Concat", b.const([-1], dtype=np.int64), seq, b.const([D], dtype=np.int64), axis=0))
+    v3 = b.node("Reshape", "v", b.node("Concat", b.const([-1], dtype=np.int64), seq, b.const([D], dtype=np.int64), axis=0))
+    # TorchScript style scale: k^T / sqrt(q.size(-1))
+    dim = b.node("Cast", b.node("Gather", b.node("Shape", "q"), b.const(3, dtype=np.int64)), to=F32)
+    kt3 = b.node("Div", b.node("Transpose", k3, perm=[0, 2, 1]), b.node("Sqrt", dim))
+    s3 = b.node("MatMul", q3, kt3)
+    inputs = [graphs.io("q", ["b", H, "s", D]), graphs.io("k", ["b", H, "s", D]), graphs.io("v", ["b", H, "s", D])]
+    if alibi:
+        inputs.append(graphs.io("alibi", ["bh", 1, "s"]))
+        s3 = b.node("Add", s3, "alibi")
+    s4 = b.node("Reshape", s3, b.node("Concat", b.const([-1, H], dtype=np.int64), seq, seq, axis=0))
+    if mask == "additive":
+        inputs.append(graphs.io("bias", ["b", 1, "s", "s"]))
+        logits = b.node("Add", s4, "bias")
+    else:
+        inputs.append(graphs.io("cond", ["b", 1, "s", "s"], TensorProto.BOOL))
+        logits = b.node("Where", b.node("Not", "cond"), b.const(FMIN), s4)
+    p = b.node("Softmax", logits, axis=-1)
+    p3 = b.node("Reshape", p, b.node("Concat", b.const([-1], dtype=np.int64), seq, seq, axis=0))
+    o3 = b.node("MatMul", p3, v3)
+    b.node("Reshape", o3, b.node("Concat", b.const([-1, H], dtype=np.int64), seq, b.const([D], dtype=np.int64), axis=0),
+           out="y")
+    return b.model(inputs, [graphs.io("y", ["b", H, "s", D])])
+
+
+@pytest.mark.parametrize("alibi,mask", [(True, "additive"), (False, "masked_fill"), (True, "masked_fill")])
+def test_batched_heads_3d(alibi, mask):
+    model = batched_graph(alibi=alibi, mask=mask)
+    fused, res = fuse_model(model)
+    assert res.counts() == {OP: 1}, _rejections(res)
+    acc = _fa(res)[0]
+    assert acc.rule == "attention.batched"
+    assert acc.rewrite.attrs["scale"] == pytest.approx(32 ** -0.5, rel=1e-6)
+    assert (acc.rewrite.attrs["num_heads"], acc.rewrite.attrs["num_kv_heads"]) == (2, 2)
+    assert "Softmax" not in _ops(fused)
+    rng = np.random.default_rng(0)
+    B, S = 2, 7
+    feeds = {n: rng.standard_normal((B, 2, S, 32)).astype(np.float32) for n in ("q", "k", "v")}
+    feeds["alibi"] = rng.standard_normal((B * 2, 1, S)).astype(np.float32)
+    feeds["bias"] = np.where(rng.random((B, 1, S, S)) < 0.3, FMIN, 0).astype(np.float32)
+    feeds["cond"] = rng.random((B, 1, S, S)) < 0.7
+    assert _max_abs(_run(model, feeds), _run(fused, feeds)) <= 1e-4
+
+
+def test_unrecognized_attention_is_reported_with_its_scores():
+    b = graphs.Builder(17)
+    s = b.node("Sub", b.node("MatMul", "q", b.node("Transpose", "k", perm=[0, 1, 3, 2])), "bias")
+    b.node("MatMul", b.node("Softmax", s, axis=-1), "v", out="y")
+    model = b.model([graphs.io(n, ["b", 2, "s", 32]) for n in ("q", "k", "v")] + [graphs.io("bias", ["b", 1, "s", "s"])],
+                    [graphs.io("y", ["b", 2, "s", 32])])
+    _, res = fuse_model(model)
+    assert OP not in res.counts()
+    (reason,) = _rejections(res)
+    assert "not recognised as attention" in reason and "Sub <- MatMul" in reason
 
 
 # ------------------------------------------------------------------------------------------------

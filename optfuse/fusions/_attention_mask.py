@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 
 #: An additive value at or below this masks a score: it absorbs any finite fp32 score.
 MASKED = -1e30
+
+
+def masked_below(dtype) -> float:
+    """The masking threshold for a dtype: fp16 masks use finfo(float16).min = -65504."""
+    return -3.0e4 if np.dtype(dtype) == np.float16 else MASKED
 #: Probe sizes (sequence lengths) and the probe batch.
 PROBE_SEQ = (5, 12)
 PROBE_BATCH = 3
@@ -98,7 +103,7 @@ def classify_base(a: np.ndarray) -> MaskClass:
     if a.size == 0:
         return MaskClass("none")
     allowed = a == 0
-    masked = (a <= MASKED) | np.isneginf(a)
+    masked = (a <= masked_below(a.dtype)) | np.isneginf(a)
     if not np.all(allowed | masked):
         return MaskClass("bias")
     sq, sk = a.shape[-2:]
@@ -395,7 +400,7 @@ class MaskAnalyzer:
             dropped = np.broadcast_to(~keep, got.shape)
             if dropped.any():
                 vals = np.unique(got[dropped])
-                if len(vals) != 1 or not (vals[0] <= MASKED or np.isneginf(vals[0])) or \
+                if len(vals) != 1 or not (vals[0] <= masked_below(got.dtype) or np.isneginf(vals[0])) or \
                         (fill is not None and not _same(fill, vals[0])):
                     return MaskClass("dynamic", detail={"depends_on": mask_input.name})
                 fill = vals[0]

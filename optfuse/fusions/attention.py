@@ -41,7 +41,9 @@ What the fused node gets:
     padding              the key-padding row of the mask, [B, 1, 1, Sk] (one ``Slice`` of the
                          mask's last query row, shared by all layers)
     causal+padding       causal=1 and that row
-    sliding_window[+padding]  the mask as it is, and causal=1 (the kernel skips blocks above the diagonal)
+    sliding_window       the mask as it is, and causal=1 (the kernel skips blocks above the diagonal)
+    sliding_window+padding  the mask as it is (causal=0: right padding leaves padded queries whose
+                         window holds no real key, and causal=1 would change those rows)
     anything else        the mask as it is (block, bias, dynamic, unknown, ...)
 
   ``Where(cond, scores, fill)`` becomes the bias ``Where(cond, 0, fill)`` (a new node) when that
@@ -53,13 +55,14 @@ or read by anything else, live dropout, a non-constant scale, unknown head count
 the kernel's ``head_dims``, a mask that does not broadcast to [B, H, Sq, Sk].
 
 Exactness. Masks are passed with their own values, so the fused op computes what the graph did.
-The one exception is a padded mask with causal structure (``causal+padding``,
-``sliding_window+padding``): a query row whose every allowed key is padding (only left padding or
-an all-zero mask row makes one; such a row is itself a padding position) gets the average of its
-causal keys instead of the average of all keys. Every real token's output is exact, so are all
-outputs with right padding. Set ``options["attention.keep_full_mask"] = True`` to pass such masks
-whole with causal=0 (exact for every row, but the kernel then reads an Sq x Sk mask and computes
-the masked blocks).
+The one exception is ``causal+padding``: a query row whose every allowed key is padding (only left
+padding or an all-zero mask row makes one; such a row is itself a padding position) gets the
+average of its causal keys instead of the average of all keys. Every real token's output is exact,
+and so is every output with right padding (each row keeps key 0). Set
+``options["attention.keep_full_mask"] = True`` to pass such masks whole with causal=0 (exact for
+every row, but the kernel then reads an Sq x Sk mask and computes the masked blocks).
+
+Masks are classified in the mask's dtype: values <= -1e30 (fp16: <= -3e4) or -inf mask.
 
 Target: ``optfuse::FlashAttention`` v1 (plugins/flash_attention).
 """
@@ -78,7 +81,7 @@ import onnx_graphsurgeon as gs
 from ..ir.query import dtype_name, rank, static_dim
 from ..pattern import AnyOf, Const, Context, FusionRule, Match, NewTensor, Rewrite, Var, const_value, maybe_cast, node_attr, op
 from ..spec import get_spec
-from ._attention_mask import MASKED, MaskAnalyzer, MaskClass
+from ._attention_mask import MaskAnalyzer, MaskClass, masked_below
 
 OP = "FlashAttention"
 INT64_MAX = np.iinfo(np.int64).max
@@ -756,7 +759,7 @@ def _plan_mask(m: Match, ctx: Context, q: gs.Tensor, heads: dict,
     if cls.detail:
         info["mask_detail"] = dict(cls.detail)
     if where is not None:
-        _check_fill(where, cls)
+        _check_fill(where, cls, masked_below(_np(dt)))
     mode, causal = _mask_mode(cls, bool(ctx.options.get(KEEP_FULL_MASK)))
     if mode == "none":
         return np.zeros((), dtype=_np(dt)), causal, info
@@ -767,8 +770,9 @@ def _mask_mode(cls: MaskClass, keep_full: bool) -> tuple[str, int]:
     """How the fused node takes a mask: ("none" | "row" | "full", causal flag).
 
     causal=1 next to a mask that already holds the causal structure skips the masked key blocks;
-    it only changes rows with no allowed key at all (see the module doc), which exist only with
-    padding, so keep_full keeps causal=0 there.
+    it only changes rows with no allowed key at all (see the module doc). Those exist only with
+    padding; for a sliding window right padding makes them too (a padded query whose window holds
+    only padding), so a padded window keeps causal=0 and the whole mask.
     """
     base, pad = cls.base, cls.padding
     if base in ("none", "causal") and not pad:
@@ -778,13 +782,13 @@ def _mask_mode(cls: MaskClass, keep_full: bool) -> tuple[str, int]:
     if base == "causal" and not keep_full:
         return "row", 1
     if base == "sliding_window":
-        return "full", int(not (pad and keep_full))
+        return "full", int(not pad)
     return "full", 0
 
 
-def _check_fill(where, cls: MaskClass) -> None:
+def _check_fill(where, cls: MaskClass, masked: float) -> None:
     cond, fill, _ = where
-    if fill <= MASKED or np.isneginf(fill):
+    if fill <= masked or np.isneginf(fill):
         return
     _need(fill <= WEAK_FILL, f"masked_fill value {fill:g} is too large to be an additive mask")
     _need(const_value(cond) is not None and not cls.fully_masked_rows and not cls.padding,
@@ -831,7 +835,7 @@ class _MaskExpr:
             c = np.asarray(values[-1]).astype(bool)
             # classified by where it masks (a weak fill such as -1e4 still masks; _check_fill decides
             # whether its value may become an additive bias)
-            f = fill if fill <= MASKED else -np.inf
+            f = fill if fill <= masked_below(self.dtype) else -np.inf
             w = np.where(~c if inverted else c, self.dtype.type(0), self.dtype.type(f))
             out = w if out is None else (w + out)
         return out
