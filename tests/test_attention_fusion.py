@@ -491,9 +491,9 @@ def test_exported_model_attention_fused(fused_export, family, exporter, attn):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["bert", "gpt2"])
-def test_hbm_estimate_drops_the_score_traffic(fused_export, family):
-    em, _, _, res = fused_export(family, "dynamo", "sdpa")
+@pytest.mark.parametrize("family,exporter,attn", [c for c in CASES if c[0] in ("bert", "gpt2")])
+def test_hbm_estimate_drops_the_score_traffic(fused_export, family, exporter, attn):
+    em, _, _, res = fused_export(family, exporter, attn)
     B, S, H = 2, 16, em.meta["num_heads"]
     nxn = B * H * S * S * 4  # one fp32 [B, H, S, S] tensor
     for a in _fa(res):

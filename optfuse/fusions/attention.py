@@ -20,6 +20,15 @@ attention) write around it as an alternative::
 
     repeat_kv (GQA):  Reshape(Expand(Unsqueeze(x, axes=[2]), [B,Hkv,G,S,D]), [B,Hkv*G,S,D])
 
+- ``attention.batched``: 3-D attention over heads merged into the batch (BLOOM's baddbmm + ALiBi,
+  DeBERTa-v2)::
+
+      q, k, v [B,H,S,D] ─► Reshape [B*H,S,D] ─► MatMul(q3, Transpose(k3)) [scale] [+ bias3 (ALiBi)]
+        ─► Reshape [B,H,S,S] ─► [+ mask | Where(cond, ., fill)] ─► Softmax ─► Reshape [B*H,S,S]
+        ─► MatMul(., v3) ─► Reshape [B,H,S,D] = o
+
+  the fused node reads the 4-D q, k, v and writes the final 4-D output; a 3-D bias term is split
+  back into heads (new Unsqueeze + Reshape [-1, H, 0, 0]).
 - ``attention.onnx``: ONNX's own ``Attention`` op (opset 23+) with 4-D q/k/v, an optional bool or
   additive ``attn_mask``, ``is_causal``, ``scale`` (no cache inputs, no softcap, only output Y used).
 - ``attention.unrecognized``: never fuses; reports a Softmax -> MatMul that no rule above took,
@@ -27,8 +36,9 @@ attention) write around it as an alternative::
 
 What the fused node gets:
 
-- q as matched (after rotary embeddings, which stay outside; a constant scalar Mul/Div on q, on kᵀ
-  and on the scores is folded into ``scale``; a non-constant scale on the scores is rejected);
+- q as matched (after rotary embeddings, which stay outside; a scalar Mul/Div on q, on kᵀ and on
+  the scores is folded into ``scale`` when it is a constant or computed from static dims, such as
+  TorchScript's ``1 / sqrt(q.size(-1))``; any other scale on the scores is rejected);
 - k in [B, Hkv, Sk, D]: the tensor before the transpose; when the head split wrote kᵀ directly
   (``Transpose(perm=[0,2,3,1])`` of [B, S, H, D]) a new ``Transpose(perm=[0,2,1,3])`` of the same
   input gives k (an existing one is reused); for any other kᵀ a new ``Transpose(perm=[0,1,3,2])``;
@@ -49,6 +59,9 @@ What the fused node gets:
   ``Where(cond, scores, fill)`` becomes the bias ``Where(cond, 0, fill)`` (a new node) when that
   cannot change a result: fill <= -1e30 or -inf (it absorbs the score), or a constant cond whose
   every row keeps a key and fill <= -1e4; otherwise the match is rejected.
+
+Head counts and head dims must be static: they come from shapes, or through Reshape/Transpose/
+elementwise producers when shape inference left them symbolic (TorchScript's ``view(b, s, -1, d)``).
 
 Not fused (with the reason): attention probabilities that are a graph output (``output_attentions``)
 or read by anything else, live dropout, a non-constant scale, unknown head counts, a head dim outside
