@@ -154,7 +154,9 @@ def onnx_function(op=None, opset: int = FUNCTION_OPSET) -> onnx.FunctionProto:
         mk("Where", ["allowed", "s1", "ninf_t"], ["s"]),
         # -- softmax; rows with no finite score -> 0 ---------------------------------------------------
         mk("Softmax", ["s"], ["p0"], axis=-1),
-        mk("IsInf", ["s"], ["s_inf"], detect_positive=0),
+        # IsInf has no fp16/bf16 kernel before opset 20: test in float32
+        mk("Cast", ["s"], ["s_f32"], to=TensorProto.FLOAT),
+        mk("IsInf", ["s_f32"], ["s_inf"], detect_positive=0),
         mk("Not", ["s_inf"], ["s_live"]),
         mk("CastLike", ["s_live", "q"], ["live_t"]),
         mk("CastLike", ["one_f", "q"], ["one_t"]),

@@ -180,3 +180,26 @@ def test_kernel_config_variants():
     with pytest.raises(ValueError):
         L.kernel_config("FlashAttention", "float16", attrs, {"head_dim": 48})
     assert len(L.prebuild_sources()) == 24
+
+
+@pytest.mark.parametrize("opset", [17, 20])
+def test_fp16_function_runs_below_opset_20(opset):
+    """fp16 fused models from TorchScript exports (opset 17) must run in onnxruntime too."""
+    import onnxruntime as ort
+
+    fn = R.onnx_function("FlashAttention", opset=opset)
+    node = helper.make_node("FlashAttention", ["q", "k", "v", "b"], ["o"], domain="optfuse", scale=0.25, causal=1,
+                            num_heads=4, num_kv_heads=2, plugin_namespace="optfuse", plugin_version="1")
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in "qkvb"]
+    g = helper.make_graph([node], "g", vi, [helper.make_tensor_value_info("o", TensorProto.FLOAT16, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("optfuse", 1)],
+                          functions=[fn])
+    m.ir_version = 9
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 5, 32)).astype(np.float16)
+    k, v = (rng.standard_normal((2, 2, 7, 32)).astype(np.float16) for _ in range(2))
+    o = sess.run(None, {"q": q, "k": k, "v": v, "b": np.zeros((), np.float16)})[0]
+    r = R.reference("FlashAttention", [q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), None],
+                  {"scale": 0.25, "causal": 1, "num_heads": 4, "num_kv_heads": 2})[0]
+    assert np.abs(o.astype(np.float64) - r).max() < 5e-3
