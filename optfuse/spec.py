@@ -7,24 +7,20 @@ generates plugins from it, and verify runs its reference (an ONNX function for
 onnxruntime, a NumPy function for tests).
 
 Plugin folders are imported as the package ``optfuse_plugins.<folder>`` (see
-:func:`plugin_module`), so kernels, references and launch code live next to the spec.
+:mod:`optfuse.plugin_dirs`), so kernels, references and launch code live next to the spec.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
-import types
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import DOMAIN
+from .plugin_dirs import PLUGINS_DIR, plugin_module  # noqa: F401  (re-exported)
 
-PLUGINS_DIR = Path(__file__).resolve().parent.parent / "plugins"
 
 DType = Literal["float32", "float16", "bfloat16", "int32", "int64", "bool"]
 AttrType = Literal["float", "int", "string", "floats", "ints"]
@@ -74,22 +70,6 @@ class OpSpec(_Strict):
 
     def input_index(self, name: str) -> int:
         return [t.name for t in self.inputs].index(name)
-
-
-def _ensure_plugins_package() -> None:
-    """Make ``optfuse_plugins`` an importable package rooted at ``plugins/``."""
-    if "optfuse_plugins" in sys.modules:
-        return
-    pkg = types.ModuleType("optfuse_plugins")
-    pkg.__path__ = [str(PLUGINS_DIR)]  # type: ignore[attr-defined]
-    pkg.__file__ = str(PLUGINS_DIR / "__init__.py")
-    sys.modules["optfuse_plugins"] = pkg
-
-
-def plugin_module(folder: str, module: str) -> types.ModuleType:
-    """Import ``plugins/<folder>/<module>.py`` (e.g. ``reference``, ``launch``)."""
-    _ensure_plugins_package()
-    return importlib.import_module(f"optfuse_plugins.{folder}.{module}")
 
 
 @functools.cache

@@ -2,37 +2,17 @@
 
 A plugin folder takes part when its ``launch.py`` defines ``prebuild_sources() ->
 list[KernelSource]`` (the specializations worth compiling ahead of time: default attributes,
-common hidden sizes, every dtype). Imports plugin modules the way :mod:`optfuse.spec` does
-(package ``optfuse_plugins`` rooted at ``plugins/``) but without pydantic, so kernel code and
-GPU tests run where only numpy/triton/cuda-python exist.
+common hidden sizes, every dtype). Plugin modules are imported through
+:mod:`optfuse.plugin_dirs` (no pydantic), so kernel code and GPU tests run where only
+numpy/triton/cuda-python exist.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from pathlib import Path
-
+from ..plugin_dirs import PLUGINS_DIR, plugin_module
 from .artifact import KernelSource
 
-PLUGINS_DIR = Path(__file__).resolve().parent.parent.parent / "plugins"
-
-
-def _ensure_plugins_package() -> None:
-    # Same package as optfuse.spec._ensure_plugins_package (kept in step; no pydantic here).
-    if "optfuse_plugins" in sys.modules:
-        return
-    pkg = types.ModuleType("optfuse_plugins")
-    pkg.__path__ = [str(PLUGINS_DIR)]  # type: ignore[attr-defined]
-    pkg.__file__ = str(PLUGINS_DIR / "__init__.py")
-    sys.modules["optfuse_plugins"] = pkg
-
-
-def plugin_module(folder: str, module: str) -> types.ModuleType:
-    """Import ``plugins/<folder>/<module>.py`` as ``optfuse_plugins.<folder>.<module>``."""
-    _ensure_plugins_package()
-    return importlib.import_module(f"optfuse_plugins.{folder}.{module}")
+__all__ = ["PLUGINS_DIR", "all_sources", "plugin_folders", "plugin_module"]
 
 
 def plugin_folders() -> list[str]:

@@ -1,0 +1,30 @@
+"""Where plugin folders live and how they are imported (no third-party imports here).
+
+Plugin folders import as the package ``optfuse_plugins.<folder>``, rooted at ``plugins/``, so
+kernels, references and launch code sit next to their spec. This module stays free of pydantic
+and onnx so kernel code and GPU tests can use it where only numpy/triton/cuda-python exist.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+PLUGINS_DIR = Path(__file__).resolve().parent.parent / "plugins"
+
+
+def _ensure_plugins_package() -> None:
+    if "optfuse_plugins" in sys.modules:
+        return
+    pkg = types.ModuleType("optfuse_plugins")
+    pkg.__path__ = [str(PLUGINS_DIR)]  # type: ignore[attr-defined]
+    pkg.__file__ = str(PLUGINS_DIR / "__init__.py")
+    sys.modules["optfuse_plugins"] = pkg
+
+
+def plugin_module(folder: str, module: str) -> types.ModuleType:
+    """Import ``plugins/<folder>/<module>.py`` (e.g. ``reference``, ``launch``)."""
+    _ensure_plugins_package()
+    return importlib.import_module(f"optfuse_plugins.{folder}.{module}")
