@@ -226,20 +226,23 @@ class Family:
 
 _TEXT = dict(vocab_size=1000, max_position_embeddings=128)
 
+# Every family's head dim is 32: the smallest FlashAttention supports (spec limits.head_dims), so
+# attention fuses on the default models.
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family(
             "bert", "BERT encoder (post-LN, GELU-erf MLP, padding mask, token types)",
             "BertConfig", "BertModel",
-            dict(_TEXT, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            dict(_TEXT, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                  type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
             ("input_ids", "attention_mask", "token_type_ids"), "layer_norm", causal=False,
         ),
         Family(
             "gpt2", "GPT-2 decoder without KV cache (pre-LN, Conv1D/Gemm projections, GELU-tanh MLP, causal + padding mask)",
             "GPT2Config", "GPT2Model",
-            dict(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4, n_inner=128, use_cache=False,
+            dict(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=2, n_inner=128, use_cache=False,
                  bos_token_id=0, eos_token_id=0,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
             ("input_ids", "attention_mask"), "layer_norm", causal=True, call_kwargs={"use_cache": False},
@@ -247,7 +250,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "vit", "ViT image encoder (patch Conv, CLS token, pre-LN, GELU-erf MLP, no mask)",
             "ViTConfig", "ViTModel",
-            dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                  image_size=32, patch_size=8, num_channels=3, hidden_dropout_prob=0.0,
                  attention_probs_dropout_prob=0.0),
             ("pixel_values",), "layer_norm", causal=False,
@@ -255,7 +258,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "llama", "LLaMA decoder without KV cache (RMSNorm, RoPE, GQA: 4 query / 2 KV heads, SwiGLU MLP, causal + padding mask)",
             "LlamaConfig", "LlamaModel",
-            dict(_TEXT, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            dict(_TEXT, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, use_cache=False),
             ("input_ids", "attention_mask"), "rms_norm", causal=True, position="rotary",
             call_kwargs={"use_cache": False},
@@ -263,7 +266,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "t5", "T5 encoder (T5EncoderModel: RMS-style T5LayerNorm, relative position bias, ReLU MLP, padding mask)",
             "T5Config", "T5EncoderModel",
-            dict(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, use_cache=False,
+            dict(vocab_size=1000, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2, use_cache=False,
                  dropout_rate=0.0, relative_attention_num_buckets=32, relative_attention_max_distance=128),
             ("input_ids", "attention_mask"), "rms_norm", causal=False, position="relative_bias", scaled=False,
             notes="attention scores get a float position bias (+ mask) before Softmax and are not scaled by 1/sqrt(d)",
