@@ -438,17 +438,10 @@ def test_not_fused_with_reason(kw, reason):
 # ------------------------------------------------------------------------------------------------
 # exported HF models
 # ------------------------------------------------------------------------------------------------
-#: Config overrides giving head_dim 32 (the kernel's smallest; the tiny defaults have 16).
-OVERRIDES = {
-    "bert": dict(num_attention_heads=2),
-    "gpt2": dict(n_head=2),
-    "vit": dict(num_attention_heads=2),
-    "llama": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "t5": dict(d_kv=32),
-}
+FAMILIES = ["bert", "gpt2", "vit", "llama", "t5"]  # the tiny defaults have head dim 32
 MASK_CLASS = {"bert": "padding", "gpt2": "causal+padding", "vit": "none", "llama": "causal+padding",
               "t5": "bias+padding"}
-CASES = [(f, e, a) for f in OVERRIDES for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")]
+CASES = [(f, e, a) for f in FAMILIES for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")]
 DIMS = {"batch": 3, "sequence": 12}
 
 
@@ -459,7 +452,7 @@ def fused_export(exported_model):
     def get(family, exporter, attn, **options):
         key = (family, exporter, attn, tuple(sorted(options.items())))
         if key not in memo:
-            em = exported_model(family, exporter, attn, **OVERRIDES[family])
+            em = exported_model(family, exporter, attn)
             model = onnx.load(str(em.path))
             fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16}, options=options)
             memo[key] = (em, model, fused, res)
@@ -525,7 +518,7 @@ def test_exported_onnx_attention_op(exported_model):
     """torch's dynamo exporter at opset 23 writes ONNX Attention for SDPA."""
     from optfuse.models import make_inputs
 
-    em = exported_model("bert", "dynamo", "sdpa", 23, **OVERRIDES["bert"])
+    em = exported_model("bert", "dynamo", "sdpa", 23)
     model = onnx.load(str(em.path))
     fused, res = fuse_model(model)
     assert [a.rule for a in _fa(res)] == ["attention.onnx"] * em.counts["attention"], _rejections(res)
