@@ -144,7 +144,7 @@ def _options(recipe: Recipe | None) -> dict:
     if recipe is None:
         return {}
     return {"precision": recipe.precision.mode, "keep_fp32": list(recipe.precision.keep_fp32),
-            "arch": recipe.target.arch}
+            "arch": recipe.target.arch, "attention.keep_full_mask": recipe.fusions.attention_full_mask}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -194,3 +194,12 @@ def test_shipped_recipes_match_their_exported_models(path, exported_model):
     for name, rng in m.dims.items():
         assert recipe.dims[name].model_dump() == rng
     plan_inputs(onnx.load(m.path), recipe)  # agrees with the graph's inputs
+
+
+def test_attention_full_mask_reaches_the_fusion_options(tmp_path):
+    from optfuse.pipeline import _options
+
+    r = load_recipe(_write(tmp_path, _with(fusions__attention_full_mask=True)))
+    assert _options(r)["attention.keep_full_mask"] is True
+    assert "attention_full_mask" not in r.fusions.enabled()
+    assert _options(load_recipe(_write(tmp_path, GOOD, "g.yaml")))["attention.keep_full_mask"] is False
