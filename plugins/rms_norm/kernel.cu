@@ -6,15 +6,31 @@
 //
 // Specialized at compile time (-D): OPTFUSE_DTYPE (0 fp32, 1 fp16, 2 bf16), HIDDEN, EPS (a float
 // literal), VEC (elements per access: 16 bytes / sizeof(T), or 1 when HIDDEN is not a multiple),
-// TPR (threads per row: 1..32 = sub-warp/warp per row, shuffles only; 64..1024 = block per row)
-// and RPB (rows per block; TPR * RPB threads per block). Each thread keeps its VPT vectors of the
-// row in registers: one read of x (and skip), one write of y (and sum).
+// TPR (threads per row: 1..32 = sub-warp/warp per row, shuffles only; 64..1024 = block per row),
+// RPB (rows per block at a time; TPR * RPB threads per block), ITERS (row groups per block, default
+// 1: the block walks them grid-stride, gamma stays in registers and the next group's loads are
+// issued before the current group's reduction), STCS (1: streaming stores, st.global.cs) and
+// GLATE (1: gamma's loads left where ptxas puts them, which can be behind the reduction; fewer
+// registers live at once).
+//
+// Each thread keeps its VPT accesses of the row in registers (packed, as loaded): one read of x
+// (and skip), one write of y (and sum); gamma is loaded once per block, by default together with
+// the first row, so no global load waits behind the reduction.
 //
 // Parameter order is TensorRT QDP's: inputs, int32 extra args (rows), outputs.
 // No CUDA headers needed (fp16/bf16 conversions in inline PTX), so the nvrtc wheel alone builds it.
 
 #ifndef OPTFUSE_DTYPE
 #error "define OPTFUSE_DTYPE"
+#endif
+#ifndef ITERS
+#define ITERS 1
+#endif
+#ifndef STCS
+#define STCS 0
+#endif
+#ifndef GLATE
+#define GLATE 0
 #endif
 
 typedef unsigned short u16;
@@ -57,16 +73,21 @@ constexpr int kHidden = HIDDEN;
 constexpr int kNV = (kHidden + kVec - 1) / kVec;  // accesses per row (kHidden % kVec == 0)
 constexpr int kTPR = TPR;
 constexpr int kRPB = RPB;
+constexpr int kIters = ITERS;
+constexpr bool kGammaLate = GLATE;
 constexpr int kThreads = kTPR * kRPB;
 constexpr int kVPT = (kNV + kTPR - 1) / kTPR;  // accesses per thread
 constexpr bool kFull = (kVPT * kTPR == kNV);
+constexpr bool kBlockRow = kTPR > 32;  // a block per row: warp shuffles + one shared-memory step
+constexpr int kWarps = kThreads / 32;
 constexpr float kInvHidden = 1.0f / (float)kHidden;
 
 static_assert(kVec == 1 || kHidden % kVec == 0, "vector path needs HIDDEN % VEC == 0");
-static_assert(kTPR <= 32 || kRPB == 1, "block-per-row mode handles one row per block");
-static_assert(kTPR <= 32 || kTPR % 32 == 0, "block-per-row mode needs whole warps");
-static_assert((kTPR & (kTPR - 1)) == 0 || kTPR > 32, "sub-warp rows need a power-of-two width");
+static_assert(!kBlockRow || kRPB == 1, "block-per-row mode handles one row per block at a time");
+static_assert(!kBlockRow || kTPR % 32 == 0, "block-per-row mode needs whole warps");
+static_assert(kBlockRow || (kTPR & (kTPR - 1)) == 0, "sub-warp rows need a power-of-two width");
 static_assert(kThreads <= 1024, "at most 1024 threads per block");
+static_assert(kIters >= 1 && kIters <= 8, "ITERS in 1..8");
 
 typedef typename RawOf<kVec * sizeof(T)>::type Raw;
 union Pack {
@@ -74,77 +95,153 @@ union Pack {
     T v[kVec];
 };
 
-__device__ __forceinline__ float row_sum(float v) {
-    if (kTPR <= 32) {
+template <typename R>
+__device__ __forceinline__ void store(R* p, const R& v) {
+    if constexpr (STCS && sizeof(R) == 16) {
+        asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                     : "memory");
+    } else {
+        *p = v;
+    }
+}
+
+// Sum over the threads of a row. Block mode: `buf` alternates between row groups, so a fast warp
+// writing the next group's partial never races a slow warp still reading this group's (one
+// barrier per row instead of two).
+__device__ __forceinline__ float row_sum(float v, int buf) {
+    if constexpr (!kBlockRow) {
 #pragma unroll
-        for (int o = (kTPR < 32 ? kTPR : 32) / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o, kTPR < 32 ? kTPR : 32);
+        for (int o = kTPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o, kTPR);
         return v;
     } else {
-        __shared__ float part[32];
-        __shared__ float total;
+        __shared__ float part[kIters > 1 ? 2 : 1][kWarps];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        if (lane == 0) part[warp] = v;
+        if (lane == 0) part[buf][warp] = v;
         __syncthreads();
-        if (warp == 0) {
-            float w = lane < kTPR / 32 ? part[lane] : 0.f;
+        if constexpr ((kWarps & (kWarps - 1)) == 0) {
+            // every lane group of kWarps lanes holds all partials: a kWarps-wide butterfly
+            float w = part[buf][lane & (kWarps - 1)];
+#pragma unroll
+            for (int o = kWarps / 2; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
+            return w;
+        } else {
+            float w = lane < kWarps ? part[buf][lane] : 0.f;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
-            if (lane == 0) total = w;
+            return w;
         }
-        __syncthreads();
-        return total;
+    }
+}
+
+// Loads are unconditional, from clamped (valid) addresses: a row past the end reads the last
+// row, an access past the row's end its last access; such values are never used (the sum of
+// squares masks the accesses, the stores skip both). Selecting zero for them instead would make
+// the compiler wait for each load right after issuing it (to merge the halves), so no further
+// load could be issued before the row arrived.
+__device__ __forceinline__ int clamp_access(int idx) { return (kFull || idx < kNV) ? idx : kNV - 1; }
+
+template <bool SKIP>
+__device__ __forceinline__ void load_row(Raw (&a)[kVPT], Raw (&b)[kVPT], const Raw* __restrict__ x,
+                                         const Raw* __restrict__ skip, long long row, int rows, int t) {
+    const long long base = (row < rows ? row : (long long)rows - 1) * kNV;
+#pragma unroll
+    for (int i = 0; i < kVPT; ++i) {
+        const int idx = clamp_access(t + i * kTPR);
+        a[i] = __ldg(x + base + idx);
+        if (SKIP) b[i] = __ldg(skip + base + idx);
     }
 }
 
 template <bool SKIP>
-__device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x, const T* __restrict__ skip,
-                                              const T* __restrict__ gamma, int rows, T* __restrict__ y,
-                                              T* __restrict__ sum) {
-    const int t = threadIdx.x % kTPR;
-    const long long row = (long long)blockIdx.x * kRPB + threadIdx.x / kTPR;
-    const bool active = row < rows;  // inactive threads still take part in the block reduction
-    const long long base = row * (long long)(kNV);
+__device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x_, const T* __restrict__ skip_,
+                                              const T* __restrict__ gamma_, int rows, T* __restrict__ y_,
+                                              T* __restrict__ sum_) {
+    const Raw* __restrict__ x = reinterpret_cast<const Raw*>(x_);
+    const Raw* __restrict__ skip = reinterpret_cast<const Raw*>(skip_);
+    const Raw* __restrict__ gamma = reinterpret_cast<const Raw*>(gamma_);
+    Raw* __restrict__ y = reinterpret_cast<Raw*>(y_);
+    Raw* __restrict__ sum = reinterpret_cast<Raw*>(sum_);
 
-    float v[kVPT][kVec];
-    float ss = 0.f;
+    const int t = threadIdx.x % kTPR;
+    const int sub = threadIdx.x / kTPR;
+    const int groups = rows / kRPB + (rows % kRPB != 0);  // grid = cdiv(rows, RPB * ITERS)
+    int grp = blockIdx.x;
+    if (grp >= groups) return;  // block-uniform
+
+    long long row = (long long)grp * kRPB + sub;
+    bool active = row < rows;  // inactive threads (warp mode) still take part in the shuffles
+    Raw a[kVPT], b[kVPT], g[kVPT];
+    load_row<SKIP>(a, b, x, skip, row, rows, t);
 #pragma unroll
-    for (int i = 0; i < kVPT; ++i) {
-        const int idx = t + i * kTPR;
-        if (active && (kFull || idx < kNV)) {
+    for (int i = 0; i < kVPT; ++i) g[i] = __ldg(gamma + clamp_access(t + i * kTPR));
+    // ptxas sinks read-only loads towards their first use, which is behind the reduction (and
+    // the exit of inactive rows): an L2 round trip more on every row's critical path. A use
+    // that cannot be folded away (rows is never negative) before the row's first use ties
+    // gamma's loads to right behind the row's. GLATE=1 leaves ptxas free.
+    const bool never = rows < 0;
+
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const long long next = (long long)grp + gridDim.x;
+        const bool more = it + 1 < kIters && next < groups;  // block-uniform
+        const long long nrow = next * kRPB + sub;
+        Raw na[kVPT], nb[kVPT];
+        if (kIters > 1 && more) load_row<SKIP>(na, nb, x, skip, nrow, rows, t);
+
+        const long long base = row * kNV;
+        float ss = 0.f;
+        if (!kGammaLate && it == 0 && never) {  // gamma "needed" before the first use of the row
+#pragma unroll
+            for (int i = 0; i < kVPT; ++i) a[i] = g[i];
+        }
+#pragma unroll
+        for (int i = 0; i < kVPT; ++i) {
+            const int idx = t + i * kTPR;
             Pack p;
-            p.raw = __ldg(reinterpret_cast<const Raw*>(x) + base + idx);
+            p.raw = a[i];
             if (SKIP) {
                 Pack q;
-                q.raw = __ldg(reinterpret_cast<const Raw*>(skip) + base + idx);
+                q.raw = b[i];
 #pragma unroll
                 for (int j = 0; j < kVec; ++j) p.v[j] = from_f32(to_f32(p.v[j]) + to_f32(q.v[j]));
-                reinterpret_cast<Raw*>(sum)[base + idx] = p.raw;
+                a[i] = p.raw;
+                if (active && (kFull || idx < kNV)) store(sum + base + idx, p.raw);
             }
+            if (kFull || idx < kNV) {
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) {
-                v[i][j] = to_f32(p.v[j]);
-                ss += v[i][j] * v[i][j];
+                for (int j = 0; j < kVec; ++j) {
+                    const float v = to_f32(p.v[j]);
+                    ss += v * v;
+                }
             }
-        } else {
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) v[i][j] = 0.f;
         }
-    }
-    ss = row_sum(ss);
-    const float inv = rsqrtf(ss * kInvHidden + (float)(EPS));
-    if (!active) return;
+        ss = row_sum(ss, it & 1);
+        const float inv = rsqrtf(ss * kInvHidden + (float)(EPS));
+        if (active) {
 #pragma unroll
-    for (int i = 0; i < kVPT; ++i) {
-        const int idx = t + i * kTPR;
-        if (kFull || idx < kNV) {
-            Pack g, o;
-            g.raw = __ldg(reinterpret_cast<const Raw*>(gamma) + idx);
+            for (int i = 0; i < kVPT; ++i) {
+                const int idx = t + i * kTPR;
+                if (kFull || idx < kNV) {
+                    Pack p, q, o;
+                    p.raw = a[i];
+                    q.raw = g[i];
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) o.v[j] = from_f32(v[i][j] * inv * to_f32(g.v[j]));
-            reinterpret_cast<Raw*>(y)[base + idx] = o.raw;
+                    for (int j = 0; j < kVec; ++j) o.v[j] = from_f32(to_f32(p.v[j]) * inv * to_f32(q.v[j]));
+                    store(y + base + idx, o.raw);
+                }
+            }
         }
+        if (!more) break;
+#pragma unroll
+        for (int i = 0; i < kVPT; ++i) {
+            a[i] = na[i];
+            if (SKIP) b[i] = nb[i];
+        }
+        grp = (int)next;
+        row = nrow;
+        active = nrow < rows;
     }
 }
 

@@ -9,7 +9,8 @@ Per op (``RMSNorm``, ``SkipRMSNorm``):
   symbolic shapes; hidden must be static).
 
 Layout: 16-byte vector accesses (scalar when hidden is not a multiple of 16 bytes); a warp (or
-a power-of-two slice of one) per row for small rows, a block per row for large ones.
+a power-of-two slice of one) per row for small rows, a block per row for large ones; each block
+handles ``rpb * iters`` rows (grid = ``cdiv(rows, rpb * iters)``).
 Argument order: inputs (x, [skip], gamma), extra (rows), outputs (y, [sum]).
 """
 
@@ -37,11 +38,18 @@ _DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 class RMSConfig:
     vec: int  # elements per access (16 bytes, or 1)
     tpr: int  # threads per row (<= 32: shuffles only; else a block per row)
-    rpb: int  # rows per block
+    rpb: int  # rows per block at a time
+    iters: int = 1  # row groups per block (grid-stride; gamma kept, next group prefetched)
+    stcs: bool = False  # streaming stores (st.global.cs)
+    glate: bool = False  # gamma loads not tied to before the reduction (ptxas may sink them behind it)
 
     @property
     def threads(self) -> int:
         return self.tpr * self.rpb
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.rpb * self.iters
 
 
 def _check_op(op: str) -> None:
@@ -49,38 +57,78 @@ def _check_op(op: str) -> None:
         raise ValueError(f"rms_norm plugin has no op {op!r} (ops: {OPS})")
 
 
-def choose_config(
-    dtype: Any, hidden: int, op: str = "RMSNorm", *, vpt: int | None = None, block_threads: int = 256
-) -> RMSConfig:
-    """``vpt`` accesses (16 bytes, or one element when hidden is not a multiple of 16 bytes)
-    per thread -- by default 1 for rows of <= 128 accesses, else 2 (from the H200 sweep, README
-    "Tuning"); rows of <= 32 threads get a (sub-)warp each, ``block_threads`` threads per block;
-    longer rows a block each (at most 1024 threads, more accesses per thread beyond)."""
-    dtype = norm_dtype(dtype)
-    if not 1 <= hidden <= MAX_HIDDEN:
-        raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
+def _vec_nv(dtype: str, hidden: int) -> tuple[int, int]:
     vec = 16 // ITEMSIZE[dtype]
     if hidden % vec:
         vec = 1
-    nv = -(-hidden // vec)
-    if vpt is None:
-        vpt = 1 if nv <= 128 else 2
+    return vec, -(-hidden // vec)
+
+
+def make_config(
+    dtype: Any, hidden: int, vpt: int, block_threads: int = 256, iters: int = 1, stcs: bool = False,
+    glate: bool = False,
+) -> RMSConfig:
+    """About ``vpt`` accesses (16 bytes, or one element when hidden is not a multiple of 16 bytes)
+    per thread: rows of <= 32 threads get a (sub-)warp each, ``block_threads`` threads per block;
+    longer rows a block each (at most 1024 threads, more accesses per thread beyond; then one
+    row group per block: ``iters`` > 1 would spill)."""
+    dtype = norm_dtype(dtype)
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
+    vec, nv = _vec_nv(dtype, hidden)
     need = -(-nv // vpt)
     if need <= 32:
         tpr = next_pow2(need)
-        return RMSConfig(vec, tpr, max(1, block_threads // tpr))
+        return RMSConfig(vec, tpr, max(1, block_threads // tpr), iters, stcs, glate)
     tpr = min(1024, -(-need // 32) * 32)
-    return RMSConfig(vec, tpr, 1)
+    # 1024 threads leave 64 registers a thread: a prefetched second row would spill
+    return RMSConfig(vec, tpr, 1, 1 if tpr == 1024 else iters, stcs, glate)
+
+
+def choose_config(dtype: Any, hidden: int, op: str = "RMSNorm") -> RMSConfig:
+    """The default layout, from the H200 sweep (README "Tuning"): rows of <= 32 accesses: one
+    access per thread, a (sub-)warp per row, 256 threads; <= 128 accesses: a warp per row (up
+    to 4 accesses per thread), 2 rows per block; longer rows: a block per row, 2 accesses per
+    thread (at most 1024 threads), one row per block."""
+    dtype = norm_dtype(dtype)
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
+    _, nv = _vec_nv(dtype, hidden)
+    if nv <= 32:
+        return make_config(dtype, hidden, 1, 256)
+    if nv <= 128:
+        return make_config(dtype, hidden, -(-nv // 32), 64)
+    return make_config(dtype, hidden, 2)
 
 
 def candidate_configs(dtype: Any, hidden: int, op: str = "RMSNorm") -> list[RMSConfig]:
-    """Configs a benchmark sweep may try (the default first)."""
+    """Configs a benchmark sweep may try (the default first); the GPU tests run every one."""
+    dtype = norm_dtype(dtype)
+    _, nv = _vec_nv(dtype, hidden)
     out = [choose_config(dtype, hidden, op)]
-    for vpt in (1, 2, 3, 4, 8):
-        for bt in (128, 256, 512):
-            c = choose_config(dtype, hidden, op, vpt=vpt, block_threads=bt)
-            if c not in out:
-                out.append(c)
+
+    def add(*a, **k):
+        c = make_config(dtype, hidden, *a, **k)
+        if c not in out:
+            out.append(c)
+
+    if nv <= 32:
+        add(1, 128)
+        add(1, 256, iters=2)
+    if 32 < nv <= 256:  # a warp per row
+        w = -(-nv // 32)
+        for bt, it in ((64, 1), (128, 1), (256, 1), (128, 2), (256, 2), (128, 4)):
+            add(w, bt, iters=it)
+        add(w, 128, stcs=True)
+        add(w, 128, glate=True)
+    if 64 < nv <= 128:  # the v1 layout: a block per row, one access per thread
+        add(1)
+    if nv > 128:  # a block per row
+        for vpt, it in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4), (4, 4)):
+            add(vpt, iters=it)
+        add(2, iters=2, stcs=True)
+        add(2, glate=True)
+        add(4, glate=True)
     return out
 
 
@@ -100,7 +148,7 @@ def kernel_config(
     eps = _epsilon(attrs)
     n_in, n_out = _N_IO[op]
     return KernelSource(
-        name=f"rms_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/v{cfg.vec}t{cfg.tpr}r{cfg.rpb}",
+        name=f"rms_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/v{cfg.vec}t{cfg.tpr}r{cfg.rpb}i{cfg.iters}{'s' if cfg.stcs else ''}{'g' if cfg.glate else ''}",
         lang="cuda",
         path=KERNEL_PATH,
         entry=_ENTRY[op],
@@ -114,6 +162,9 @@ def kernel_config(
             "VEC": str(cfg.vec),
             "TPR": str(cfg.tpr),
             "RPB": str(cfg.rpb),
+            "ITERS": str(cfg.iters),
+            "STCS": str(int(cfg.stcs)),
+            "GLATE": str(int(cfg.glate)),
         },
         threads=cfg.threads,
         pointer_align=cfg.vec * ITEMSIZE[dtype],
@@ -137,7 +188,9 @@ def launch_params(
     hidden = static_int(static_shape["hidden"] if static_shape else shapes[0][-1], "hidden")
     cfg = config or choose_config(dtype, hidden, op)
     rows = rows_of(shapes[0])
-    return LaunchParams(grid=(cdiv(rows, cfg.rpb), 1, 1), block=(cfg.threads, 1, 1), shared_mem=0, extra_args=[rows])
+    return LaunchParams(
+        grid=(cdiv(rows, cfg.rows_per_block), 1, 1), block=(cfg.threads, 1, 1), shared_mem=0, extra_args=[rows]
+    )
 
 
 #: Hidden sizes prebuilt by ``optfuse kernels build`` (common transformer widths).

@@ -111,7 +111,7 @@ def test_launch_params_symbolic(op, hidden):
     shapes = [[Sym("B"), Sym("S"), hidden]]
     p = launch.launch_params(op, shapes, ["bfloat16"], {}, cdiv=cdiv, static_shape={"hidden": hidden})
     cfg = launch.choose_config("bfloat16", hidden)
-    assert repr(p.grid[0]) == f"cdiv((B*S),{cfg.rpb})"
+    assert repr(p.grid[0]) == f"cdiv((B*S),{cfg.rpb * cfg.iters})"
     assert repr(p.extra_args[0]) == "(B*S)"
     assert p.block == (cfg.threads, 1, 1)
 
@@ -127,12 +127,29 @@ def test_choose_config(dtype, hidden):
     vpt = -(-nv // c.tpr)
     assert vpt * c.tpr >= nv and vpt <= 16
     assert c.tpr <= 32 and (c.tpr & (c.tpr - 1)) == 0 or c.rpb == 1 and c.tpr % 32 == 0
+    assert 1 <= c.iters <= 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 32, 33, 100, 768, 771, 1024, 2048, 4096, 5000, 8192, 16383, 16384])
+@pytest.mark.parametrize("op", OPS)
+def test_candidate_configs(op, dtype, hidden):
+    """The default is one of the candidates (so the GPU candidate test covers it); all valid."""
+    cands = launch.candidate_configs(dtype, hidden, op)
+    assert cands[0] == launch.choose_config(dtype, hidden, op) and len(set(cands)) == len(cands)
+    for c in cands:
+        nv = hidden // c.vec
+        assert hidden % c.vec == 0 and c.threads % 32 == 0 and c.threads <= 1024 and 1 <= c.iters <= 8
+        assert c.tpr <= 32 and (c.tpr & (c.tpr - 1)) == 0 or c.rpb == 1 and c.tpr % 32 == 0
+        assert -(-nv // c.tpr) <= 16
 
 
 def test_kernel_config_defines():
     src = launch.kernel_config("SkipRMSNorm", "bfloat16", {"epsilon": 1e-5}, {"hidden": 4096})
     assert src.defines["OPTFUSE_DTYPE"] == "2" and src.defines["HIDDEN"] == "4096"
     assert src.defines["EPS"] == "1e-05f" and src.pointer_align == 16
+    cfg = launch.choose_config("bfloat16", 4096, "SkipRMSNorm")
+    assert src.defines["ITERS"] == str(cfg.iters) and src.defines["STCS"] == str(int(cfg.stcs))
     assert launch.kernel_config("RMSNorm", "float16", {}, {"hidden": 771}).pointer_align == 2
 
 
@@ -149,7 +166,7 @@ def test_aot_compile(op, dtype, arch):
         assert re.search(rf"\.entry {art.name}\(", art.ptx) and art.name == src.entry
         assert f".target sm_{arch}" in art.ptx and art.n_scratch == 0 and art.threads == src.threads
         if hidden == 4096:  # 16-byte accesses
-            assert "ld.global.nc.v4" in art.ptx and "st.global.v4" in art.ptx
+            assert "ld.global.nc.v4" in art.ptx and re.search(r"st\.global(\.cs)?\.v4", art.ptx)
 
 
 def test_nvrtc_needs_no_toolkit_headers(monkeypatch):
@@ -190,19 +207,28 @@ def _np(t):
     return t.numpy()
 
 
-def _gpu_case(torch, art, op, dtype, rows, hidden, eps, rng, magnitude=None, prefer=None, what=""):
+def _gpu_case(torch, art, op, dtype, rows, hidden, eps, rng, magnitude=None, prefer=None, what="", config=None):
+    _gpu_configs(torch, [(config, art)], op, dtype, rows, hidden, eps, rng, magnitude, prefer, what)
+
+
+def _gpu_configs(torch, runs, op, dtype, rows, hidden, eps, rng, magnitude=None, prefer=None, what=""):
+    """One random input set; each ``(config, artifact)`` of ``runs`` (config None: the default)
+    launched on it into NaN-poisoned outputs and checked against float64."""
     ins = make_inputs(op, dtype, rows, hidden, rng, magnitude)
     attrs = {"epsilon": eps}
-    params = launch.launch_params(op, [a.shape for a in ins], [dtype], attrs)
-    outs = gpu_run(art, params, ins, [((rows, hidden), ins[0].dtype)] * N_OUT[op], prefer=prefer)
     ref = reference.reference(op, ins, attrs)
     x = ref[1] if op == "SkipRMSNorm" else ins[0]
     ref64 = reference.rms_norm64(x, ins[-1], eps)
     tx = _torch(torch, x)
     base = _np(torch.nn.functional.rms_norm(tx, (hidden,), _torch(torch, ins[-1]), eps))
-    check_error(outs[0], ref64, max_abs_err(base, ref64), dtype, f"{op} {dtype} h={hidden} y ({what})")
-    if op == "SkipRMSNorm":
-        check_ulps(outs[1], ref[1], dtype, 1.0, f"{op} {dtype} h={hidden} sum ({what})")
+    base_err = max_abs_err(base, ref64)
+    for cfg, art in runs:
+        params = launch.launch_params(op, [a.shape for a in ins], [dtype], attrs, config=cfg)
+        outs = gpu_run(art, params, ins, [((rows, hidden), ins[0].dtype)] * N_OUT[op], prefer=prefer)
+        tag = f"{op} {dtype} h={hidden} rows={rows} {cfg or 'default'}"
+        check_error(outs[0], ref64, base_err, dtype, f"{tag} y ({what})")
+        if op == "SkipRMSNorm":
+            check_ulps(outs[1], ref[1], dtype, 1.0, f"{tag} sum ({what})")
 
 
 @pytest.mark.gpu
@@ -212,6 +238,28 @@ def test_gpu_matches_fp64(cuda_torch, gpu_artifacts, op, dtype, hidden):
     rng = np.random.default_rng(seed)
     for rows in (1, int(rng.integers(2, 700))):
         _gpu_case(cuda_torch, gpu_artifacts[(op, dtype, hidden)], op, dtype, rows, hidden, 1e-6, rng, what=f"rows={rows} seed={seed}")
+
+
+@pytest.fixture(scope="module")
+def gpu_candidate_artifacts(cuda_torch):
+    keys = [(op, dt, h, c) for op, dt, h in GPU_CASES for c in launch.candidate_configs(dt, h, op)]
+    srcs = [launch.kernel_config(op, dt, {"epsilon": 1e-6}, {"hidden": h}, config=c) for op, dt, h, c in keys]
+    arts = KernelCache().build_many(srcs)
+    out: dict = {}
+    for (op, dt, h, c), art in zip(keys, arts):
+        out.setdefault((op, dt, h), []).append((c, art))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,dtype,hidden", GPU_CASES)
+def test_gpu_candidate_configs(cuda_torch, gpu_candidate_artifacts, op, dtype, hidden):
+    """Every config the benchmark sweep may pick as the default (launch.candidate_configs)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for rows in (1, int(rng.integers(2, 300))):
+        _gpu_configs(cuda_torch, gpu_candidate_artifacts[(op, dtype, hidden)], op, dtype, rows, hidden, 1e-6, rng,
+                     what=f"seed={seed}")
 
 
 @pytest.mark.gpu
@@ -264,8 +312,9 @@ def test_gpu_prebuilt_artifacts(cuda_torch):
         if md.get("op") not in OPS or meta["arch"] != current_device_arch():
             continue
         art = KernelArtifact.load(path)
+        cfg = launch.RMSConfig(**md["config"])  # the layout it was built with
         for prefer in ("cubin", "ptx"):
             _gpu_case(cuda_torch, art, md["op"], md["dtype"], 257, md["hidden"], md["epsilon"], rng, prefer=prefer,
-                      what=f"prebuilt {md['compiler']} {prefer} seed={seed}")
+                      what=f"prebuilt {md['compiler']} {prefer} seed={seed}", config=cfg)
         n += 1
     assert n > 0
