@@ -71,3 +71,17 @@ def test_sanitize_keeps_symbolic_dims_and_folds_constants():
     g = sanitize(b.model([graphs.io("x", ["batch", 4])], [graphs.io("y", ["batch", 4])]))
     assert [n.op for n in g.nodes] == ["Mul"]
     assert g.outputs[0].shape[0] == "batch"
+
+
+def test_concrete_shapes_resolve_symbols_and_write_nothing(tmp_path, monkeypatch):
+    from optfuse.ir.query import concrete_shapes
+
+    monkeypatch.chdir(tmp_path)
+    b = graphs.Builder()
+    s = b.node("Add", "x", "x2")  # broadcasting Add: ONNX names the result dims with fresh symbols
+    b.node("Relu", s, out="y")
+    g = sanitize(b.model([graphs.io("x", ["batch", 1, 4]), graphs.io("x2", [1, "seq", 4])],
+                         [graphs.io("y", None)]))
+    shapes = concrete_shapes(g, {"batch": 3, "seq": 5})
+    assert shapes["y"] == (3, 5, 4)
+    assert list(tmp_path.iterdir()) == []

@@ -138,6 +138,14 @@ def _infer_static(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        # The loop of SymbolicShapeInference.infer_shapes, minus its last step: when some shape
+        # stays unknown, that dumps the model into the current directory and raises, whereas a
+        # partial result is what we want (unknown tensors just stay out of the estimate).
+        sym = SymbolicShapeInference(2**31 - 1, True, False, 0)
+        sym._preprocess(model)
+        while sym.run_:
+            sym._infer_impl()
+        sym._update_output_from_vi()
+        return sym.out_mp_
     except Exception:  # unsupported op or a model it cannot follow: ONNX's inference is the fallback
         return infer_shapes(model)
