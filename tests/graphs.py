@@ -65,10 +65,8 @@ def layer_norm(hidden=64, variant="pow_div", opset=17, axes=(-1,), eps=1e-5, aff
         normed = b.node("Div", d, std)
     if casts:
         normed = b.node("Cast", normed, to=F32)
-    y = normed
     if affine:
-        y = b.node("Add", b.node("Mul", normed, b.const(rng.standard_normal(hidden))),
-                   b.const(rng.standard_normal(hidden)))
+        b.node("Add", b.node("Mul", normed, b.const(rng.standard_normal(hidden))), b.const(rng.standard_normal(hidden)))
     b.nodes[-1].output[0] = "y"
     shape = shape or ["b", "s", hidden]
     outputs = [io("y", shape)]

@@ -31,7 +31,6 @@ plus ``+padding`` when the mask input adds key padding. ``unknown`` when a probe
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any

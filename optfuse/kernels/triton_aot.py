@@ -34,7 +34,8 @@ def compiler_id() -> str:
 
 
 @contextlib.contextmanager
-def _interpret_env(interpret: bool):
+def interpret_env(interpret: bool):
+    """TRITON_INTERPRET set (or unset) for the block, restored after."""
     old = os.environ.get("TRITON_INTERPRET")
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -62,7 +63,7 @@ def load_module(path: str | os.PathLike, interpret: bool = False) -> types.Modul
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
-        with _interpret_env(interpret):
+        with interpret_env(interpret):
             spec.loader.exec_module(mod)
         _modules[key] = mod
     return mod
@@ -109,7 +110,7 @@ def compile_triton(src: KernelSource, arch: int, ptx_version: int | None = None)
     if ptx_version:
         options["ptx_version"] = ptx_version
     ast = ASTSource(fn=fn, signature=signature, constexprs=dict(src.constexprs), attrs=attrs)
-    with _interpret_env(False):
+    with interpret_env(False):
         compiled = triton.compile(ast, target=GPUTarget("cuda", arch, 32), options=options)
     md = compiled.metadata
     ptx = compiled.asm.get("ptx")

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +18,7 @@ from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelArtifact, KernelSource, LaunchParams
 from optfuse.kernels.registry import plugin_module
+from optfuse.kernels.triton_aot import interpret_env
 
 OP = "FlashAttention"
 
@@ -50,22 +50,6 @@ def case_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict
     return src, params
 
 
-@contextlib.contextmanager
-def _interpret(on: bool):
-    old = os.environ.get("TRITON_INTERPRET")
-    if on:
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:
-        os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
 def run_triton(src: KernelSource, params: LaunchParams, inputs: Sequence[Any],
                outputs: Sequence[Any], interpret: bool = False) -> None:
     """Launch ``src``'s @triton.jit function on torch tensors (GPU JIT, or CPU interpreter)."""
@@ -77,7 +61,7 @@ def run_triton(src: KernelSource, params: LaunchParams, inputs: Sequence[Any],
     if len(values) != len(runtime):
         raise ValueError(f"{src.name}: {len(values)} arguments for signature {runtime}")
     kwargs = dict(zip(runtime, values))
-    with _interpret(interpret):
+    with interpret_env(interpret):
         fn[tuple(int(g) for g in params.grid)](**kwargs, **src.constexprs,
                                                 num_warps=src.num_warps,
                                                 num_stages=src.num_stages)

@@ -11,7 +11,7 @@ import pytest
 
 from optfuse.kernels import KernelCache
 from optfuse.kernels.registry import plugin_module
-from optfuse.kernels.testing import ATOL, check_error, check_ulps, gpu_run, max_abs_err, np_dtype, run_onnx_function
+from optfuse.kernels.testing import check_error, check_ulps, gpu_run, max_abs_err, np_dtype, run_onnx_function
 
 launch = plugin_module("layer_norm", "launch")
 reference = plugin_module("layer_norm", "reference")
