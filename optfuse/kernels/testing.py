@@ -147,7 +147,11 @@ def run_interpreted(src, params, inputs: Sequence[np.ndarray], outputs: Sequence
 
     global _interp_pool
     if _interp_pool is None:
+        import atexit
+
         _interp_pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        # shut the child down before interpreter teardown (else a weakref callback fails at exit)
+        atexit.register(_interp_pool.shutdown)
     grid = tuple(int(g) for g in params.grid)
     extra = [int(a) for a in params.extra_args]
     res = _interp_pool.submit(_interp_child, src, grid, extra, list(inputs), list(outputs)).result()
