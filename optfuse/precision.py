@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.metadata
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
@@ -152,15 +153,23 @@ def convert_precision(
     keep_io = io_dtype == "keep"
     block = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(ops))
     try:
-        out = float16.convert_float_to_float16(
-            src, keep_io_types=keep_io, op_block_list=block, node_block_list=names, disable_shape_infer=False,
-        )
+        # The converter warns once per constant it clamps to the FP16 range (e.g. finfo(fp32).min
+        # masks become -1e4); those go into the report as one note instead of flooding the console.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            out = float16.convert_float_to_float16(
+                src, keep_io_types=keep_io, op_block_list=block, node_block_list=names, disable_shape_infer=False,
+            )
     except Exception as exc:  # the converter's own failures are bad-input failures for the user
         raise InputError(f"FP16 conversion failed: {type(exc).__name__}: {exc}") from exc
     result = PrecisionResult(
         mode=mode, converter=converter_name(), io_dtype="keep" if keep_io else mode,
         keep_fp32_ops=ops, keep_fp32_nodes=names, optfuse_nodes=n_optfuse,
     )
+    clamped = [str(w.message) for w in caught if "truncated" in str(w.message)]
+    if clamped:
+        result.notes.append(f"{len(clamped)} constant value(s) outside the FP16 range were clamped "
+                            f"(first: {clamped[0]})")
     result.casts_added = sum(1 for n in out.graph.node if n.op_type == "Cast") - n_casts_before
     result.initializers_converted = sum(
         1 for a, b in zip(model.graph.initializer, out.graph.initializer)
