@@ -157,3 +157,19 @@ def run_interpreted(src, params, inputs: Sequence[np.ndarray], outputs: Sequence
     res = _interp_pool.submit(_interp_child, src, grid, extra, list(inputs), list(outputs)).result()
     for o, r in zip(outputs, res):
         o[...] = r
+
+
+def check_onnx_function(reference, op: str, inputs, dtype: str, opset: int, attrs: dict | None = None) -> None:
+    """A plugin's ONNX function (what onnxruntime runs in fused models) agrees with its NumPy
+    reference: same outputs, same dtypes, within fp32 / fp16 rounding."""
+    attrs = {"epsilon": 1e-4} if attrs is None else attrs
+    fn = reference.onnx_function(op, opset=opset, dtype=dtype)
+    assert fn.domain == "optfuse" and fn.name == op
+    assert {a.name for a in fn.attribute_proto} >= {"epsilon", "plugin_namespace", "plugin_version"}
+    got = run_onnx_function(fn, inputs, attrs, opset=opset)
+    want = reference.reference(op, inputs, attrs)
+    assert len(got) == len(want)
+    tol = {"float32": 1e-4, "float16": 1e-2}[dtype]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        assert max_abs_err(g, w) <= tol

@@ -11,7 +11,7 @@ import pytest
 
 from optfuse.kernels import KernelCache
 from optfuse.kernels.registry import plugin_module
-from optfuse.kernels.testing import check_error, check_ulps, gpu_run, max_abs_err, np_dtype, run_onnx_function
+from optfuse.kernels.testing import check_error, check_onnx_function, check_ulps, gpu_run, max_abs_err, np_dtype
 
 launch = plugin_module("layer_norm", "launch")
 reference = plugin_module("layer_norm", "reference")
@@ -68,17 +68,7 @@ def test_reference_fp16_no_overflow():
 @pytest.mark.parametrize("op", OPS)
 def test_onnx_function_runs_in_onnxruntime(op, dtype, opset):
     rng = np.random.default_rng(2)
-    ins = make_inputs(op, dtype, 5, 771, rng)
-    fn = reference.onnx_function(op, opset=opset, dtype=dtype)
-    assert fn.domain == "optfuse" and fn.name == op
-    assert {a.name for a in fn.attribute_proto} >= {"epsilon", "plugin_namespace", "plugin_version"}
-    got = run_onnx_function(fn, ins, {"epsilon": 1e-4}, opset=opset)
-    want = reference.reference(op, ins, {"epsilon": 1e-4})
-    assert len(got) == len(want)
-    tol = {"float32": 1e-4, "float16": 1e-2}[dtype]
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype
-        assert max_abs_err(g, w) <= tol
+    check_onnx_function(reference, op, make_inputs(op, dtype, 5, 771, rng), dtype, opset)
 
 
 class Sym:
