@@ -71,12 +71,13 @@ def _leak_reason(m_nodes: Sequence[gs.Node], rw: Rewrite, graph: gs.Graph) -> st
             if id(t) in kept:
                 continue
             uses = outside_uses(t, m_nodes, graph)
-            if uses and not any(o is t for o in graph.outputs):
-                outside = [c for c in t.outputs if id(c) not in inside]
-                if all(_dies_with(c, inside, graph, reads, memo) for c in outside):
-                    continue
-            if uses:
-                return f"intermediate {t.name!r} is also used by {', '.join(uses)}"
+            if not uses:
+                continue
+            is_output = any(o is t for o in graph.outputs)
+            outside = [c for c in t.outputs if id(c) not in inside]
+            if not is_output and all(_dies_with(c, inside, graph, reads, memo) for c in outside):
+                continue
+            return f"intermediate {t.name!r} is also used by {', '.join(uses)}"
     return None
 
 
@@ -114,7 +115,6 @@ def _try_rule(rule: FusionRule, out: gs.Tensor, ctx: Context, claimed: set[int])
         if any(id(n) in claimed for n in m.nodes):
             continue  # part of an already planned fusion: not a candidate of its own
         reason = rule.check(m, ctx)
-        rw = None
         if reason is None:
             rw = rule.rewrite(m, ctx)
             reason = _leak_reason(m.nodes, rw, ctx.graph)
@@ -217,15 +217,20 @@ def _materialize(x: NewTensor, name: str, graph: gs.Graph, made: dict[int, gs.Te
     return out
 
 
-def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], start_index: int = 0) -> None:
+def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], start_index: int = 0,
+               shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]] | None:
     """Replace every accepted match by one optfuse node (the only mutating step).
 
     NewTensor inputs become new standard nodes; their traffic counts against the fusion that first
-    created them.
+    created them. HBM estimates use concrete shapes (the inputs' symbolic dims set to `dims`):
+    `shapes` are those of the graph as it is (inferred here when None), and the shapes of the graph
+    after the rewrite are returned, so a caller applying several plans infers once per plan.
     """
+    if not result.accepted:
+        return shapes  # graph unchanged
     made: dict[int, gs.Tensor] = {}
-    # HBM estimates use concrete shapes (inputs' symbolic dims set to `dims`), before and after
-    shapes = concrete_shapes(graph, dims) if result.accepted else {}
+    if shapes is None:
+        shapes = concrete_shapes(graph, dims)
     fused_nodes: list[list[gs.Node]] = []
     for i, acc in enumerate(result.accepted, start=start_index):
         rw = acc.rewrite
@@ -263,10 +268,11 @@ def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], star
         fused_nodes.append([node, *new_nodes])
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     # fused nodes produce the tensors they took over, so the shapes from before still hold for them
-    shapes = {**shapes, **concrete_shapes(graph, dims)} if result.accepted else {}
+    shapes = {**shapes, **concrete_shapes(graph, dims)}
     for acc, nodes in zip(result.accepted, fused_nodes):
         after = _traffic(nodes, dims, shapes)
         acc.hbm_saved_bytes = None if acc.hbm_saved_bytes is None or after is None else acc.hbm_saved_bytes - after
+    return shapes
 
 
 def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:

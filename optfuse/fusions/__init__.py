@@ -46,12 +46,13 @@ def fuse_graph(graph: gs.Graph, ctx: Context, families: Iterable[str] | None = N
     enabled = set(available_families() if families is None else families)
     total = FusionResult()
     ctx.probe_shapes = concrete_shapes(graph, probe_dims(graph))
+    shapes = None  # concrete shapes at ctx.dims, inferred when the first plan is applied
     for name in available_families():
         if name not in enabled:
             continue
         ctx.graph = graph
         result = plan_family(graph, family_rules(name), ctx)
-        apply_plan(graph, result, ctx.dims, start_index=len(total.accepted))
+        shapes = apply_plan(graph, result, ctx.dims, start_index=len(total.accepted), shapes=shapes)
         total.accepted = _absorb(total.accepted, result.accepted) + result.accepted
         total.rejected += result.rejected
     return total
