@@ -201,11 +201,8 @@ class OpPattern(Pattern):
             return
         if self.output_index >= len(node.outputs) or node.outputs[self.output_index] is not tensor:
             return
-        if any(n is node for n in state.nodes):
-            # the same node reached twice (e.g. Mul(d, d)): already matched on another path
-            node_state = state.fork()
-        else:
-            node_state = state.fork()
+        node_state = state.fork()
+        if not any(n is node for n in state.nodes):  # Mul(d, d) reaches d's producer twice
             node_state.nodes.append(node)
         if not self._match_attrs(node, node_state):
             return
