@@ -48,10 +48,15 @@ class KernelSource:
     pointer_align: int = 16
     #: Free-form description (op, dtype, hidden, config); stored in the artifact.
     meta: dict[str, Any] = field(default_factory=dict)
+    #: cuda: ``"a"`` compiles for the arch-specific target (``sm_90a``: wgmma, setmaxnreg), whose
+    #: code runs on that exact compute capability only.
+    arch_suffix: str = ""
 
     def __post_init__(self) -> None:
         if self.lang not in ("triton", "cuda"):
             raise ValueError(f"unknown kernel language {self.lang!r}")
+        if self.arch_suffix not in ("", "a") or (self.arch_suffix and self.lang != "cuda"):
+            raise ValueError(f"{self.name}: arch_suffix {self.arch_suffix!r} (only 'a', CUDA kernels)")
 
     def source_text(self) -> str:
         return Path(self.path).read_text()
@@ -70,6 +75,7 @@ class KernelSource:
             "threads": self.threads,
             "io": [self.n_inputs, self.n_extra, self.n_outputs],
             "pointer_align": self.pointer_align,
+            "arch_suffix": self.arch_suffix,
             "abi": ABI_VERSION,
         }
 
@@ -104,6 +110,7 @@ class KernelArtifact:
     pointer_align: int = 16
     key: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    arch_suffix: str = ""  # "a": sm_90a code, runs on compute capability 9.0 only
 
     @property
     def n_params(self) -> int:

@@ -27,15 +27,17 @@ def build(
 
     cache = default_cache()
     archs = [resolve_arch(t) for t in target.split(",")] if target else [resolve_arch(None)]
-    errors: list[str] = []
-    sources = all_sources(plugin or None, errors)
-    for err in errors:
-        typer.echo(f"error: plugin {err}", err=True)
+    failed = False
     for arch in archs:
+        errors: list[str] = []
+        sources = all_sources(plugin or None, errors, arch=arch)  # a plugin may add arch-specific kernels
+        for err in errors:
+            typer.echo(f"error: plugin {err}", err=True)
+        failed = failed or bool(errors)
         t0 = time.time()
         arts = cache.build_many(sources, arch, jobs=jobs, force=force)
         typer.echo(f"{arch_name(arch)}: {len(arts)} kernels ready in {cache.root} ({time.time() - t0:.1f} s)")
-    if errors:
+    if failed:
         raise typer.Exit(1)
 
 

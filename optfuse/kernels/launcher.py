@@ -127,8 +127,10 @@ def fit_ptx_to_driver(ptx: str, drv: int | None = None) -> str:
     return _PTX_VERSION.sub(lambda mm: f"{mm.group(1)}{cap // 10}.{cap % 10}", ptx, count=1)
 
 
-def _cubin_fits(artifact_arch: int, device_arch: int) -> bool:
-    # sm_XY cubins run on devices of the same major with minor >= Y (sm_90a only on 9.0).
+def _cubin_fits(artifact_arch: int, device_arch: int, suffix: str = "") -> bool:
+    # sm_XY cubins run on devices of the same major with minor >= Y; sm_90a only on 9.0.
+    if suffix:
+        return device_arch == artifact_arch
     return artifact_arch // 10 == device_arch // 10 and device_arch >= artifact_arch
 
 
@@ -151,8 +153,9 @@ def get_function(artifact: KernelArtifact, prefer: str | None = None) -> tuple[A
     prefer = prefer or os.environ.get("OPTFUSE_LAUNCH_PREFER", "cubin")
     if prefer not in ("cubin", "ptx"):
         raise ValueError(f"prefer must be 'cubin' or 'ptx', not {prefer!r}")
-    cubin_ok = artifact.cubin is not None and _cubin_fits(artifact.arch, dev_arch)
-    ptx_ok = artifact.ptx is not None and dev_arch >= artifact.arch
+    cubin_ok = artifact.cubin is not None and _cubin_fits(artifact.arch, dev_arch, artifact.arch_suffix)
+    ptx_ok = artifact.ptx is not None and (
+        dev_arch == artifact.arch if artifact.arch_suffix else dev_arch >= artifact.arch)
     if prefer == "ptx" and ptx_ok:
         kind = "ptx"
     elif cubin_ok:
@@ -161,7 +164,7 @@ def get_function(artifact: KernelArtifact, prefer: str | None = None) -> tuple[A
         kind = "ptx"
     else:
         raise RuntimeError(
-            f"kernel {artifact.name} was built for sm_{artifact.arch}; the device is sm_{dev_arch} "
+            f"kernel {artifact.name} was built for sm_{artifact.arch}{artifact.arch_suffix}; the device is sm_{dev_arch} "
             "(rebuild with `optfuse kernels build --target sm_%d`)" % dev_arch
         )
     key = (int(ctx), _artifact_id(artifact), kind)

@@ -117,14 +117,14 @@ def _compile_nvrtc(src: KernelSource, arch: int) -> tuple[bytes, str]:
     err, prog = nvrtc.nvrtcCreateProgram(text, os.path.basename(src.path).encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
-        opts = [f"--gpu-architecture=sm_{arch}", "--std=c++17", "-DOPTFUSE_NVRTC=1", *_define_flags(src)]
+        opts = [f"--gpu-architecture=sm_{arch}{src.arch_suffix}", "--std=c++17", "-DOPTFUSE_NVRTC=1", *_define_flags(src)]
         opts += [f"-I{d}" for d in cuda_include_dirs()]
         bopts = [o.encode() for o in opts]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(bopts), bopts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
         nvrtc.nvrtcGetProgramLog(prog, log)
-        _check(res, f"NVRTC compile of {src.name} for sm_{arch}", log.decode(errors="replace").rstrip("\x00 "))
+        _check(res, f"NVRTC compile of {src.name} for sm_{arch}{src.arch_suffix}", log.decode(errors="replace").rstrip("\x00 "))
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
         cubin = b" " * size
@@ -147,7 +147,11 @@ def _compile_nvcc(src: KernelSource, arch: int) -> tuple[bytes, str]:
         cu.write_text(src.source_text())
         base = [nvcc, "-std=c++17", *_define_flags(src), str(cu)]
         outs = {}
-        for kind, flags in (("cubin", ["-cubin", f"-arch=sm_{arch}"]), ("ptx", ["-ptx", f"-arch=sm_{arch}"])):
+        a = f"{arch}{src.arch_suffix}"
+        # -gencode, not -arch=sm_90a: nvcc 13.0's shorthand also runs a plain sm_90 pass, which
+        # rejects the arch-specific instructions.
+        for kind, flags in (("cubin", ["-cubin", f"-gencode=arch=compute_{a},code=sm_{a}"]),
+                            ("ptx", ["-ptx", f"-gencode=arch=compute_{a},code=compute_{a}"])):
             out = Path(tmp) / f"k.{kind}"
             r = subprocess.run([*base, *flags, "-o", str(out)], capture_output=True, text=True)
             if r.returncode != 0:
@@ -176,5 +180,6 @@ def compile_cuda(src: KernelSource, arch: int) -> KernelArtifact:
         n_outputs=src.n_outputs,
         n_scratch=0,
         pointer_align=src.pointer_align,
+        arch_suffix=src.arch_suffix,
         metadata={"lang": "cuda", "compiler": compiler_id(), "source": src.name, **src.meta},
     )

@@ -9,6 +9,8 @@ numpy/triton/cuda-python exist.
 
 from __future__ import annotations
 
+import inspect
+
 from ..plugin_dirs import PLUGINS_DIR, plugin_module
 from .artifact import KernelSource
 
@@ -19,8 +21,11 @@ def plugin_folders() -> list[str]:
     return sorted(p.parent.name for p in PLUGINS_DIR.glob("*/launch.py"))
 
 
-def all_sources(folders: list[str] | None = None, errors: list[str] | None = None) -> list[KernelSource]:
-    """The prebuild specializations of every plugin folder (or of ``folders``).
+def all_sources(folders: list[str] | None = None, errors: list[str] | None = None,
+                arch: int | None = None) -> list[KernelSource]:
+    """The prebuild specializations of every plugin folder (or of ``folders``) for target ``arch``
+    (passed to a ``prebuild_sources(arch=...)`` that takes it: a plugin may add arch-specific
+    kernels).
 
     With an ``errors`` list, a folder whose ``launch.py`` fails to import is reported there and
     skipped; without one, the exception propagates."""
@@ -30,7 +35,7 @@ def all_sources(folders: list[str] | None = None, errors: list[str] | None = Non
             launch = plugin_module(folder, "launch")
             fn = getattr(launch, "prebuild_sources", None)
             if fn is not None:
-                out.extend(fn())
+                out.extend(fn(arch=arch) if "arch" in inspect.signature(fn).parameters else fn())
         except Exception as exc:
             if errors is None:
                 raise

@@ -137,6 +137,7 @@ def resolve(
     """
     from ..kernels import build_kernel
     from ..kernels import cdiv as int_cdiv
+    from ..kernels.target import resolve_arch
 
     spec = get_spec(op)
     launch = plugin_module(spec.folder, "launch")
@@ -144,6 +145,8 @@ def resolve(
     shapes = pad_inputs(spec, shapes)
     dtypes = pad_inputs(spec, dtypes)
     static = dict(static) if static is not None else static_shape(spec, shapes, dtypes)
+    # The target is a compile-time fact too: a plugin may pick an arch-specific kernel (sm_90a).
+    static.setdefault("arch", resolve_arch(arch))
     dtype = dtypes[0]
     src = launch.kernel_config(op, dtype, attrs, static)
     art = build_kernel(src, arch, cache=cache)
