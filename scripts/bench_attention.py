@@ -53,11 +53,11 @@ def flops(B, H, S, D, causal) -> float:
     return f / 2 if causal else f
 
 
-def source_for(dtype, S, D, causal, config=None, bias_shape=None):
+def source_for(dtype, S, D, causal, config=None, bias_shape=None, arch=None):
     B, H = shape_of(S, D)
     attrs = T.attrs_for(H, H, D, causal)
     shapes = [(B, H, S, D), (B, H, S, D), (B, H, S, D), bias_shape]
-    return T.case_sources(dtype, shapes, attrs, config=config)
+    return T.case_sources(dtype, shapes, attrs, config=config, arch=arch)
 
 
 def _gpu_test_sources():
@@ -176,27 +176,27 @@ def _bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
 
 
-def time_ours(runner, src, params, q, k, v, bias, out):
-    import torch
-
-    from optfuse.kernels import launch
-
-    art, where = runner.artifact(src)
-    ins = [q, k, v] + ([bias] if bias is not None else [])
-    stream = torch.cuda.current_stream().cuda_stream
-    out.fill_(float("nan"))
-    launch(art, params, ins, [out], stream, sync=True)
-    assert not torch.isnan(out).any(), f"{src.name}: NaN in the output"
-    return _bench(lambda: launch(art, params, ins, [out], stream)), where, art
-
-
 def time_jit(src, params, q, k, v, bias, out):
     ins = [q, k, v] + ([bias] if bias is not None else [])
     T.run_triton(src, params, ins, [out])
     return _bench(lambda: T.run_triton(src, params, ins, [out]))
 
 
-def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, jit=True):
+def interleaved(fns: dict, rounds: int) -> dict:
+    """Median time of each contender over ``rounds`` rounds that visit them in turn: the GPU's
+    clock drifts by several per cent over a run (power, temperature), so contenders timed
+    back to back in rounds are compared under the same conditions."""
+    import statistics
+
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(_bench(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, jit=True, arch=None,
+              triton_too=False, rounds=1):
     import torch
     import torch.nn.functional as F
 
@@ -210,35 +210,62 @@ def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, ji
     elif bias == "keypad":
         bias_t = torch.zeros(B, 1, 1, S, device="cuda", dtype=tdt)
         bias_t[..., S - S // 8:] = torch.finfo(tdt).min
-    src, params = source_for(dtype, S, D, causal, config, None if bias_t is None else tuple(bias_t.shape))
+    src, params = source_for(dtype, S, D, causal, config, None if bias_t is None else tuple(bias_t.shape),
+                             arch=arch)
+    jit = jit and src.lang == "triton"
     out = torch.empty_like(q)
     fl = flops(B, H, S, D, causal)
     row = {"dtype": dtype, "B": B, "H": H, "S": S, "D": D, "causal": int(causal),
            "bias": bias or "none", "kernel": src.name}
-    ms, where, art = time_ours(runner, src, params, q, k, v, bias_t, out)
-    row.update(ours_ms=ms, ours_tfs=fl / ms * 1e-9, artifact=where,
-               compiler=art.metadata.get("compiler"), smem=art.shared_mem)
+    from optfuse.kernels import launch
+
+    # -- correctness against SDPA first (one launch; NaN-poisoned output) --
+    art, where = runner.artifact(src)
+    ins = [q, k, v] + ([bias_t] if bias_t is not None else [])
+    stream = torch.cuda.current_stream().cuda_stream
+    out.fill_(float("nan"))
+    launch(art, params, ins, [out], stream, sync=True)
+    assert not torch.isnan(out).any(), f"{src.name}: NaN in the output"
+    row.update(artifact=where, compiler=art.metadata.get("compiler"), smem=art.shared_mem)
     mask = bias_t if bias_t is not None and bias_t.dim() else None
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=bool(causal))
     row["max_abs_vs_sdpa"] = err = float((out.float() - ref.float()).abs().max())
     if not err < 0.05:  # bf16/fp16 outputs of N(0,1) inputs: ~1e-2 at most
         row["error"] = f"output differs from SDPA by {err:.3g}"
     del ref
+
+    # -- the contenders, timed in interleaved rounds --
+    fns = {"ours": lambda: launch(art, params, ins, [out], stream)}
     if sdpa:
         row["default_backend"] = _default_backend(q, k, v, causal)
         from torch.nn.attention import sdpa_kernel
 
+        def sdpa_fn(be):
+            def fn():
+                with sdpa_kernel([be]):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+            return fn
+
         for name, be in _sdpa_backends().items():
             try:
-                with sdpa_kernel([be]):
-                    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))  # noqa: E731
-                    fn()
-                    t = _bench(fn)
-                row[f"{name}_tfs"] = fl / t * 1e-9
+                sdpa_fn(be)()
+                fns[name] = sdpa_fn(be)
             except Exception as e:
                 row[f"{name}_tfs"] = None
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
-        best = max((row[f"{n}_tfs"] or 0) for n in _sdpa_backends())
+    if triton_too and src.lang != "triton":
+        tsrc, tparams = source_for(dtype, S, D, causal, None, None if bias_t is None else tuple(bias_t.shape))
+        tart, _ = runner.artifact(tsrc)
+        tout = torch.empty_like(q)
+        launch(tart, tparams, ins, [tout], stream, sync=True)
+        fns["triton"] = lambda: launch(tart, tparams, ins, [tout], stream)
+    times = interleaved(fns, rounds)
+    row.update(ours_ms=times["ours"], ours_tfs=fl / times["ours"] * 1e-9, rounds=rounds)
+    for name, t in times.items():
+        if name != "ours":
+            row[f"{name}_tfs"] = fl / t * 1e-9
+    if sdpa:
+        best = max((row.get(f"{n}_tfs") or 0) for n in _sdpa_backends())
         row["sdpa_best_tfs"] = best
         row["ratio"] = row["ours_tfs"] / best if best else None
     if jit:
@@ -247,7 +274,6 @@ def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, ji
         except Exception as e:
             row["jit_tfs"] = None
             row["jit_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    del q, k, v, out
     torch.cuda.empty_cache()
     return row
 
@@ -257,11 +283,11 @@ def fmt(x, spec="7.1f"):
 
 
 def print_table(rows):
-    print(f"{'dtype':9} {'S':>6} {'D':>4} {'c':>2} {'bias':7} {'ours':>7} {'jit':>7} {'flash':>7} "
+    print(f"{'dtype':9} {'S':>6} {'D':>4} {'c':>2} {'bias':7} {'ours':>7} {'triton':>7} {'jit':>7} {'flash':>7} "
           f"{'cudnn':>7} {'effic':>7} {'ratio':>6}  default")
     for r in rows:
         print(f"{r['dtype']:9} {r['S']:6d} {r['D']:4d} {r['causal']:2d} {r['bias']:7} {fmt(r['ours_tfs'])} "
-              f"{fmt(r.get('jit_tfs'))} {fmt(r.get('flash_tfs'))} {fmt(r.get('cudnn_tfs'))} "
+              f"{fmt(r.get('triton_tfs'))} {fmt(r.get('jit_tfs'))} {fmt(r.get('flash_tfs'))} {fmt(r.get('cudnn_tfs'))} "
               f"{fmt(r.get('efficient_tfs'))} {fmt(r.get('ratio'), '6.2f')}  {r.get('default_backend', '')}")
 
 
@@ -282,6 +308,11 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--build-sweep-dtypes", default="bfloat16",
                     help="--build: dtypes whose sweep candidates are compiled too")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="main table: time the contenders in this many interleaved rounds (medians)")
+    ap.add_argument("--arch", type=int, default=None,
+                    help="target arch for the kernel choice (90: the CUDA sm90 kernel where it "
+                         "applies, with the Triton kernel timed beside it); default: Triton only")
     args = ap.parse_args(argv)
 
     if args.build:
@@ -305,16 +336,18 @@ def main(argv=None):
     print(json.dumps(info))
     if args.sweep:
         seqs = [int(s) for s in args.seqs.split(",")] if args.seqs != ",".join(map(str, SEQS)) else SWEEP_SEQS
-        prebuild_missing(runners, [source_for(dt, 4096, D, c, cfg)[0] for dt in dtypes for D in dims
-                                   for c in (0, 1) for cfg in L.candidate_configs(dt, D, c)])
+        prebuild_missing(runners, [source_for(dt, 4096, D, c, cfg, arch=args.arch)[0] for dt in dtypes
+                                   for D in dims for c in (0, 1)
+                                   for cfg in L.candidate_configs(dt, D, c, arch=args.arch)])
         for runner in runners:
             for dtype in dtypes:
                 for D in dims:
                     for causal in (0, 1):
                         for S in seqs:
-                            for cfg in L.candidate_configs(dtype, D, causal):
+                            for cfg in L.candidate_configs(dtype, D, causal, arch=args.arch):
                                 try:
-                                    r = run_shape(runner, dtype, S, D, causal, cfg, sdpa=False, jit=False)
+                                    r = run_shape(runner, dtype, S, D, causal, cfg, sdpa=False, jit=False,
+                                                  arch=args.arch)
                                 except Exception as e:
                                     r = {"dtype": dtype, "S": S, "D": D, "causal": causal,
                                          "error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -357,14 +390,17 @@ def main(argv=None):
             for causal in (0, 1):
                 cfg, runner = pick(D, causal)
                 for S in (int(s) for s in args.seqs.split(",")):
-                    rows.append(run_shape(runner, dtype, S, D, causal, cfg, jit=not args.no_jit))
+                    rows.append(run_shape(runner, dtype, S, D, causal, cfg, jit=not args.no_jit,
+                                          arch=args.arch, triton_too=args.arch is not None,
+                                          rounds=args.rounds))
                     print_table(rows[-1:])
                     sys.stdout.flush()
     for bias in ("scalar", "keypad"):  # what a plugin with a mask input costs
         for causal in (0, 1):
             cfg, runner = pick(128, causal)
             rows.append(run_shape(runner, "bfloat16", 4096, 128, causal, cfg, bias=bias, sdpa=False,
-                                  jit=False))
+                                  jit=False, arch=args.arch, triton_too=args.arch is not None,
+                                  rounds=args.rounds))
     print("\n== summary (TF/s; ratio = ours / best SDPA backend) ==")
     for (D, causal), (cfg, root, _) in sorted(chosen.items()):
         print(f"config D{D} causal={causal}: {cfg} ({Path(root or 'local').name})")

@@ -24,6 +24,14 @@ from optfuse.kernels.util import TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dty
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
 ENTRY = "_flash_attention_fwd_kernel"
+SM90_PATH = str(Path(__file__).resolve().parent / "kernel_sm90.cu")
+SM90_ENTRY = "flash_attention_sm90"
+SM90_HEAD_DIMS = (64, 128)
+#: Persistent grid of the sm90 kernel: one CTA per SM of an H100 SXM / H200 (132 SMs); the
+#: static shape's ``sm_count`` overrides it. A fixed number, because QDP launch parameters may
+#: only combine the dynamic dims with + - * and cdiv (no min): a GPU with fewer SMs runs the
+#: surplus CTAs as a short second wave.
+SM90_GRID = 132
 OP = "FlashAttention"
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
@@ -37,6 +45,32 @@ class FAConfig:
     num_stages: int  # software-pipelining depth of the K/V loads
     pipeline_qk: bool = False  # issue q @ k^T of the next block before this block's softmax
     lazy_rescale: bool = False  # rescale acc only when a row max grows by > 2^8 (unmasked blocks)
+    #: "triton" (kernel.py, any arch) or "sm90" (kernel_sm90.cu: CUDA C++, wgmma, warp-specialized;
+    #: sm_90 only). For sm90, num_warps is 12 (producer + 2 consumer warpgroups), block_m 128,
+    #: block_n 128 and num_stages the depth of the K/V ring.
+    impl: str = "triton"
+    pingpong: bool = True  # sm90: the two consumer warpgroups take turns issuing their MMAs
+
+
+#: Where the CUDA kernel is chosen on sm_90, and its default ring depth / turn-taking, per
+#: (head_dim, causal), from the H200 sweeps (README "CUDA kernel"): it beats the Triton kernel
+#: at D = 128 (10-25 %) and ties it at D = 64 non-causal (where its key-padding path is much
+#: faster); at D = 64 causal it was slower up to S = 8192, so the Triton kernel stays there.
+SM90_DEFAULTS: dict[tuple[int, bool], tuple[int, bool] | None] = {
+    (64, False): (3, True),
+    (64, True): None,
+    (128, False): (2, True),
+    (128, True): (2, False),
+}
+
+
+def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
+                pingpong: bool | None = None) -> FAConfig:
+    """The CUDA kernel's config: 128 x 128 tiles, 3 warpgroups, a K/V ring of ``stages``
+    (D = 128: 2-3 fit in shared memory; D = 64: 2-4)."""
+    d_stages, d_pp = SM90_DEFAULTS.get((head_dim, bool(causal))) or (2 if head_dim > 64 else 3, True)
+    return FAConfig(128, 128, 12, d_stages if stages is None else stages, impl="sm90",
+                    pingpong=d_pp if pingpong is None else pingpong)
 
 
 # Tuned on the H200 (README "Tuning"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
@@ -62,17 +96,41 @@ def _default_config(dtype: str, head_dim: int, causal: bool) -> FAConfig:
     return FAConfig(64, 64, 4, 2)
 
 
-def choose_config(dtype: Any, head_dim: int, causal: bool, has_bias: bool = False) -> FAConfig:
+def sm90_eligible(dtype: str, head_dim: int, pattern: tuple[int, int, int, int] | None,
+                  scale: float, arch: int | None) -> bool:
+    """The CUDA kernel takes fp16/bf16, D 64/128, a positive scale, and no bias, a scalar bias or
+    a key-padding bias ([B|1, 1, 1, Sk]); it needs sm_90 (wgmma)."""
+    return (arch == 90 and dtype in ("float16", "bfloat16") and head_dim in SM90_HEAD_DIMS
+            and scale > 0 and (pattern is None or pattern[1:3] == (0, 0)))
+
+
+def choose_config(dtype: Any, head_dim: int, causal: bool, has_bias: bool = False, *,
+                  arch: int | None = None, pattern: tuple[int, int, int, int] | None = None,
+                  scale: float = 1.0) -> FAConfig:
+    """The config for a specialization. ``arch`` is the target (None: unknown, so the portable
+    Triton kernel); on sm_90 the CUDA kernel is chosen wherever it applies (sm90_eligible)."""
     dtype = norm_dtype(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
+    if sm90_eligible(dtype, head_dim, pattern, scale, arch) and SM90_DEFAULTS.get((head_dim, bool(causal))):
+        return sm90_config(head_dim, causal)
     cls = "float32" if dtype == "float32" else "half"
     return TUNED.get((cls, head_dim, bool(causal))) or _default_config(dtype, head_dim, causal)
 
 
-def candidate_configs(dtype: Any, head_dim: int, causal: bool) -> list[FAConfig]:
+def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None = None) -> list[FAConfig]:
     """Configs a tuning sweep tries (the current choice first).
-    FAConfig(block_m, block_n, num_warps, num_stages, pipeline_qk, lazy_rescale)."""
+    FAConfig(block_m, block_n, num_warps, num_stages, pipeline_qk, lazy_rescale, impl, pingpong);
+    with ``arch=90`` and a case the CUDA kernel takes, its ring depths and turn-taking variants."""
+    if sm90_eligible(norm_dtype(dtype), head_dim, None, 1.0, arch):
+        stages = (2, 3) if head_dim > 64 else (2, 3, 4)
+        out = [sm90_config(head_dim, causal)]
+        for st in stages:
+            for pp in (True, False):
+                c = sm90_config(head_dim, causal, st, pp)
+                if c not in out:
+                    out.append(c)
+        return out
     C = FAConfig
     if next_pow2(head_dim) <= 64:
         extra = [C(128, 64, 8, 3), C(128, 64, 4, 3), C(64, 64, 4, 3), C(128, 128, 4, 3),
@@ -117,10 +175,72 @@ def _head_dim(static_shape: dict) -> int:
     return static_int(static_shape["q"][-1], "head_dim")
 
 
+def _config_for(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
+                static_shape: dict | None) -> FAConfig:
+    arch = (static_shape or {}).get("arch")
+    return choose_config(dtype, head_dim, causal, pattern is not None and any(pattern),
+                         arch=None if arch is None else int(arch), pattern=pattern, scale=scale)
+
+
+_DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
+    """Dynamic shared memory of kernel_sm90.cu (its SMEM_BYTES): Q tile, the K/V ring, the key
+    bias ring, the mbarriers, and 1024 bytes to align the base."""
+    q = cfg.block_m * head_dim * 2
+    kv = cfg.block_n * head_dim * 2
+    bias = cfg.num_stages * cfg.block_n * 4 if bias_mode == 2 else 0
+    return q + 2 * cfg.num_stages * kv + bias + 8 * (2 + 4 * cfg.num_stages) + 1024
+
+
+def _sm90_bias_mode(pattern) -> int:
+    if pattern is None:
+        return 0
+    return 1 if not any(pattern) else 2
+
+
+def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float, cfg: FAConfig,
+                 bias_dtype: str) -> KernelSource:
+    if not sm90_eligible(dtype, head_dim, pattern, scale, 90):
+        raise ValueError(f"FlashAttention sm90 kernel: {dtype} D={head_dim} bias {pattern} "
+                         f"scale {scale} not supported (use the Triton kernel)")
+    if (cfg.block_m, cfg.block_n, cfg.num_warps) != (128, 128, 12):
+        raise ValueError(f"FlashAttention sm90 kernel: config {cfg} (tiles are 128 x 128, 12 warps)")
+    mode = _sm90_bias_mode(pattern)
+    scale_log2 = scale * 1.4426950408889634
+    defines = {
+        "OPTFUSE_DTYPE": str(_DTYPE_CODE[dtype]), "HEAD_DIM": str(head_dim),
+        "CAUSAL": str(int(causal)), "BIAS_MODE": str(mode),
+        "BIAS_BATCH": str(pattern[0] if mode == 2 else 0), "BIAS_DTYPE": str(_DTYPE_CODE[bias_dtype]),
+        "SCALE_LOG2": f"{scale_log2!r}f", "BLOCK_N": str(cfg.block_n),
+        "STAGES": str(cfg.num_stages), "PINGPONG": str(int(cfg.pingpong)),
+    }
+    bias_tag = "nobias" if pattern is None else "bias" + "".join(map(str, pattern))
+    return KernelSource(
+        name=(f"flash_attention/{OP}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{bias_tag}/"
+              f"scale{scale:.6g}/sm90s{cfg.num_stages}{'p' if cfg.pingpong else ''}"),
+        lang="cuda",
+        path=SM90_PATH,
+        entry=SM90_ENTRY,
+        n_inputs=3 + (pattern is not None),
+        n_extra=5,
+        n_outputs=1,
+        defines=defines,
+        threads=32 * cfg.num_warps,
+        pointer_align=16,
+        arch_suffix="a",
+        meta={"op": OP, "dtype": dtype, "head_dim": head_dim, "causal": causal, "scale": scale,
+              "bias_pattern": pattern, "bias_dtype": bias_dtype if pattern is not None else None,
+              "config": asdict(cfg), "shared_mem": sm90_shared_mem(head_dim, cfg, mode)},
+    )
+
+
 def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
                   config: FAConfig | None = None) -> KernelSource:
     """What to compile: dtype is q's (k, v, o share it); bias may have its own
-    (``static_shape['bias_dtype']``, default q's)."""
+    (``static_shape['bias_dtype']``, default q's). ``static_shape['arch']`` (the target compute
+    capability, when known) lets sm_90 pick the CUDA kernel (choose_config)."""
     _check_op(op)
     dtype = norm_dtype(dtype)
     head_dim = _head_dim(static_shape)
@@ -129,7 +249,10 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     pattern = bias_pattern(static_shape.get("bias_shape"))
     has_bias = pattern is not None and any(pattern)
     scalar_bias = pattern is not None and not any(pattern)
-    cfg = config or choose_config(dtype, head_dim, causal, has_bias)
+    cfg = config or _config_for(dtype, head_dim, causal, pattern, scale, static_shape)
+    if cfg.impl == "sm90":
+        return _sm90_source(dtype, head_dim, causal, pattern, scale, cfg,
+                            norm_dtype(static_shape.get("bias_dtype") or dtype))
     ty = "*" + TRITON_TYPE[dtype]
     signature = {"Q": ty, "K": ty, "V": ty}
     constexprs: dict[str, Any] = {}
@@ -182,8 +305,17 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     Hkv, Sk = k[1], k[2]
     head_dim = _head_dim(static_shape) if static_shape else static_int(q[3], "head_dim")
     causal = bool(int(attrs.get("causal", 0) or 0))
-    has_bias = len(shapes) > 3 and shapes[3] is not None and any(bias_pattern(shapes[3]) or ())
-    cfg = config or choose_config(dtype, head_dim, causal, has_bias)
+    bias_shape = (static_shape or {}).get("bias_shape", shapes[3] if len(shapes) > 3 else None)
+    pattern = bias_pattern(bias_shape)
+    cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), static_shape)
+    if cfg.impl == "sm90":
+        # persistent: a fixed grid walks num_tiles = cdiv(Sq, 128) * B * H tiles
+        return LaunchParams(
+            grid=(int((static_shape or {}).get("sm_count") or SM90_GRID), 1, 1),
+            block=(32 * cfg.num_warps, 1, 1),
+            shared_mem=sm90_shared_mem(head_dim, cfg, _sm90_bias_mode(pattern)),
+            extra_args=[H, Hkv, Sq, Sk, cdiv(Sq, cfg.block_m) * (B * H)],
+        )
     return LaunchParams(
         grid=(cdiv(Sq, cfg.block_m) * (B * H), 1, 1),
         block=(cfg.num_warps * 32, 1, 1),
@@ -213,13 +345,15 @@ def check_shapes(shapes: Sequence[Sequence[int]], attrs: dict) -> None:
 #: Specializations ``optfuse kernels build`` compiles ahead of time: half dtypes, the head dims of
 #: common models, causal or not, no bias / scalar bias (what the rewrite emits when the graph has
 #: none) / key-padding bias [B, 1, 1, Sk], at the usual 1/sqrt(D) scale.
-def prebuild_sources() -> list[KernelSource]:
+def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
+    """With ``arch`` (the build target), the kernel launch.py picks for it (sm_90: the CUDA
+    kernel where it applies)."""
     out = []
     for dt in ("float16", "bfloat16"):
         for d in (64, 128):
             for causal in (0, 1):
                 for bias in (None, (), (-1, 1, 1, -1)):
-                    static = {"head_dim": d, "bias_shape": bias}
+                    static = {"head_dim": d, "bias_shape": bias, "arch": arch}
                     out.append(kernel_config(OP, dt, {"scale": d ** -0.5, "causal": causal},
                                              static))
     return out

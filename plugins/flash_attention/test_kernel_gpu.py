@@ -37,6 +37,12 @@ CASES = [
     (1, 2, 2, 190, 310, 256, 1, None, "float16", None),
     (2, 2, 1, 77, 91, 64, 1, (2, 2, 77, 91), "float32", "rows"),
     (1, 2, 2, 65, 130, 96, 0, None, "float32", None),
+    # longer runs of the CUDA kernel's K/V ring (wraps several times), small Sq, Sk < Sq
+    (2, 8, 8, 1024, 1024, 128, 0, (), "bfloat16", None),
+    (1, 4, 2, 2000, 2000, 128, 1, (1, 1, 1, 2000), "float16", "pad"),
+    (2, 4, 4, 64, 1500, 64, 0, None, "bfloat16", None),
+    (2, 2, 2, 1500, 64, 128, 1, None, "float16", None),
+    (1, 4, 1, 777, 1900, 64, 1, (1, 1, 1, 1900), "bfloat16", "pad"),
 ]
 
 
@@ -57,10 +63,44 @@ def _poison_bias(bias, how):
         bias[..., 7, ::3] = float("-inf")
 
 
+def _device_arch():
+    from optfuse.kernels.target import detect_arch
+
+    return detect_arch()
+
+
+def _sm90_applies(case) -> bool:
+    B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, poison = case
+    return L.sm90_eligible(dtype, D, L.bias_pattern(bias_shape), D ** -0.5, 90)
+
+
+@pytest.mark.parametrize("impl", ["triton", "sm90"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])).replace(" ", ""))
-def test_artifact_matches_reference(case, seed):
+def test_artifact_matches_reference(case, impl, seed):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    if impl == "sm90" and (not _sm90_applies(case) or _device_arch() != 90):
+        pytest.skip("the CUDA (sm90) kernel does not take this case / needs an sm_90 device")
+    # the CUDA kernel on every case it takes, whether or not launch.py's policy picks it there
+    _check_case(case, seed, arch=90 if impl == "sm90" else None,
+                config=L.sm90_config(case[5], case[6]) if impl == "sm90" else None)
+
+
+#: Every ring depth / turn-taking variant of the CUDA kernel on a few cases (any a sweep picks).
+@pytest.mark.parametrize("variant", [(2, True), (2, False), (3, True), (4, True)])
+@pytest.mark.parametrize("case", [c for c in CASES if _sm90_applies(c)][-5:],
+                         ids=lambda c: "-".join(map(str, c[:9])).replace(" ", ""))
+def test_sm90_variants(case, variant, seed):
+    if not torch.cuda.is_available() or _device_arch() != 90:
+        pytest.skip("needs an sm_90 device")
+    stages, pingpong = variant
+    D = case[5]
+    if D == 128 and stages > 3:
+        pytest.skip("4 stages of D = 128 tiles exceed shared memory")
+    _check_case(case, seed, arch=90, config=L.sm90_config(D, case[6], stages, pingpong))
+
+
+def _check_case(case, seed, arch=None, config=None):
     from optfuse.kernels import launch
 
     B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, poison = case
@@ -70,7 +110,10 @@ def test_artifact_matches_reference(case, seed):
         _poison_bias(bias, poison)
     attrs = T.attrs_for(H, Hkv, D, causal)
     src, params = T.case_sources(dtype, [q.shape, k.shape, v.shape,
-                                         None if bias is None else bias.shape], attrs)
+                                         None if bias is None else bias.shape], attrs,
+                                 config=config, arch=arch)
+    if arch == 90:
+        assert src.lang == "cuda", src.name
     art = T.get_artifact(src)
     dev = [t.cuda() if t is not None else None for t in (q, k, v, bias)]
     out = torch.full_like(dev[0], float("nan"))

@@ -37,16 +37,18 @@ def attrs_for(H: int, Hkv: int, D: int, causal: bool, scale: float | None = None
 
 
 def case_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict,
-                 config=None, bias_dtype: str | None = None) -> tuple[KernelSource, LaunchParams]:
-    """(KernelSource, LaunchParams) for concrete shapes [q, k, v, bias-or-None]."""
+                 config=None, bias_dtype: str | None = None,
+                 arch: int | None = None) -> tuple[KernelSource, LaunchParams]:
+    """(KernelSource, LaunchParams) for concrete shapes [q, k, v, bias-or-None]. ``arch`` is the
+    target the choice may depend on (90: the CUDA kernel where it applies; None: Triton)."""
     L = launch_mod()
     q = list(shapes[0])
     bias = shapes[3] if len(shapes) > 3 else None
     static = {"head_dim": q[3], "bias_shape": None if bias is None else tuple(bias),
-              "bias_dtype": bias_dtype}
+              "bias_dtype": bias_dtype, "arch": arch}
     src = L.kernel_config(OP, dtype, attrs, static, config=config)
     shp = [list(s) for s in shapes[:3]] + ([list(bias)] if bias is not None else [])
-    params = L.launch_params(OP, shp, [dtype], attrs, config=config)
+    params = L.launch_params(OP, shp, [dtype], attrs, config=config, static_shape=static)
     return src, params
 
 

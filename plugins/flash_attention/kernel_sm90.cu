@@ -1,0 +1,660 @@
+// FlashAttention forward for Hopper (sm_90a) in CUDA C++: an FA3-style schedule behind the same
+// launch contract as the Triton kernel (kernel.py).
+//
+//     o[b, h] = softmax(scale * q[b, h] @ k[b, h // G]^T (+ key bias) (+ causal mask)) @ v[b, h // G]
+//
+// q, o: [B, H, Sq, D]; k, v: [B, Hkv, Sk, D]; contiguous fp16/bf16; D in {64, 128}.
+// Arguments (TensorRT QDP order): q, k, v[, bias], H, Hkv, Sq, Sk, num_tiles (int32), o;
+// num_tiles = cdiv(Sq, 128) * B * H, grid = one CTA per SM (persistent).
+//
+// Why this kernel exists: the Triton kernel (FA2 schedule) keeps the tensor cores idle while the
+// same warps compute exp2/max/sum; at D = 128 the exponentials alone take half the MMA time of a
+// score. Here, as in FlashAttention-3:
+//   * one producer warpgroup streams K/V tiles into shared memory (cp.async, 16-byte, swizzled
+//     for wgmma) through a STAGES-deep ring guarded by mbarriers, so the math warps never wait on
+//     address arithmetic or loads;
+//   * two consumer warpgroups own 64 query rows each and run wgmma: S = Q K^T from shared memory,
+//     O += P V with P straight from registers (the fp32 accumulator layout of S, packed to 16 bit,
+//     is the A-operand register layout of the next wgmma: no shared-memory round trip);
+//   * inside a warpgroup, S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued before the softmax of
+//     S_{j+1} runs, so the exponentials overlap the tensor cores (intra-warpgroup pipelining);
+//   * between the two warpgroups (PINGPONG), named barriers let one issue its MMAs while the
+//     other does its softmax.
+// No TMA: tensor maps would have to be built on the host per launch, which a QDP kernel (pointers
+// and int32 scalars only) cannot do; the producer's cp.async keeps up (the kernel is 20x
+// compute-bound).
+//
+// Compile-time specialization (-D): OPTFUSE_DTYPE (1 fp16, 2 bf16), HEAD_DIM (64|128), CAUSAL,
+// BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
+// BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
+// SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES, PINGPONG. Needs sm_90a (wgmma, setmaxnreg).
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+
+#ifndef OPTFUSE_DTYPE
+#define OPTFUSE_DTYPE 2
+#endif
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef CAUSAL
+#define CAUSAL 0
+#endif
+#ifndef BIAS_MODE
+#define BIAS_MODE 0
+#endif
+#ifndef BIAS_BATCH
+#define BIAS_BATCH 1
+#endif
+#ifndef BIAS_DTYPE
+#define BIAS_DTYPE OPTFUSE_DTYPE
+#endif
+#ifndef SCALE_LOG2
+#define SCALE_LOG2 0.12751743074602467f
+#endif
+#ifndef BLOCK_N
+#define BLOCK_N 128
+#endif
+#ifndef STAGES
+#define STAGES 2
+#endif
+#ifndef PINGPONG
+#define PINGPONG 1
+#endif
+
+#if OPTFUSE_DTYPE == 1
+#define WG_TY "f16"
+#elif OPTFUSE_DTYPE == 2
+#define WG_TY "bf16"
+#else
+#error "OPTFUSE_DTYPE must be 1 (fp16) or 2 (bf16)"
+#endif
+
+#if HEAD_DIM != 64 && HEAD_DIM != 128
+#error "HEAD_DIM must be 64 or 128"
+#endif
+#if BLOCK_N != 128
+#error "BLOCK_N must be 128 (the score wgmma is m64n128k16)"
+#endif
+
+#define BLOCK_M 128                      // query rows per CTA: 64 per consumer warpgroup
+#define D HEAD_DIM
+#define NTHREADS 384                     // producer warpgroup + 2 consumer warpgroups
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS 232                // 128 * 40 + 256 * 232 <= 64K registers
+
+// Shared memory: every tile is stored in 128-byte swizzle atoms, the layout wgmma reads with a
+// "128B swizzle" descriptor: the tile's head dim is cut into 64-element (128-byte) chunks; chunk c
+// holds all rows, row r at r * 128 bytes, its 16-byte unit u at position u ^ (r % 8), so the 8
+// rows a wgmma core matrix reads hit 8 different bank groups. Chunks are 1024-byte aligned.
+#define Q_BYTES (BLOCK_M * D * 2)
+#define KV_BYTES (BLOCK_N * D * 2)
+#define BIAS_STAGE_BYTES (BLOCK_N * 4)   // key bias of one tile, fp32, log2 units
+#define OFF_Q 0
+#define OFF_K (OFF_Q + Q_BYTES)
+#define OFF_V (OFF_K + STAGES * KV_BYTES)
+#define OFF_BIAS (OFF_V + STAGES * KV_BYTES)
+#define OFF_BAR (OFF_BIAS + (BIAS_MODE == 2 ? STAGES * BIAS_STAGE_BYTES : 0))
+#define N_BARS (2 + 4 * STAGES)
+// + 1024: the dynamic shared memory base is aligned up to 1024 bytes at run time.
+#define SMEM_BYTES (OFF_BAR + 8 * N_BARS + 1024)
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+// ---- small PTX wrappers -------------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{\n.reg .u64 a;\ncvta.to.shared.u64 a, %1;\ncvt.u32.u64 %0, a;\n}\n" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// One arrival per warp (32 arrivals on one barrier word would serialize): after __syncwarp the
+// warp's earlier shared-memory reads are ordered before lane 0's release.
+__device__ __forceinline__ void mbar_arrive_warp(u32 bar) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+}
+
+// The barrier counts this thread's arrival once all its earlier cp.async copies have landed.
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// 16-byte global -> shared copy; src_bytes < 16 zero-fills the rest (rows past the sequence end).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// Make data that generic-proxy writes (cp.async) put in shared memory visible to wgmma (async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// Keep the compiler from moving reads of wgmma results above the wait (and from reusing the
+// registers an in-flight wgmma still reads): an empty asm that "modifies" each register.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two fp32 -> packed 16-bit pair (lo in the low half), round to nearest even.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if OPTFUSE_DTYPE == 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float bias_to_float(const void* p, long long i) {
+#if BIAS_DTYPE == 0
+    return ((const float*)p)[i];
+#elif BIAS_DTYPE == 1
+    float f;
+    u16 h = ((const u16*)p)[i];
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return __uint_as_float((u32)((const u16*)p)[i] << 16);
+#endif
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle. For K-major operands the leading byte offset
+// is unused (1) and the stride byte offset is 1024 (8 rows x 128 bytes); for N-major (V) the
+// leading offset steps to the next 64-element chunk of N and the stride offset to the next 8 rows
+// of K.
+__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo_bytes, u32 sbo_bytes) {
+    u64 d = (u64)((saddr & 0x3FFFF) >> 4);
+    d |= (u64)((lbo_bytes >> 4) & 0x3FFF) << 16;
+    d |= (u64)((sbo_bytes >> 4) & 0x3FFF) << 32;
+    d |= (u64)1 << 62;
+    return d;
+}
+
+// d (+)= A[64 x 16] (smem, K-major) @ B[16 x 128] (smem, K-major); SCALE_D 0 overwrites d.
+template <int SCALE_D>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TY "." WG_TY " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D));
+}
+
+// d += A[64 x 16] (registers) @ B[16 x 64] (smem, N-major: imm-trans-b = 1).
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TY "." WG_TY " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+
+// d += A[64 x 16] (registers) @ B[16 x 128] (smem, N-major: imm-trans-b = 1).
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TY "." WG_TY " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+
+// ---- producer: one tile of rows [row0, row0 + ROWS) into swizzled shared memory ---------------
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u32 dst, const u16* src, int rows_valid, int ptid) {
+    constexpr int UNITS = D / 8;          // 16-byte units per row
+    constexpr int RSTEP = 128 / UNITS;    // rows one pass of the 128 threads covers (a multiple of 8)
+    // Consecutive threads copy consecutive 16 bytes of a row (coalesced). A thread's row advances
+    // by RSTEP per pass, so its swizzled position (u ^ row % 8) never changes: one address
+    // computation, then constant offsets (the producer runs on 40 registers).
+    const int r = ptid / UNITS, u = ptid % UNITS;
+    const u32 off = (u >> 3) * (ROWS * 128) + r * 128 + (((u & 7) ^ (r & 7)) << 4);
+    const u16* g = src + r * D + u * 8;
+    // Opaque to the compiler: otherwise it hoists one pointer per pass out of the key loop and the
+    // producer spills; from here every pass is the same register plus an immediate offset.
+    asm volatile("mov.b64 %0, %0;" : "+l"(g));
+#pragma unroll
+    for (int it = 0; it < ROWS / RSTEP; ++it) {
+        const bool ok = r + it * RSTEP < rows_valid;
+        cp_async16(dst + off + it * RSTEP * 128, ok ? g + it * RSTEP * D : src, ok ? 16u : 0u);
+    }
+}
+
+// ---- consumer helpers ----------------------------------------------------------------------------
+// S accumulator layout (m64n128, per thread): s[4n + 0..1] = row r0, cols 8n + 2q + {0,1};
+// s[4n + 2..3] = row r0 + 8, same cols (q = lane % 4, r0 = 16 * warp + lane / 4).
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Scores of key block kv0 that no row may see: keys >= Sk, and (causal) keys > row + causal_off.
+__device__ __forceinline__ void apply_mask(float (&s)[64], int kv0, int lim0, int lim1, int q4) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int col = kv0 + 8 * n + 2 * q4 + j;
+            if (col > lim0) s[4 * n + j] = NEG_INF;
+            if (col > lim1) s[4 * n + 2 + j] = NEG_INF;
+        }
+}
+
+// Online softmax of one block, in place: s becomes p = exp2(s * SCALE_LOG2 (+ bias) - m_new).
+// Returns alpha = exp2(m_old - m_new) per row (0 while a row has seen no finite score).
+template <bool FIRST>
+__device__ __forceinline__ void softmax_block(float (&s)[64], float& m0, float& m1, float& l0, float& l1,
+                                              float& alpha0, float& alpha1, const float* bias_s, int q4) {
+#if BIAS_MODE == 2
+    // key bias (already in log2 units): t = s * SCALE_LOG2 + b[col]
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const float2 b = *reinterpret_cast<const float2*>(bias_s + 8 * n + 2 * q4);
+        s[4 * n + 0] = fmaf(s[4 * n + 0], SCALE_LOG2, b.x);
+        s[4 * n + 1] = fmaf(s[4 * n + 1], SCALE_LOG2, b.y);
+        s[4 * n + 2] = fmaf(s[4 * n + 2], SCALE_LOG2, b.x);
+        s[4 * n + 3] = fmaf(s[4 * n + 3], SCALE_LOG2, b.y);
+    }
+    const float sc = 1.0f;
+#else
+    const float sc = SCALE_LOG2;  // folded into the exponent's FFMA below
+#endif
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * n + 0], s[4 * n + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+    }
+    mx0 = quad_max(mx0) * sc;
+    mx1 = quad_max(mx1) * sc;
+    const float mn0 = FIRST ? mx0 : fmaxf(m0, mx0);
+    const float mn1 = FIRST ? mx1 : fmaxf(m1, mx1);
+    // A row with no finite score yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+    const float ms0 = mn0 == NEG_INF ? 0.f : mn0;
+    const float ms1 = mn1 == NEG_INF ? 0.f : mn1;
+    alpha0 = FIRST ? 0.f : ex2(m0 - ms0);
+    alpha1 = FIRST ? 0.f : ex2(m1 - ms1);
+    m0 = mn0;
+    m1 = mn1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        s[4 * n + 0] = ex2(fmaf(s[4 * n + 0], sc, -ms0));
+        s[4 * n + 1] = ex2(fmaf(s[4 * n + 1], sc, -ms0));
+        s[4 * n + 2] = ex2(fmaf(s[4 * n + 2], sc, -ms1));
+        s[4 * n + 3] = ex2(fmaf(s[4 * n + 3], sc, -ms1));
+        sum0 += s[4 * n + 0] + s[4 * n + 1];
+        sum1 += s[4 * n + 2] + s[4 * n + 3];
+    }
+    // per-thread partial row sums; the quad reduction happens once, in the epilogue
+    l0 = FIRST ? sum0 : fmaf(l0, alpha0, sum0);
+    l1 = FIRST ? sum1 : fmaf(l1, alpha1, sum1);
+}
+
+// p (fp32, S layout) -> 16-bit A fragments of O += P V: k-step kk covers keys 16kk..16kk+15,
+// i.e. n-blocks 2kk and 2kk+1 of S, which is exactly the wgmma A register layout.
+__device__ __forceinline__ void pack_p(const float (&s)[64], u32 (&p)[8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        p[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void rescale(float (&o)[N], float a0, float a1) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        o[4 * i + 0] *= a0;
+        o[4 * i + 1] *= a0;
+        o[4 * i + 2] *= a1;
+        o[4 * i + 3] *= a1;
+    }
+}
+
+// S = Q K^T for this warpgroup's 64 rows: D / 16 wgmmas over the head dim.
+__device__ __forceinline__ void issue_qk(float (&s)[64], u32 q_s, u32 k_s) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const u32 koff = (kk >> 2) * 0 + (kk & 3) * 32;  // within a 128-byte chunk
+        const u64 da = make_desc(q_s + (kk >> 2) * (BLOCK_M * 128) + koff, 16, 1024);
+        const u64 db = make_desc(k_s + (kk >> 2) * (BLOCK_N * 128) + koff, 16, 1024);
+        if (kk == 0)
+            wgmma_ss_n128<0>(s, da, db);
+        else
+            wgmma_ss_n128<1>(s, da, db);
+    }
+}
+
+// O += P V: BLOCK_N / 16 wgmmas over the keys; V is N-major (head dim contiguous).
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const u32 (&p)[8][4], u32 v_s) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        const u64 db = make_desc(v_s + kk * 16 * 128, BLOCK_N * 128, 1024);
+#if HEAD_DIM == 128
+        wgmma_rs_n128(o, p[kk], db);
+#else
+        wgmma_rs_n64(o, p[kk], db);
+#endif
+    }
+}
+
+// ---- the kernel --------------------------------------------------------------------------------
+// Persistent: the grid is one CTA per SM (launch.py); CTA i takes tiles i, i + gridDim.x, ...
+// (a tile = 128 query rows of one (b, h); the query block varies fastest so CTAs running together
+// share K/V in L2; causal walks query blocks from the heaviest). The producer runs ahead into the
+// next tile (its Q and first K/V tiles load while the consumers finish the current one), which
+// hides the per-tile prologue and epilogue that dominate short sequences.
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
+    const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
+#if BIAS_MODE != 0
+    const void* __restrict__ Bias,
+#endif
+    int H, int Hkv, int Sq, int Sk, int num_tiles, u16* __restrict__ O) {
+    extern __shared__ unsigned char smem_raw[];
+    const u32 raw = smem_addr(smem_raw);
+    const u32 base = (raw + 1023u) & ~1023u;
+    const u32 q_s = base + OFF_Q;
+    const u32 bar = base + OFF_BAR;  // [q_full, q_empty, full_k[S], full_v[S], empty_k[S], empty_v[S]]
+#define BAR_Q_FULL (bar)
+#define BAR_Q_EMPTY (bar + 8)
+#define BAR_FULL_K(s) (bar + 8 * (2 + (s)))
+#define BAR_FULL_V(s) (bar + 8 * (2 + STAGES + (s)))
+#define BAR_EMPTY_K(s) (bar + 8 * (2 + 2 * STAGES + (s)))
+#define BAR_EMPTY_V(s) (bar + 8 * (2 + 3 * STAGES + (s)))
+    float* bias_ring = reinterpret_cast<float*>(smem_raw + (base + OFF_BIAS - raw));
+    (void)bias_ring;
+
+    const int num_m = (Sq + BLOCK_M - 1) / BLOCK_M;
+    const int causal_off = Sk - Sq;
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        mbar_init(BAR_Q_FULL, 128);
+        mbar_init(BAR_Q_EMPTY, 8);  // consumer barriers: one arrival per consumer warp
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(BAR_FULL_K(s), BIAS_MODE == 2 ? 256 : 128);  // cp.async + (bias) plain arrivals
+            mbar_init(BAR_FULL_V(s), 128);
+            mbar_init(BAR_EMPTY_K(s), 8);
+            mbar_init(BAR_EMPTY_V(s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    // Tile order. Non-causal: CTA i takes tiles i, i + G, ... (G = gridDim.x) with the query block
+    // fastest, so the CTAs running together read the same heads' K/V from L2. Causal tiles differ
+    // in cost (a query block sees only the keys up to its diagonal): tiles go heaviest first
+    // across all heads (query block slowest, from the last) and the rounds alternate direction
+    // over the CTAs (zig-zag), which evens out each CTA's total without a dynamic scheduler (that
+    // would need a global counter, and QDP kernels get no scratch memory).
+    const int G = gridDim.x;
+    const int BH = num_tiles / num_m;
+#define TILE_LOOP for (int r = 0; r * G < num_tiles; ++r)
+#define TILE_COORDS                                                                                  \
+    const int tile = CAUSAL ? r * G + ((r & 1) ? G - 1 - (int)blockIdx.x : (int)blockIdx.x)          \
+                            : r * G + (int)blockIdx.x;                                             \
+    if (tile >= num_tiles) continue;                                                               \
+    const int bh = CAUSAL ? tile % BH : tile / num_m;                                              \
+    const int mb = CAUSAL ? num_m - 1 - tile / BH : tile % num_m;                                  \
+    const int m0 = mb * BLOCK_M;                                                                   \
+    const int b = bh / H, h = bh % H;                                                              \
+    const int kvh = b * Hkv + h / (H / Hkv); /* GQA: index the shared kv head, never copy it */  \
+    const int kv_end = CAUSAL ? min(Sk, m0 + BLOCK_M + causal_off) : Sk;                           \
+    const int n_blocks = kv_end > 0 ? (kv_end + BLOCK_N - 1) / BLOCK_N : 0;                        \
+    (void)b; (void)kvh;
+
+    if (wg == 0) {
+        // ================= producer warpgroup: per tile Q, then the K/V ring =================
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+        const int ptid = threadIdx.x;
+        int it = 0, tc = 0;  // K/V tiles and Q tiles loaded so far (ring positions and phases)
+        TILE_LOOP {
+            TILE_COORDS
+            if (n_blocks == 0) continue;  // every row of this tile is dead: nothing to load
+            mbar_wait(BAR_Q_EMPTY, (tc & 1) ^ 1);  // the previous tile's last Q K^T has run
+            load_tile<BLOCK_M>(q_s, Q + ((long long)bh * Sq + m0) * D, Sq - m0, ptid);
+            cp_async_arrive(BAR_Q_FULL);
+            ++tc;
+            const u16* k_g = K + (long long)kvh * Sk * D;
+            const u16* v_g = V + (long long)kvh * Sk * D;
+            for (int j = 0; j < n_blocks; ++j, ++it) {
+                const int s = it % STAGES;
+                const u32 ph = (it / STAGES) & 1;
+                const int kv0 = j * BLOCK_N;
+                mbar_wait(BAR_EMPTY_K(s), ph ^ 1);  // a fresh barrier passes parity 1 at once
+                load_tile<BLOCK_N>(base + OFF_K + s * KV_BYTES, k_g + (long long)kv0 * D, Sk - kv0, ptid);
+                cp_async_arrive(BAR_FULL_K(s));
+#if BIAS_MODE == 2
+                {
+                    // key bias of this tile, fp32 in log2 units; finfo.min-like values stay as they
+                    // are (times log2(e) they would overflow to -inf, turning "masked" into "-inf").
+                    const int col = kv0 + ptid;
+                    float bv = 0.f;
+                    if (col < Sk) bv = bias_to_float(Bias, (BIAS_BATCH ? (long long)b * Sk : 0) + col);
+                    bias_ring[s * BLOCK_N + ptid] = bv < -2.0e38f ? bv : bv * 1.4426950408889634f;
+                    mbar_arrive(BAR_FULL_K(s));  // BLOCK_N == 128 == producer threads
+                }
+#endif
+                mbar_wait(BAR_EMPTY_V(s), ph ^ 1);
+                load_tile<BLOCK_N>(base + OFF_V + s * KV_BYTES, v_g + (long long)kv0 * D, Sk - kv0, ptid);
+                cp_async_arrive(BAR_FULL_V(s));
+            }
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+    } else {
+        // ================= consumer warpgroups: 64 query rows each =================
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+        const int cw = wg - 1;
+        const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q4 = lane % 4;
+        const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
+        const u32 q_wg = q_s + cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
+        int it = 0, tc = 0;
+#if PINGPONG
+        if (cw == 1) named_arrive(1);  // warpgroup 0 issues first
+#endif
+        TILE_LOOP {
+            TILE_COORDS
+            const int r0 = m0 + row_in_tile, r1 = r0 + 8;
+            // keys visible to each row: < Sk and (causal) <= row + causal_off
+            const int lim0 = CAUSAL ? min(Sk - 1, r0 + causal_off) : Sk - 1;
+            const int lim1 = CAUSAL ? min(Sk - 1, r1 + causal_off) : Sk - 1;
+            // blocks below n_clean need no mask for any row of the tile
+            int n_clean = Sk / BLOCK_N;
+            if (CAUSAL) n_clean = min(n_clean, max(m0 + causal_off + 1, 0) / BLOCK_N);
+
+            float o[D / 2];
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            float s[64];
+            u32 p[8][4];
+            float m_0 = NEG_INF, m_1 = NEG_INF, l0 = 0.f, l1 = 0.f, a0, a1;
+
+            if (n_blocks > 0) {
+                mbar_wait(BAR_Q_FULL, tc & 1);
+                ++tc;
+                // -- block 0: scores and softmax (nothing before it to overlap with) --
+                {
+                    const int s0 = it % STAGES;
+                    mbar_wait(BAR_FULL_K(s0), (it / STAGES) & 1);
+                    fence_proxy_async();
+#if PINGPONG
+                    named_sync(1 + cw);
+#endif
+                    wgmma_fence();
+                    issue_qk(s, q_wg, base + OFF_K + s0 * KV_BYTES);
+                    wgmma_commit();
+#if PINGPONG
+                    named_arrive(2 - cw);
+#endif
+                    wgmma_wait<0>();
+                    fence_regs(s);
+                    if (n_blocks == 1) mbar_arrive_warp(BAR_Q_EMPTY);  // Q no longer read
+                    if (0 >= n_clean) apply_mask(s, 0, lim0, lim1, q4);
+                    softmax_block<true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
+                    mbar_arrive_warp(BAR_EMPTY_K(s0));
+                    pack_p(s, p);
+                }
+                // -- steady state: issue S_j and O += P_{j-1} V_{j-1}; softmax S_j while PV runs --
+                for (int j = 1; j < n_blocks; ++j) {
+                    const int sj = (it + j) % STAGES, sp = (it + j - 1) % STAGES;
+                    mbar_wait(BAR_FULL_K(sj), ((it + j) / STAGES) & 1);
+                    mbar_wait(BAR_FULL_V(sp), ((it + j - 1) / STAGES) & 1);
+                    fence_proxy_async();
+#if PINGPONG
+                    named_sync(1 + cw);
+#endif
+                    wgmma_fence();
+                    issue_qk(s, q_wg, base + OFF_K + sj * KV_BYTES);
+                    wgmma_commit();
+                    issue_pv(o, p, base + OFF_V + sp * KV_BYTES);
+                    wgmma_commit();
+#if PINGPONG
+                    named_arrive(2 - cw);
+#endif
+                    wgmma_wait<1>();  // S_j ready; PV still running
+                    fence_regs(s);
+                    if (j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY);
+                    if (j >= n_clean) apply_mask(s, j * BLOCK_N, lim0, lim1, q4);
+                    softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
+                    mbar_arrive_warp(BAR_EMPTY_K(sj));
+                    wgmma_wait<0>();  // PV done: O and the P registers are free
+                    fence_regs(o);
+                    fence_regs(p);
+                    mbar_arrive_warp(BAR_EMPTY_V(sp));
+                    rescale(o, a0, a1);
+                    pack_p(s, p);
+                }
+                // -- tail: the last block's O += P V --
+                {
+                    const int sp = (it + n_blocks - 1) % STAGES;
+                    mbar_wait(BAR_FULL_V(sp), ((it + n_blocks - 1) / STAGES) & 1);
+                    fence_proxy_async();
+#if PINGPONG
+                    named_sync(1 + cw);
+#endif
+                    wgmma_fence();
+                    issue_pv(o, p, base + OFF_V + sp * KV_BYTES);
+                    wgmma_commit();
+#if PINGPONG
+                    named_arrive(2 - cw);
+#endif
+                    wgmma_wait<0>();
+                    fence_regs(o);
+                    mbar_arrive_warp(BAR_EMPTY_V(sp));
+                }
+                it += n_blocks;
+            }
+
+            // -- epilogue: normalise; rows with no visible key (l = 0) give 0 --
+            l0 = quad_sum(l0);
+            l1 = quad_sum(l1);
+            float inv0 = l0 == 0.f ? 0.f : 1.f / l0;
+            float inv1 = l1 == 0.f ? 0.f : 1.f / l1;
+            float add = 0.f;
+#if BIAS_MODE == 1
+            {
+                // A bias broadcast from one value c shifts every score equally, which softmax
+                // ignores: only c = -inf (every score masked: 0) and NaN/+inf (NaN) change the result.
+                const float c = bias_to_float(Bias, 0);
+                if (c == NEG_INF) inv0 = inv1 = 0.f;
+                else add = c * 0.f;
+            }
+#endif
+            u16* o_g = O + (long long)bh * Sq * D;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                const int col = 8 * n + 2 * q4;
+                if (r0 < Sq)
+                    *reinterpret_cast<u32*>(o_g + (long long)r0 * D + col) =
+                        pack2(fmaf(o[4 * n + 0], inv0, add), fmaf(o[4 * n + 1], inv0, add));
+                if (r1 < Sq)
+                    *reinterpret_cast<u32*>(o_g + (long long)r1 * D + col) =
+                        pack2(fmaf(o[4 * n + 2], inv1, add), fmaf(o[4 * n + 3], inv1, add));
+            }
+        }
+#if PINGPONG
+        if (cw == 0) named_sync(1);  // consume warpgroup 1's last turn hand-over
+#endif
+    }
+}

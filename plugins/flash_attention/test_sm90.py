@@ -1,0 +1,135 @@
+"""The CUDA (sm90) FlashAttention kernel on the CPU machine: when launch.py picks it, its launch
+parameters (symbolic too), and NVRTC compiles for sm_90a (wgmma, setmaxnreg, no local memory)."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from optfuse.kernels import KernelCache
+from optfuse.kernels.registry import plugin_module
+
+L = plugin_module("flash_attention", "launch")
+OP = "FlashAttention"
+
+
+def _attrs(D, causal=0, H=8, Hkv=2):
+    return {"scale": D ** -0.5, "causal": causal, "num_heads": H, "num_kv_heads": Hkv}
+
+
+@pytest.mark.parametrize("arch,dtype,D,bias,expect", [
+    (90, "bfloat16", 128, None, "cuda"),
+    (90, "float16", 64, (), "cuda"),                    # the rewrite's scalar dummy bias
+    (90, "float16", 128, (-1, 1, 1, -1), "cuda"),       # key padding [B, 1, 1, Sk]
+    (90, "bfloat16", 64, (1, 1, 1, -1), "cuda"),        # key padding shared by the batch
+    (90, "bfloat16", 64, "causal", "triton"),           # D 64 causal: the Triton kernel was faster
+    (90, "bfloat16", 128, (-1, -1, -1, -1), "triton"),  # full bias: Triton
+    (90, "bfloat16", 128, (-1, 1, -1, 1), "triton"),    # per-query bias: Triton
+    (90, "float32", 128, None, "triton"),
+    (90, "float16", 96, None, "triton"),
+    (89, "bfloat16", 128, None, "triton"),
+    (80, "float16", 64, None, "triton"),
+    (None, "bfloat16", 128, None, "triton"),            # target unknown: the portable kernel
+])
+def test_kernel_choice(arch, dtype, D, bias, expect):
+    causal = int(bias == "causal")
+    bias = None if bias == "causal" else bias
+    src = L.kernel_config(OP, dtype, _attrs(D, causal), {"head_dim": D, "bias_shape": bias, "arch": arch})
+    assert src.lang == expect
+    if expect == "cuda":
+        assert src.arch_suffix == "a" and src.threads == 384
+        assert src.n_inputs == 3 + (bias is not None) and src.n_extra == 5
+        mode = 0 if bias is None else 1 if not any(L.bias_pattern(bias)) else 2
+        assert src.defines["BIAS_MODE"] == str(mode)
+    # a negative scale (never exported, but legal) keeps the Triton kernel
+    neg = dict(_attrs(D, causal), scale=-0.1)
+    assert L.kernel_config(OP, dtype, neg, {"head_dim": D, "bias_shape": bias, "arch": arch}).lang == "triton"
+
+
+def test_launch_params_persistent_and_symbolic():
+    static = {"head_dim": 128, "bias_shape": (-1, 1, 1, -1), "arch": 90}
+    shapes = [[2, 16, 1000, 128], [2, 4, 1000, 128], [2, 4, 1000, 128], [2, 1, 1, 1000]]
+    p = L.launch_params(OP, shapes, ["bfloat16"], _attrs(128, 1, 16, 4), static_shape=static)
+    assert p.grid == (L.SM90_GRID, 1, 1) and p.block == (384, 1, 1)
+    assert p.extra_args == [16, 4, 1000, 1000, 8 * 2 * 16]  # num_tiles = cdiv(Sq, 128) * B * H
+    cfg = L.choose_config("bfloat16", 128, True, arch=90, pattern=(1, 0, 0, 1), scale=0.1)
+    assert p.shared_mem == L.sm90_shared_mem(128, cfg, 2)
+    p2 = L.launch_params(OP, shapes, ["bfloat16"], _attrs(128, 1, 16, 4),
+                         static_shape=dict(static, sm_count=114))
+    assert p2.grid == (114, 1, 1)
+
+    class Sym:  # only + - * and cdiv, like TensorRT's symbolic shape expressions
+        def __init__(self, e):
+            self.e = e
+
+        def __add__(self, o):
+            return Sym(f"({self.e}+{getattr(o, 'e', o)})")
+
+        def __mul__(self, o):
+            return Sym(f"({self.e}*{getattr(o, 'e', o)})")
+
+        __rmul__ = __mul__
+
+    def cdiv(a, b):
+        return Sym(f"cdiv({getattr(a, 'e', a)},{b})")
+
+    B, H, S = Sym("B"), Sym("H"), Sym("S")
+    sym = L.launch_params(OP, [[B, H, S, 128], [B, H, S, 128], [B, H, S, 128], [B, 1, 1, S]],
+                          ["float16"], _attrs(128), cdiv=cdiv, static_shape=static)
+    assert sym.extra_args[-1].e == "(cdiv(S,128)*(B*H))"
+
+
+def test_every_sweep_config_fits_shared_memory():
+    for D in L.SM90_HEAD_DIMS:
+        for causal in (0, 1):
+            for cfg in L.candidate_configs("bfloat16", D, causal, arch=90):
+                assert cfg.impl == "sm90"
+                for mode in (0, 1, 2):
+                    assert L.sm90_shared_mem(D, cfg, mode) <= 227 * 1024, (D, cfg, mode)
+
+
+def _cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+
+        p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        return str(p) if p.exists() else None
+    except ImportError:
+        return None
+
+
+@pytest.mark.parametrize("dtype,D,causal,bias", [
+    ("bfloat16", 128, 0, None),
+    ("float16", 128, 1, (-1, 1, 1, -1)),
+    ("bfloat16", 64, 1, ()),
+    ("float16", 64, 0, (1, 1, 1, -1)),
+])
+def test_sm90a_compile(tmp_path, dtype, D, causal, bias):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    src = L.kernel_config(OP, dtype, _attrs(D, causal), {"head_dim": D, "bias_shape": bias, "arch": 90},
+                          config=L.sm90_config(D, causal))
+    art = KernelCache(tmp_path).build(src, 90)
+    assert art.arch == 90 and art.arch_suffix == "a" and art.cubin
+    # QDP order: q, k, v[, bias] pointers, H, Hkv, Sq, Sk, num_tiles, o; no scratch pointers
+    entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
+    params = re.findall(r"\.param\s+\.(\w+)", entry)
+    n_in = 3 + (bias is not None)
+    assert params == ["u64"] * n_in + ["u32"] * 5 + ["u64"]
+    assert art.n_scratch == 0
+    for instr in ("wgmma.mma_async", "setmaxnreg.inc", "setmaxnreg.dec", "cp.async.mbarrier.arrive",
+                  "ex2.approx"):
+        assert instr in art.ptx, instr
+    tool = _cuobjdump()
+    if tool:  # registers fit (no spills to local memory) and the tensor-core path is HGMMA
+        cubin = tmp_path / "k.cubin"
+        cubin.write_bytes(art.cubin)
+        res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        assert "STACK:0" in res and "LOCAL:0" in res, res
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
+        assert "HGMMA.64x128x16.F32" in sass
+        assert "USETMAXREG" in sass
