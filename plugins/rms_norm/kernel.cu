@@ -9,9 +9,15 @@
 // TPR (threads per row: 1..32 = sub-warp/warp per row, shuffles only; 64..1024 = block per row),
 // RPB (rows per block at a time; TPR * RPB threads per block), ITERS (row groups per block, default
 // 1: the block walks them grid-stride, gamma stays in registers and the next group's loads are
-// issued before the current group's reduction), STCS (1: streaming stores, st.global.cs) and
+// issued before the current group's reduction), STCS (1: streaming stores, st.global.cs),
 // GLATE (1: gamma's loads left where ptxas puts them, which can be behind the reduction; fewer
-// registers live at once).
+// registers live at once), MINB (0: none; else the minimum resident blocks per SM passed to
+// __launch_bounds__, which caps the registers: at 512 threads MINB 4 means <= 32 registers, four
+// rows in flight per SM instead of three), NC (1: x/skip/gamma through the read-only path,
+// ld.global.nc; 0: plain ld.global, what Triton emits), XPOL (x/skip loads with an L2 eviction
+// priority, as Triton writes eviction_policy: 0 none, 1 evict_first, 2 evict_last) and YPOL
+// (1: y/sum stores L2 evict_first, not allocated in L1). The policies decide which lines the L2
+// gives up first, clean inputs or dirty outputs, and so when the write-backs reach DRAM.
 //
 // Each thread keeps its VPT accesses of the row in registers (packed, as loaded): one read of x
 // (and skip), one write of y (and sum); gamma is loaded once per block, by default together with
@@ -31,6 +37,18 @@
 #endif
 #ifndef GLATE
 #define GLATE 0
+#endif
+#ifndef MINB
+#define MINB 0
+#endif
+#ifndef NC
+#define NC 1
+#endif
+#ifndef XPOL
+#define XPOL 0
+#endif
+#ifndef YPOL
+#define YPOL 0
 #endif
 
 typedef unsigned short u16;
@@ -88,6 +106,7 @@ static_assert(!kBlockRow || kTPR % 32 == 0, "block-per-row mode needs whole warp
 static_assert(kBlockRow || (kTPR & (kTPR - 1)) == 0, "sub-warp rows need a power-of-two width");
 static_assert(kThreads <= 1024, "at most 1024 threads per block");
 static_assert(kIters >= 1 && kIters <= 8, "ITERS in 1..8");
+static_assert(XPOL >= 0 && XPOL <= 2 && YPOL >= 0 && YPOL <= 1, "XPOL in 0..2, YPOL in 0..1");
 
 typedef typename RawOf<kVec * sizeof(T)>::type Raw;
 union Pack {
@@ -95,9 +114,25 @@ union Pack {
     T v[kVec];
 };
 
+// An L2 cache policy for the .L2::cache_hint accesses (sm_80+): 1 evict_first, 2 evict_last.
+template <int KIND>
+__device__ __forceinline__ unsigned long long l2_policy() {
+    unsigned long long pol;
+    if constexpr (KIND == 1) {
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    } else {
+        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    }
+    return pol;
+}
+
 template <typename R>
 __device__ __forceinline__ void store(R* p, const R& v) {
-    if constexpr (STCS && sizeof(R) == 16) {
+    if constexpr (YPOL == 1 && sizeof(R) == 16) {
+        asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x),
+                     "r"(v.y), "r"(v.z), "r"(v.w), "l"(l2_policy<1>())
+                     : "memory");
+    } else if constexpr (STCS && sizeof(R) == 16) {
         asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                      : "memory");
     } else {
@@ -142,6 +177,39 @@ __device__ __forceinline__ float row_sum(float v, int buf) {
 // load could be issued before the row arrived.
 __device__ __forceinline__ int clamp_access(int idx) { return (kFull || idx < kNV) ? idx : kNV - 1; }
 
+// One access of a read-only stream: ld.global.nc (__ldg) or, with NC=0, a plain ld.global
+// (inline PTX: a const __restrict__ dereference may be turned into ld.global.nc by the compiler).
+template <typename R>
+__device__ __forceinline__ R ldg(const R* p) {
+    if constexpr (NC || sizeof(R) != 16) {
+        return __ldg(p);
+    } else {
+        R v;
+        asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        return v;
+    }
+}
+
+// x / skip: with XPOL, Triton's form of an eviction_policy load (L1 and L2 priority).
+template <typename R>
+__device__ __forceinline__ R ldx(const R* p) {
+    if constexpr (XPOL == 0 || sizeof(R) != 16) {
+        return ldg(p);
+    } else if constexpr (XPOL == 1) {
+        R v;
+        asm("ld.global.L1::evict_first.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p), "l"(l2_policy<1>()));
+        return v;
+    } else {
+        R v;
+        asm("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p), "l"(l2_policy<2>()));
+        return v;
+    }
+}
+
 template <bool SKIP>
 __device__ __forceinline__ void load_row(Raw (&a)[kVPT], Raw (&b)[kVPT], const Raw* __restrict__ x,
                                          const Raw* __restrict__ skip, long long row, int rows, int t) {
@@ -149,8 +217,8 @@ __device__ __forceinline__ void load_row(Raw (&a)[kVPT], Raw (&b)[kVPT], const R
 #pragma unroll
     for (int i = 0; i < kVPT; ++i) {
         const int idx = clamp_access(t + i * kTPR);
-        a[i] = __ldg(x + base + idx);
-        if (SKIP) b[i] = __ldg(skip + base + idx);
+        a[i] = ldx(x + base + idx);
+        if (SKIP) b[i] = ldx(skip + base + idx);
     }
 }
 
@@ -175,7 +243,7 @@ __device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x_, const T*
     Raw a[kVPT], b[kVPT], g[kVPT];
     load_row<SKIP>(a, b, x, skip, row, rows, t);
 #pragma unroll
-    for (int i = 0; i < kVPT; ++i) g[i] = __ldg(gamma + clamp_access(t + i * kTPR));
+    for (int i = 0; i < kVPT; ++i) g[i] = ldg(gamma + clamp_access(t + i * kTPR));
     // ptxas sinks read-only loads towards their first use, which is behind the reduction (and
     // the exit of inactive rows): an L2 round trip more on every row's critical path. A use
     // that cannot be folded away (rows is never negative) before the row's first use ties
@@ -245,14 +313,20 @@ __device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x_, const T*
     }
 }
 
+#if MINB > 0
+#define OPTFUSE_BOUNDS __launch_bounds__(kThreads, MINB)
+#else
+#define OPTFUSE_BOUNDS __launch_bounds__(kThreads)
+#endif
+
 // RMSNorm: inputs (x, gamma), extra (rows), outputs (y).
-extern "C" __global__ void __launch_bounds__(kThreads)
+extern "C" __global__ void OPTFUSE_BOUNDS
 rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, int rows, T* __restrict__ y) {
     rms_norm_rows<false>(x, nullptr, gamma, rows, y, nullptr);
 }
 
 // SkipRMSNorm: inputs (x, skip, gamma), extra (rows), outputs (y, sum).
-extern "C" __global__ void __launch_bounds__(kThreads)
+extern "C" __global__ void OPTFUSE_BOUNDS
 skip_rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma, int rows,
                   T* __restrict__ y, T* __restrict__ sum) {
     rms_norm_rows<true>(x, skip, gamma, rows, y, sum);

@@ -42,6 +42,10 @@ class RMSConfig:
     iters: int = 1  # row groups per block (grid-stride; gamma kept, next group prefetched)
     stcs: bool = False  # streaming stores (st.global.cs)
     glate: bool = False  # gamma loads not tied to before the reduction (ptxas may sink them behind it)
+    minb: int = 0  # __launch_bounds__ minimum blocks per SM (0: none): caps the registers
+    nc: bool = True  # loads through the read-only path (ld.global.nc); False: plain ld.global
+    xpol: int = 0  # x/skip loads with an L2 eviction priority: 0 none, 1 evict_first, 2 evict_last
+    ypol: int = 0  # 1: y/sum stores L2 evict_first (and not allocated in L1)
 
     @property
     def threads(self) -> int:
@@ -66,12 +70,13 @@ def _vec_nv(dtype: str, hidden: int) -> tuple[int, int]:
 
 def make_config(
     dtype: Any, hidden: int, vpt: int, block_threads: int = 256, iters: int = 1, stcs: bool = False,
-    glate: bool = False,
+    glate: bool = False, full: bool = False, nc: bool = True, xpol: int = 0, ypol: int = 0,
 ) -> RMSConfig:
     """About ``vpt`` accesses (16 bytes, or one element when hidden is not a multiple of 16 bytes)
     per thread: rows of <= 32 threads get a (sub-)warp each, ``block_threads`` threads per block;
     longer rows a block each (at most 1024 threads, more accesses per thread beyond; then one
-    row group per block: ``iters`` > 1 would spill)."""
+    row group per block: ``iters`` > 1 would spill). ``full``: registers capped so that 2048
+    threads (the SM's limit) stay resident (``minb`` = 2048 / threads)."""
     dtype = norm_dtype(dtype)
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
@@ -79,10 +84,11 @@ def make_config(
     need = -(-nv // vpt)
     if need <= 32:
         tpr = next_pow2(need)
-        return RMSConfig(vec, tpr, max(1, block_threads // tpr), iters, stcs, glate)
+        rpb = max(1, block_threads // tpr)
+        return RMSConfig(vec, tpr, rpb, iters, stcs, glate, 2048 // (tpr * rpb) if full else 0, nc, xpol, ypol)
     tpr = min(1024, -(-need // 32) * 32)
     # 1024 threads leave 64 registers a thread: a prefetched second row would spill
-    return RMSConfig(vec, tpr, 1, 1 if tpr == 1024 else iters, stcs, glate)
+    return RMSConfig(vec, tpr, 1, 1 if tpr == 1024 else iters, stcs, glate, 2048 // tpr if full else 0, nc, xpol, ypol)
 
 
 def choose_config(dtype: Any, hidden: int, op: str = "RMSNorm") -> RMSConfig:
@@ -115,20 +121,33 @@ def candidate_configs(dtype: Any, hidden: int, op: str = "RMSNorm") -> list[RMSC
     if nv <= 32:
         add(1, 128)
         add(1, 256, iters=2)
-    if 32 < nv <= 256:  # a warp per row
+    if 32 < nv <= 256:  # a warp per row (3-8 accesses a thread), or half a warp (twice the accesses)
         w = -(-nv // 32)
-        for bt, it in ((64, 1), (128, 1), (256, 1), (128, 2), (256, 2), (128, 4)):
-            add(w, bt, iters=it)
-        add(w, 128, stcs=True)
-        add(w, 128, glate=True)
+        for bt in (32, 64, 128):
+            add(w, bt)
+        add(w, 32, nc=False)
+        if nv <= 128:
+            add(2 * w, 32)
+            add(2 * w, 64)
+        add(w, 32, iters=2)
+        add(w, 64, stcs=True)
+        add(w, 64, glate=True)
+        add(w, 64, xpol=1)
+        add(w, 64, xpol=2)
+        add(w, 64, ypol=1)
     if 64 < nv <= 128:  # the v1 layout: a block per row, one access per thread
         add(1)
     if nv > 128:  # a block per row
-        for vpt, it in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4), (4, 4)):
-            add(vpt, iters=it)
-        add(2, iters=2, stcs=True)
+        add(4)
+        add(2, full=True)
+        add(2, nc=False)
+        add(2, iters=2)
         add(2, glate=True)
-        add(4, glate=True)
+        add(2, stcs=True)
+        add(2, xpol=1)
+        add(2, xpol=2)
+        add(2, ypol=1)
+        add(2, xpol=2, ypol=1)
     return out
 
 
@@ -148,7 +167,11 @@ def kernel_config(
     eps = _epsilon(attrs)
     n_in, n_out = _N_IO[op]
     return KernelSource(
-        name=f"rms_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/v{cfg.vec}t{cfg.tpr}r{cfg.rpb}i{cfg.iters}{'s' if cfg.stcs else ''}{'g' if cfg.glate else ''}",
+        name=(
+            f"rms_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/v{cfg.vec}t{cfg.tpr}r{cfg.rpb}i{cfg.iters}"
+            f"{'s' if cfg.stcs else ''}{'g' if cfg.glate else ''}{f'b{cfg.minb}' if cfg.minb else ''}{'' if cfg.nc else 'p'}"
+            f"{f'x{cfg.xpol}' if cfg.xpol else ''}{f'y{cfg.ypol}' if cfg.ypol else ''}"
+        ),
         lang="cuda",
         path=KERNEL_PATH,
         entry=_ENTRY[op],
@@ -165,6 +188,10 @@ def kernel_config(
             "ITERS": str(cfg.iters),
             "STCS": str(int(cfg.stcs)),
             "GLATE": str(int(cfg.glate)),
+            "MINB": str(cfg.minb),
+            "NC": str(int(cfg.nc)),
+            "XPOL": str(cfg.xpol),
+            "YPOL": str(cfg.ypol),
         },
         threads=cfg.threads,
         pointer_align=cfg.vec * ITEMSIZE[dtype],
