@@ -243,10 +243,10 @@ def gpu_artifacts(cuda_torch):
     return dict(zip(srcs, arts))
 
 
-def _gpu_case(torch, art, op, dtype, rows, hidden, eps, rng, scale=1.0, prefer=None, what=""):
+def _gpu_case(torch, art, op, dtype, rows, hidden, eps, rng, scale=1.0, prefer=None, what="", config=None):
     ins = make_inputs(op, dtype, rows, hidden, rng, magnitude=scale if scale > 1 else None)
     attrs = {"epsilon": eps}
-    params = launch.launch_params(op, [a.shape for a in ins], [dtype], attrs)
+    params = launch.launch_params(op, [a.shape for a in ins], [dtype], attrs, config=config)
     outs = gpu_run(art, params, ins, [((rows, hidden), ins[0].dtype)] * len(launch._OUTPUTS[op]), prefer=prefer)
     tins = [_torch_cpu(a).cuda() for a in ins]
     _compare(torch, op, dtype, ins, outs, attrs, _torch_baseline(torch, op, tins, eps), what)
@@ -259,6 +259,33 @@ def test_gpu_matches_fp64(cuda_torch, gpu_artifacts, op, dtype, hidden):
     rng = np.random.default_rng(seed)
     for rows in (1, int(rng.integers(2, 600))):
         _gpu_case(cuda_torch, gpu_artifacts[(op, dtype, hidden)], op, dtype, rows, hidden, 1e-5, rng, what=f"rows={rows} seed={seed}")
+
+
+GPU_CANDIDATE_CASES = [(op, dt, h) for op in OPS for dt in DTYPES for h in (33, 768, 771, 1024, 5000, 8192)]
+
+
+@pytest.fixture(scope="module")
+def gpu_candidate_artifacts(cuda_torch):
+    keys = [(op, dt, h, c) for op, dt, h in GPU_CANDIDATE_CASES for c in launch.candidate_configs(dt, h, op)]
+    srcs = [launch.kernel_config(op, dt, {"epsilon": 1e-5}, {"hidden": h}, config=c) for op, dt, h, c in keys]
+    arts = KernelCache().build_many(srcs)
+    out: dict = {}
+    for (op, dt, h, c), art in zip(keys, arts):
+        out.setdefault((op, dt, h), []).append((c, art))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,dtype,hidden", GPU_CANDIDATE_CASES)
+def test_gpu_candidate_configs(cuda_torch, gpu_candidate_artifacts, op, dtype, hidden):
+    """Every config the benchmark sweep may pick as the default (launch.candidate_configs):
+    1 row and a count that leaves the last program partly empty."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for rows in (1, int(rng.integers(2, 300))):
+        for cfg, art in gpu_candidate_artifacts[(op, dtype, hidden)]:
+            _gpu_case(cuda_torch, art, op, dtype, rows, hidden, 1e-5, rng, config=cfg,
+                      what=f"rows={rows} {cfg} seed={seed}")
 
 
 @pytest.mark.gpu
