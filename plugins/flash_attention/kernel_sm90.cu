@@ -63,6 +63,9 @@ typedef unsigned short u16;
 #ifndef PINGPONG
 #define PINGPONG 1
 #endif
+#ifndef Q_BUFFERS
+#define Q_BUFFERS 2
+#endif
 
 #if OPTFUSE_DTYPE == 1
 #define WG_TY "f16"
@@ -92,12 +95,12 @@ typedef unsigned short u16;
 #define Q_BYTES (BLOCK_M * D * 2)
 #define KV_BYTES (BLOCK_N * D * 2)
 #define BIAS_STAGE_BYTES (BLOCK_N * 4)   // key bias of one tile, fp32, log2 units
-#define OFF_Q 0
-#define OFF_K (OFF_Q + Q_BYTES)
+#define OFF_Q 0                          // Q_BUFFERS Q tiles: the next tile's Q loads early
+#define OFF_K (OFF_Q + Q_BUFFERS * Q_BYTES)
 #define OFF_V (OFF_K + STAGES * KV_BYTES)
 #define OFF_BIAS (OFF_V + STAGES * KV_BYTES)
 #define OFF_BAR (OFF_BIAS + (BIAS_MODE == 2 ? STAGES * BIAS_STAGE_BYTES : 0))
-#define N_BARS (2 + 4 * STAGES)
+#define N_BARS (2 * Q_BUFFERS + 4 * STAGES)
 // + 1024: the dynamic shared memory base is aligned up to 1024 bytes at run time.
 #define SMEM_BYTES (OFF_BAR + 8 * N_BARS + 1024)
 
@@ -435,14 +438,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     extern __shared__ unsigned char smem_raw[];
     const u32 raw = smem_addr(smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
-    const u32 q_s = base + OFF_Q;
     const u32 bar = base + OFF_BAR;  // [q_full, q_empty, full_k[S], full_v[S], empty_k[S], empty_v[S]]
-#define BAR_Q_FULL (bar)
-#define BAR_Q_EMPTY (bar + 8)
-#define BAR_FULL_K(s) (bar + 8 * (2 + (s)))
-#define BAR_FULL_V(s) (bar + 8 * (2 + STAGES + (s)))
-#define BAR_EMPTY_K(s) (bar + 8 * (2 + 2 * STAGES + (s)))
-#define BAR_EMPTY_V(s) (bar + 8 * (2 + 3 * STAGES + (s)))
+#define BAR_Q_FULL(q) (bar + 8 * (q))
+#define BAR_Q_EMPTY(q) (bar + 8 * (Q_BUFFERS + (q)))
+#define BAR_FULL_K(s) (bar + 8 * (2 * Q_BUFFERS + (s)))
+#define BAR_FULL_V(s) (bar + 8 * (2 * Q_BUFFERS + STAGES + (s)))
+#define BAR_EMPTY_K(s) (bar + 8 * (2 * Q_BUFFERS + 2 * STAGES + (s)))
+#define BAR_EMPTY_V(s) (bar + 8 * (2 * Q_BUFFERS + 3 * STAGES + (s)))
+#define Q_SLOT(q) (base + OFF_Q + (q) * Q_BYTES)
     float* bias_ring = reinterpret_cast<float*>(smem_raw + (base + OFF_BIAS - raw));
     (void)bias_ring;
 
@@ -450,8 +453,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     const int causal_off = Sk - Sq;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
-        mbar_init(BAR_Q_FULL, 128);
-        mbar_init(BAR_Q_EMPTY, 8);  // consumer barriers: one arrival per consumer warp
+        for (int q = 0; q < Q_BUFFERS; ++q) {
+            mbar_init(BAR_Q_FULL(q), 128);
+            mbar_init(BAR_Q_EMPTY(q), 8);  // consumer barriers: one arrival per consumer warp
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(BAR_FULL_K(s), BIAS_MODE == 2 ? 256 : 128);  // cp.async + (bias) plain arrivals
             mbar_init(BAR_FULL_V(s), 128);
@@ -492,9 +497,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         TILE_LOOP {
             TILE_COORDS
             if (n_blocks == 0) continue;  // every row of this tile is dead: nothing to load
-            mbar_wait(BAR_Q_EMPTY, (tc & 1) ^ 1);  // the previous tile's last Q K^T has run
-            load_tile<BLOCK_M>(q_s, Q + ((long long)bh * Sq + m0) * D, Sq - m0, ptid);
-            cp_async_arrive(BAR_Q_FULL);
+            // With two Q buffers this tile's Q loads while the consumers still work on the previous
+            // tile (one buffer: only after its last Q K^T, an exposed load per tile).
+            const int qs = tc % Q_BUFFERS;
+            mbar_wait(BAR_Q_EMPTY(qs), ((tc / Q_BUFFERS) & 1) ^ 1);
+            load_tile<BLOCK_M>(Q_SLOT(qs), Q + ((long long)bh * Sq + m0) * D, Sq - m0, ptid);
+            cp_async_arrive(BAR_Q_FULL(qs));
             ++tc;
             const u16* k_g = K + (long long)kvh * Sk * D;
             const u16* v_g = V + (long long)kvh * Sk * D;
@@ -528,7 +536,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         const int cw = wg - 1;
         const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q4 = lane % 4;
         const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
-        const u32 q_wg = q_s + cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
+        const u32 q_wg = cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
         int it = 0, tc = 0;
 #if PINGPONG
         if (cw == 1) named_arrive(1);  // warpgroup 0 issues first
@@ -551,7 +559,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             float m_0 = NEG_INF, m_1 = NEG_INF, l0 = 0.f, l1 = 0.f, a0, a1;
 
             if (n_blocks > 0) {
-                mbar_wait(BAR_Q_FULL, tc & 1);
+                const int qs = tc % Q_BUFFERS;
+                const u32 q_tile = Q_SLOT(qs) + q_wg;
+                mbar_wait(BAR_Q_FULL(qs), (tc / Q_BUFFERS) & 1);
                 ++tc;
                 // -- block 0: scores and softmax (nothing before it to overlap with) --
                 {
@@ -562,14 +572,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     named_sync(1 + cw);
 #endif
                     wgmma_fence();
-                    issue_qk(s, q_wg, base + OFF_K + s0 * KV_BYTES);
+                    issue_qk(s, q_tile, base + OFF_K + s0 * KV_BYTES);
                     wgmma_commit();
 #if PINGPONG
                     named_arrive(2 - cw);
 #endif
                     wgmma_wait<0>();
                     fence_regs(s);
-                    if (n_blocks == 1) mbar_arrive_warp(BAR_Q_EMPTY);  // Q no longer read
+                    if (n_blocks == 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));  // Q no longer read
                     if (0 >= n_clean) apply_mask(s, 0, lim0, lim1, q4);
                     softmax_block<true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(s0));
@@ -585,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     named_sync(1 + cw);
 #endif
                     wgmma_fence();
-                    issue_qk(s, q_wg, base + OFF_K + sj * KV_BYTES);
+                    issue_qk(s, q_tile, base + OFF_K + sj * KV_BYTES);
                     wgmma_commit();
                     issue_pv(o, p, base + OFF_V + sp * KV_BYTES);
                     wgmma_commit();
@@ -594,7 +604,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #endif
                     wgmma_wait<1>();  // S_j ready; PV still running
                     fence_regs(s);
-                    if (j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY);
+                    if (j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));
                     if (j >= n_clean) apply_mask(s, j * BLOCK_N, lim0, lim1, q4);
                     softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));

@@ -32,6 +32,7 @@ SM90_HEAD_DIMS = (64, 128)
 #: only combine the dynamic dims with + - * and cdiv (no min): a GPU with fewer SMs runs the
 #: surplus CTAs as a short second wave.
 SM90_GRID = 132
+SM90_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
 OP = "FlashAttention"
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
@@ -50,27 +51,30 @@ class FAConfig:
     #: block_n 128 and num_stages the depth of the K/V ring.
     impl: str = "triton"
     pingpong: bool = True  # sm90: the two consumer warpgroups take turns issuing their MMAs
+    q_buffers: int = 2  # sm90: Q tiles in shared memory (2: the next tile's Q loads early)
 
 
-#: Where the CUDA kernel is chosen on sm_90, and its default ring depth / turn-taking, per
-#: (head_dim, causal), from the H200 sweeps (README "CUDA kernel"): it beats the Triton kernel
-#: at D = 128 (10-25 %) and ties it at D = 64 non-causal (where its key-padding path is much
-#: faster); at D = 64 causal it was slower up to S = 8192, so the Triton kernel stays there.
-SM90_DEFAULTS: dict[tuple[int, bool], tuple[int, bool] | None] = {
-    (64, False): (3, True),
+#: Where the CUDA kernel is chosen on sm_90, and its defaults (K/V ring depth, turn-taking, Q
+#: buffers) per (head_dim, causal), from the H200 sweeps (README "CUDA kernel"): it beats the
+#: Triton kernel at D = 128 (10-25 %) and ties it at D = 64 non-causal (where its key-padding
+#: path is much faster); at D = 64 causal it was slower up to S = 8192, so the Triton kernel
+#: stays there. Causal D = 128 measured faster with one Q buffer.
+SM90_DEFAULTS: dict[tuple[int, bool], tuple[int, bool, int] | None] = {
+    (64, False): (3, True, 2),
     (64, True): None,
-    (128, False): (2, True),
-    (128, True): (2, False),
+    (128, False): (2, True, 2),
+    (128, True): (2, True, 1),
 }
 
 
 def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
-                pingpong: bool | None = None) -> FAConfig:
+                pingpong: bool | None = None, q_buffers: int | None = None) -> FAConfig:
     """The CUDA kernel's config: 128 x 128 tiles, 3 warpgroups, a K/V ring of ``stages``
     (D = 128: 2-3 fit in shared memory; D = 64: 2-4)."""
-    d_stages, d_pp = SM90_DEFAULTS.get((head_dim, bool(causal))) or (2 if head_dim > 64 else 3, True)
+    d_stages, d_pp, d_qb = SM90_DEFAULTS.get((head_dim, bool(causal))) or (2 if head_dim > 64 else 3, True, 2)
     return FAConfig(128, 128, 12, d_stages if stages is None else stages, impl="sm90",
-                    pingpong=d_pp if pingpong is None else pingpong)
+                    pingpong=d_pp if pingpong is None else pingpong,
+                    q_buffers=d_qb if q_buffers is None else q_buffers)
 
 
 # Tuned on the H200 (README "Tuning"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
@@ -125,11 +129,12 @@ def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None 
     if sm90_eligible(norm_dtype(dtype), head_dim, None, 1.0, arch):
         stages = (2, 3) if head_dim > 64 else (2, 3, 4)
         out = [sm90_config(head_dim, causal)]
-        for st in stages:
-            for pp in (True, False):
-                c = sm90_config(head_dim, causal, st, pp)
-                if c not in out:
-                    out.append(c)
+        for qb in (2, 1):
+            for st in stages:
+                for pp in (True, False):
+                    c = sm90_config(head_dim, causal, st, pp, qb)
+                    if c not in out and sm90_shared_mem(head_dim, c, 2) <= SM90_SMEM_LIMIT:
+                        out.append(c)
         return out
     C = FAConfig
     if next_pow2(head_dim) <= 64:
@@ -186,12 +191,13 @@ _DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
-    """Dynamic shared memory of kernel_sm90.cu (its SMEM_BYTES): Q tile, the K/V ring, the key
-    bias ring, the mbarriers, and 1024 bytes to align the base."""
+    """Dynamic shared memory of kernel_sm90.cu (its SMEM_BYTES): the Q tiles, the K/V ring, the
+    key bias ring, the mbarriers, and 1024 bytes to align the base."""
     q = cfg.block_m * head_dim * 2
     kv = cfg.block_n * head_dim * 2
     bias = cfg.num_stages * cfg.block_n * 4 if bias_mode == 2 else 0
-    return q + 2 * cfg.num_stages * kv + bias + 8 * (2 + 4 * cfg.num_stages) + 1024
+    return (cfg.q_buffers * q + 2 * cfg.num_stages * kv + bias
+            + 8 * (2 * cfg.q_buffers + 4 * cfg.num_stages) + 1024)
 
 
 def _sm90_bias_mode(pattern) -> int:
@@ -215,11 +221,12 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         "BIAS_BATCH": str(pattern[0] if mode == 2 else 0), "BIAS_DTYPE": str(_DTYPE_CODE[bias_dtype]),
         "SCALE_LOG2": f"{scale_log2!r}f", "BLOCK_N": str(cfg.block_n),
         "STAGES": str(cfg.num_stages), "PINGPONG": str(int(cfg.pingpong)),
+        "Q_BUFFERS": str(cfg.q_buffers),
     }
     bias_tag = "nobias" if pattern is None else "bias" + "".join(map(str, pattern))
     return KernelSource(
         name=(f"flash_attention/{OP}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{bias_tag}/"
-              f"scale{scale:.6g}/sm90s{cfg.num_stages}{'p' if cfg.pingpong else ''}"),
+              f"scale{scale:.6g}/sm90s{cfg.num_stages}q{cfg.q_buffers}{'p' if cfg.pingpong else ''}"),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,

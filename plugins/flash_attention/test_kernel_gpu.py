@@ -87,17 +87,18 @@ def test_artifact_matches_reference(case, impl, seed):
 
 
 #: Every ring depth / turn-taking variant of the CUDA kernel on a few cases (any a sweep picks).
-@pytest.mark.parametrize("variant", [(2, True), (2, False), (3, True), (4, True)])
+@pytest.mark.parametrize("variant", [(2, True, 2), (2, False, 1), (3, True, 1), (4, True, 2)])
 @pytest.mark.parametrize("case", [c for c in CASES if _sm90_applies(c)][-5:],
                          ids=lambda c: "-".join(map(str, c[:9])).replace(" ", ""))
 def test_sm90_variants(case, variant, seed):
     if not torch.cuda.is_available() or _device_arch() != 90:
         pytest.skip("needs an sm_90 device")
-    stages, pingpong = variant
+    stages, pingpong, q_buffers = variant
     D = case[5]
-    if D == 128 and stages > 3:
-        pytest.skip("4 stages of D = 128 tiles exceed shared memory")
-    _check_case(case, seed, arch=90, config=L.sm90_config(D, case[6], stages, pingpong))
+    cfg = L.sm90_config(D, case[6], stages, pingpong, q_buffers)
+    if L.sm90_shared_mem(D, cfg, 2) > 227 * 1024:
+        pytest.skip(f"{stages} stages of D = {D} tiles exceed shared memory")
+    _check_case(case, seed, arch=90, config=cfg)
 
 
 def _check_case(case, seed, arch=None, config=None):
