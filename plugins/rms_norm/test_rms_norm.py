@@ -155,8 +155,9 @@ def test_aot_compile(op, dtype, arch):
         assert art.cubin and art.cubin[:4] == b"\x7fELF"
         assert re.search(rf"\.entry {art.name}\(", art.ptx) and art.name == src.entry
         assert f".target sm_{arch}" in art.ptx and art.n_scratch == 0 and art.threads == src.threads
-        if hidden == 4096:  # 16-byte accesses
-            assert "ld.global.nc.v4" in art.ptx and re.search(r"st\.global(\.cs)?\.v4", art.ptx)
+        if hidden == 4096:  # 16-byte accesses: x (and skip) evict_last, gamma read-only, y (and sum)
+            assert "ld.global.L1::evict_last.L2::cache_hint.v4" in art.ptx and "ld.global.nc.v4" in art.ptx
+            assert re.search(r"st\.global(\.cs)?\.v4", art.ptx)
 
 
 def test_nvrtc_needs_no_toolkit_headers(monkeypatch):
