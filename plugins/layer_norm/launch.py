@@ -45,15 +45,19 @@ def _check_op(op: str) -> None:
 
 
 def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig:
-    """Tile per program, from the H200 sweep (README "Tuning"): rows of <= 1024 padded elements
-    go two (or more, up to 2048 elements) to a program of 2 warps; longer rows one to a program
-    of 4-8 warps (LayerNorm) or 8-16 warps (SkipLayerNorm, twice the streams); no L2 eviction
-    hint on the loads. Inductor's choice at <= 1024 (one warp, one row: both reductions in
-    shuffles) measured no faster (README)."""
+    """Tile per program, from the H200 sweeps (README "Tuning"): LayerNorm rows of 513-768
+    elements (a 1024 tile at least a quarter padding) one to a program of one warp (Inductor's
+    choice): split over 2 warps, the second would hold at most 256 valid of its 512 columns and
+    both reductions would cross warps through shared memory and a barrier; other rows of <= 1024
+    padded elements two (or more, up to 2048 elements) to a program of 2 warps; longer rows one
+    to a program of 4-8 warps (LayerNorm) or 8-16 warps (SkipLayerNorm, twice the streams); no
+    L2 eviction hint on the loads."""
     norm_dtype(dtype)
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
     block_n = next_pow2(hidden)
+    if op == "LayerNorm" and block_n == 1024 and hidden <= 768:
+        return LNConfig(1, block_n, 1)
     if block_n <= 1024:
         return LNConfig(max(1, 2048 // block_n), block_n, 2)
     if op == "SkipLayerNorm":
@@ -75,7 +79,7 @@ def candidate_configs(dtype: str, hidden: int, op: str = "LayerNorm") -> list[LN
 
     if block_n <= 1024:  # 1024-4096 elements a program; 1 warp (Inductor's choice) to 4
         base = max(1, 1024 // block_n)
-        for block_m, warps in ((1, 1), (2, 1), (2, 2), (4, 2), (1, 2), (1, 4), (2, 4)):
+        for block_m, warps in ((2, 2), (1, 1), (2, 1), (4, 2), (1, 2), (1, 4), (2, 4)):
             add(base * block_m, warps)
     else:
         for warps in (2, 4, 8, 16):

@@ -103,7 +103,7 @@ def test_launch_params_symbolic(op):
     cdiv = lambda a, b: Sym(f"cdiv({a},{b})")  # noqa: E731
     shapes = [[Sym("B"), Sym("S"), 768]] + [[768]] * (len(launch._INPUTS[op]) - 1)
     p = launch.launch_params(op, shapes, ["float16"], {"epsilon": 1e-5}, cdiv=cdiv, static_shape={"hidden": 768})
-    cfg = launch.choose_config("float16", 768)
+    cfg = launch.choose_config("float16", 768, op)
     assert repr(p.grid[0]) == f"cdiv((B*S),{cfg.block_m})"
     assert repr(p.extra_args[0]) == "(B*S)"
     assert p.block == (cfg.num_warps * 32, 1, 1)
