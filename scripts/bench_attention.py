@@ -308,6 +308,8 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--build-sweep-dtypes", default="bfloat16",
                     help="--build: dtypes whose sweep candidates are compiled too")
+    ap.add_argument("--mask-dims", default="128",
+                    help="head dims of the mask-input rows (bf16, S 4096, scalar and key-padding bias)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="main table: time the contenders in this many interleaved rounds (medians)")
     ap.add_argument("--arch", type=int, default=None,
@@ -395,12 +397,15 @@ def main(argv=None):
                                           rounds=args.rounds))
                     print_table(rows[-1:])
                     sys.stdout.flush()
-    for bias in ("scalar", "keypad"):  # what a plugin with a mask input costs
-        for causal in (0, 1):
-            cfg, runner = pick(128, causal)
-            rows.append(run_shape(runner, "bfloat16", 4096, 128, causal, cfg, bias=bias, sdpa=False,
-                                  jit=False, arch=args.arch, triton_too=args.arch is not None,
-                                  rounds=args.rounds))
+    for D in [int(d) for d in args.mask_dims.split(",")]:
+        for bias in ("scalar", "keypad"):  # what a plugin with a mask input costs
+            for causal in (0, 1):
+                cfg, runner = pick(D, causal)
+                if args.arch == 90 and cfg is None:  # the CUDA kernel vs the Triton one on masks
+                    cfg = L.sm90_config(D, causal)
+                rows.append(run_shape(runner, "bfloat16", 4096, D, causal, cfg, bias=bias, sdpa=False,
+                                      jit=False, arch=args.arch, triton_too=args.arch is not None,
+                                      rounds=args.rounds))
     print("\n== summary (TF/s; ratio = ours / best SDPA backend) ==")
     for (D, causal), (cfg, root, _) in sorted(chosen.items()):
         print(f"config D{D} causal={causal}: {cfg} ({Path(root or 'local').name})")

@@ -54,24 +54,36 @@ class FAConfig:
     q_buffers: int = 2  # sm90: Q tiles in shared memory (2: the next tile's Q loads early)
 
 
-#: Where the CUDA kernel is chosen on sm_90, and its defaults (K/V ring depth, turn-taking, Q
-#: buffers) per (head_dim, causal), from the H200 sweeps (README "CUDA kernel"): it beats the
-#: Triton kernel at D = 128 (10-25 %) and ties it at D = 64 non-causal (where its key-padding
-#: path is much faster); at D = 64 causal it was slower up to S = 8192, so the Triton kernel
-#: stays there. Causal D = 128 measured faster with one Q buffer.
-SM90_DEFAULTS: dict[tuple[int, bool], tuple[int, bool, int] | None] = {
-    (64, False): (3, True, 2),
-    (64, True): None,
-    (128, False): (2, True, 2),
-    (128, True): (2, True, 1),
+#: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
+#: defaults there (K/V ring depth, turn-taking, Q buffers); None keeps the Triton kernel. From the
+#: H200 runs in the README ("CUDA kernel"), same run, interleaved rounds: at D = 128 it beats the
+#: Triton kernel everywhere (+7..+25 % without a mask, +54 % with key padding); at D = 64 the
+#: Triton kernel is 1-8 % faster without a mask, the CUDA one 1.65x (non-causal) / 1.14x (causal)
+#: faster with key padding. Causal D = 128 measured faster with one Q buffer.
+SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, bool, int] | None] = {
+    (64, False, False): None,
+    (64, True, False): None,
+    (64, False, True): (3, True, 2),
+    (64, True, True): (3, True, 2),
+    (128, False, False): (2, True, 2),
+    (128, True, False): (2, True, 1),
+    (128, False, True): (2, True, 2),
+    (128, True, True): (2, True, 1),
 }
 
 
+def _is_keypad(pattern) -> bool:
+    return pattern is not None and any(pattern)
+
+
 def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
-                pingpong: bool | None = None, q_buffers: int | None = None) -> FAConfig:
+                pingpong: bool | None = None, q_buffers: int | None = None,
+                keypad: bool = False) -> FAConfig:
     """The CUDA kernel's config: 128 x 128 tiles, 3 warpgroups, a K/V ring of ``stages``
     (D = 128: 2-3 fit in shared memory; D = 64: 2-4)."""
-    d_stages, d_pp, d_qb = SM90_DEFAULTS.get((head_dim, bool(causal))) or (2 if head_dim > 64 else 3, True, 2)
+    d_stages, d_pp, d_qb = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
+                            or SM90_DEFAULTS.get((head_dim, bool(causal), True))
+                            or (2 if head_dim > 64 else 3, True, 2))
     return FAConfig(128, 128, 12, d_stages if stages is None else stages, impl="sm90",
                     pingpong=d_pp if pingpong is None else pingpong,
                     q_buffers=d_qb if q_buffers is None else q_buffers)
@@ -116,8 +128,9 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, has_bias: bool = Fals
     dtype = norm_dtype(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
-    if sm90_eligible(dtype, head_dim, pattern, scale, arch) and SM90_DEFAULTS.get((head_dim, bool(causal))):
-        return sm90_config(head_dim, causal)
+    keypad = _is_keypad(pattern)
+    if sm90_eligible(dtype, head_dim, pattern, scale, arch) and SM90_DEFAULTS.get((head_dim, bool(causal), keypad)):
+        return sm90_config(head_dim, causal, keypad=keypad)
     cls = "float32" if dtype == "float32" else "half"
     return TUNED.get((cls, head_dim, bool(causal))) or _default_config(dtype, head_dim, causal)
 
