@@ -60,43 +60,55 @@ def source_for(dtype, S, D, causal, config=None, bias_shape=None, arch=None):
     return T.case_sources(dtype, shapes, attrs, config=config, arch=arch)
 
 
-def _gpu_test_sources():
+def _gpu_test_sources(arch=None):
+    """The GPU tests' KernelSources: each case's Triton kernel and, with ``arch=90``, the CUDA
+    kernel of every case it takes, in every variant test_kernel_gpu.py runs."""
     spec = importlib.util.spec_from_file_location(
         "_fa_gpu_cases", ROOT / "plugins" / "flash_attention" / "test_kernel_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = []
-    for (B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, _) in mod.CASES:
+    for case in mod.CASES:
+        B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, _ = case
         attrs = T.attrs_for(H, Hkv, D, causal)
-        src, _ = T.case_sources(dtype, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D), bias_shape], attrs)
-        out.append(src)
+        shapes = [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D), bias_shape]
+        out.append(T.case_sources(dtype, shapes, attrs)[0])
+        if arch == 90 and mod._sm90_applies(case):
+            cfgs = [L.sm90_config(D, causal)] + [L.sm90_config(D, causal, *v) for v in mod.SM90_VARIANTS]
+            for cfg in cfgs:
+                if L.sm90_shared_mem(D, cfg, 2) <= L.SM90_SMEM_LIMIT:
+                    out.append(T.case_sources(dtype, shapes, attrs, config=cfg, arch=90)[0])
     return out
 
 
 def build_sources(sweep: bool = True, tests: bool = True, configs: dict | None = None,
-                  sweep_dtypes=("bfloat16",)):
+                  sweep_dtypes=("bfloat16",), arch=None):
     """Every KernelSource a device run may need, most needed first: the GPU test cases, the chosen
-    config of each benchmark shape (plus bias variants), then the sweep candidates."""
+    config of each benchmark shape (plus bias variants), then the sweep candidates. ``arch=90``
+    adds the CUDA kernel's (the shipped choice, the mask rows of both kernels, its sweep)."""
     srcs = {}
     if tests:
-        for s in _gpu_test_sources():
+        for s in _gpu_test_sources(arch):
             srcs[s.name] = s
     combos = [(dt, D, c) for dt in DTYPES for D in DIMS for c in (0, 1)]
     for dtype, D, causal in combos:
         cfg = (configs or {}).get((D, causal))
-        s, _ = source_for(dtype, 4096, D, causal, cfg)
-        srcs[s.name] = s
         B, H = shape_of(4096, D)
-        for bshape in ((), (B, 1, 1, 4096)):
-            s, _ = source_for(dtype, 4096, D, causal, cfg, bshape)
-            srcs[s.name] = s
+        for a in {None, arch}:
+            for bshape in (None, (), (B, 1, 1, 4096)):
+                s, _ = source_for(dtype, 4096, D, causal, cfg, bshape, arch=a)
+                srcs[s.name] = s
+                if a == 90 and cfg is None and L.sm90_eligible(dtype, D, L.bias_pattern(bshape), 1.0, 90):
+                    s, _ = source_for(dtype, 4096, D, causal, L.sm90_config(D, causal), bshape, arch=90)
+                    srcs[s.name] = s
     if sweep:
         for dtype, D, causal in combos:
             if dtype not in sweep_dtypes:
                 continue
-            for cfg in L.candidate_configs(dtype, D, causal):
-                s, _ = source_for(dtype, 4096, D, causal, cfg)
-                srcs[s.name] = s
+            for a in {None, arch}:
+                for cfg in L.candidate_configs(dtype, D, causal, arch=a):
+                    s, _ = source_for(dtype, 4096, D, causal, cfg, arch=a)
+                    srcs[s.name] = s
     return list(srcs.values())
 
 
@@ -320,7 +332,7 @@ def main(argv=None):
     if args.build:
         from optfuse.kernels import KernelCache
 
-        srcs = build_sources(sweep_dtypes=tuple(args.build_sweep_dtypes.split(",")))
+        srcs = build_sources(sweep_dtypes=tuple(args.build_sweep_dtypes.split(",")), arch=args.arch)
         t0 = time.time()
         KernelCache(args.build).build_many(srcs, 90, jobs=args.jobs)
         print(f"built {len(srcs)} artifacts for sm_90 in {time.time() - t0:.0f}s into {args.build}")
@@ -385,7 +397,7 @@ def main(argv=None):
         return None, runners[0]
 
     prebuild_missing(runners + [Runner(c[1]) for c in chosen.values()],
-                     build_sources(sweep=False, tests=False,
+                     build_sources(sweep=False, tests=False, arch=args.arch,
                                    configs={k: v[0] for k, v in chosen.items()}))
     for dtype in dtypes:
         for D in dims:

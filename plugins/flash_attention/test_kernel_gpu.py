@@ -86,8 +86,11 @@ def test_artifact_matches_reference(case, impl, seed):
                 config=L.sm90_config(case[5], case[6]) if impl == "sm90" else None)
 
 
-#: Every ring depth / turn-taking variant of the CUDA kernel on a few cases (any a sweep picks).
-@pytest.mark.parametrize("variant", [(2, True, 2), (2, False, 1), (3, True, 1), (4, True, 2)])
+#: CUDA kernel variants (ring depth, turn-taking, Q buffers) run on a few cases (any a sweep picks).
+SM90_VARIANTS = [(2, True, 2), (2, False, 1), (3, True, 1), (4, True, 2)]
+
+
+@pytest.mark.parametrize("variant", SM90_VARIANTS)
 @pytest.mark.parametrize("case", [c for c in CASES if _sm90_applies(c)][-5:],
                          ids=lambda c: "-".join(map(str, c[:9])).replace(" ", ""))
 def test_sm90_variants(case, variant, seed):
