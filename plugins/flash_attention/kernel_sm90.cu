@@ -66,6 +66,15 @@ typedef unsigned short u16;
 #ifndef Q_BUFFERS
 #define Q_BUFFERS 2
 #endif
+// Stage the output through this warpgroup's rows of its Q tile (free after the tile's last
+// Q K^T) and write it with coalesced 16-byte stores. Needs two Q buffers: the slot is released
+// only after the epilogue, and the next tile's Q must not wait for that.
+#ifndef EPI_SMEM
+#define EPI_SMEM (Q_BUFFERS == 2)
+#endif
+#if EPI_SMEM && Q_BUFFERS != 2
+#error "EPI_SMEM needs Q_BUFFERS == 2"
+#endif
 
 #if OPTFUSE_DTYPE == 1
 #define WG_TY "f16"
@@ -557,9 +566,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             float s[64];
             u32 p[8][4];
             float m_0 = NEG_INF, m_1 = NEG_INF, l0 = 0.f, l1 = 0.f, a0, a1;
+            int qs = -1;  // the Q slot this tile uses (none when every row is dead)
 
             if (n_blocks > 0) {
-                const int qs = tc % Q_BUFFERS;
+                qs = tc % Q_BUFFERS;
                 const u32 q_tile = Q_SLOT(qs) + q_wg;
                 mbar_wait(BAR_Q_FULL(qs), (tc / Q_BUFFERS) & 1);
                 ++tc;
@@ -579,7 +589,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #endif
                     wgmma_wait<0>();
                     fence_regs(s);
-                    if (n_blocks == 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));  // Q no longer read
+                    if (!EPI_SMEM && n_blocks == 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));  // Q no longer read
                     if (0 >= n_clean) apply_mask(s, 0, lim0, lim1, q4);
                     softmax_block<true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(s0));
@@ -604,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #endif
                     wgmma_wait<1>();  // S_j ready; PV still running
                     fence_regs(s);
-                    if (j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));
+                    if (!EPI_SMEM && j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));
                     if (j >= n_clean) apply_mask(s, j * BLOCK_N, lim0, lim1, q4);
                     softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
@@ -652,15 +662,46 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             }
 #endif
             u16* o_g = O + (long long)bh * Sq * D;
+            if (EPI_SMEM && qs >= 0) {
+                // (1) this thread's pairs into the warpgroup's 64 rows of its Q tile, in Q's
+                // swizzled layout (a warp's 32 four-byte writes hit 32 different banks) ...
+                unsigned char* q_rows = smem_raw + (Q_SLOT(qs) + q_wg - raw);
+                const int rl0 = warp * 16 + lane / 4;  // row within the warpgroup's 64
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                const int col = 8 * n + 2 * q4;
-                if (r0 < Sq)
-                    *reinterpret_cast<u32*>(o_g + (long long)r0 * D + col) =
+                for (int n = 0; n < D / 8; ++n) {
+                    const int chunk = n >> 3, u = n & 7;
+                    unsigned char* c = q_rows + chunk * (BLOCK_M * 128);
+                    *reinterpret_cast<u32*>(c + rl0 * 128 + ((u ^ (rl0 & 7)) << 4) + 4 * q4) =
                         pack2(fmaf(o[4 * n + 0], inv0, add), fmaf(o[4 * n + 1], inv0, add));
-                if (r1 < Sq)
-                    *reinterpret_cast<u32*>(o_g + (long long)r1 * D + col) =
+                    *reinterpret_cast<u32*>(c + (rl0 + 8) * 128 + ((u ^ (rl0 & 7)) << 4) + 4 * q4) =
                         pack2(fmaf(o[4 * n + 2], inv1, add), fmaf(o[4 * n + 3], inv1, add));
+                }
+                asm volatile("bar.sync %0, 128;" ::"r"(3 + cw) : "memory");  // this warpgroup only
+                // (2) ... then out as whole 16-byte row pieces: consecutive threads, consecutive
+                // addresses of a row.
+                constexpr int UNITS = D / 8;
+                const int row_base = m0 + cw * 64;
+#pragma unroll
+                for (int k = 0; k < 64 * UNITS / 128; ++k) {
+                    const int i = t + 128 * k;
+                    const int rl = i / UNITS, ug = i % UNITS;
+                    const uint4 v = *reinterpret_cast<const uint4*>(
+                        q_rows + (ug >> 3) * (BLOCK_M * 128) + rl * 128 + (((ug & 7) ^ (rl & 7)) << 4));
+                    if (row_base + rl < Sq)
+                        *reinterpret_cast<uint4*>(o_g + (long long)(row_base + rl) * D + ug * 8) = v;
+                }
+                mbar_arrive_warp(BAR_Q_EMPTY(qs));  // the slot may take the tile after next's Q
+            } else {
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    const int col = 8 * n + 2 * q4;
+                    if (r0 < Sq)
+                        *reinterpret_cast<u32*>(o_g + (long long)r0 * D + col) =
+                            pack2(fmaf(o[4 * n + 0], inv0, add), fmaf(o[4 * n + 1], inv0, add));
+                    if (r1 < Sq)
+                        *reinterpret_cast<u32*>(o_g + (long long)r1 * D + col) =
+                            pack2(fmaf(o[4 * n + 2], inv1, add), fmaf(o[4 * n + 3], inv1, add));
+                }
             }
         }
 #if PINGPONG

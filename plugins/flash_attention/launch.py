@@ -57,18 +57,18 @@ class FAConfig:
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
 #: defaults there (K/V ring depth, turn-taking, Q buffers); None keeps the Triton kernel. From the
 #: H200 runs in the README ("CUDA kernel"), same run, interleaved rounds: at D = 128 it beats the
-#: Triton kernel everywhere (+7..+25 % without a mask, +54 % with key padding); at D = 64 the
-#: Triton kernel is 1-8 % faster without a mask, the CUDA one 1.65x (non-causal) / 1.14x (causal)
-#: faster with key padding. Causal D = 128 measured faster with one Q buffer.
+#: Triton kernel everywhere (+10..+48 % without a mask, +52 % with key padding); at D = 64 it is
+#: +3 % non-causal and 1.65x / 1.14x with key padding, while causal without a mask the Triton
+#: kernel stays 3 % ahead. Two Q buffers also enable the staged (16-byte store) epilogue.
 SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, bool, int] | None] = {
-    (64, False, False): None,
+    (64, False, False): (3, True, 2),
     (64, True, False): None,
     (64, False, True): (3, True, 2),
     (64, True, True): (3, True, 2),
     (128, False, False): (2, True, 2),
-    (128, True, False): (2, True, 1),
+    (128, True, False): (2, True, 2),
     (128, False, True): (2, True, 2),
-    (128, True, True): (2, True, 1),
+    (128, True, True): (2, True, 2),
 }
 
 
