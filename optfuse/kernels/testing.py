@@ -173,3 +173,16 @@ def check_onnx_function(reference, op: str, inputs, dtype: str, opset: int, attr
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         assert max_abs_err(g, w) <= tol
+
+
+def candidate_artifacts(launch, cases, attrs: dict) -> dict:
+    """``{(op, dtype, hidden): [(config, artifact), ...]}``: every config of ``launch.candidate_configs``
+    (what a benchmark sweep may pick as the default) compiled for each norm-plugin case."""
+    from .cache import KernelCache
+
+    keys = [(op, dt, h, c) for op, dt, h in cases for c in launch.candidate_configs(dt, h, op)]
+    srcs = [launch.kernel_config(op, dt, attrs, {"hidden": h}, config=c) for op, dt, h, c in keys]
+    out: dict = {}
+    for (op, dt, h, c), art in zip(keys, KernelCache().build_many(srcs)):
+        out.setdefault((op, dt, h), []).append((c, art))
+    return out

@@ -219,6 +219,12 @@ def _sm90_bias_mode(pattern) -> int:
     return 1 if not any(pattern) else 2
 
 
+def _source_name(dtype: str, head_dim: int, causal: bool, pattern, scale: float, config_tag: str) -> str:
+    bias_tag = "nobias" if pattern is None else "bias" + "".join(map(str, pattern))
+    return (f"flash_attention/{OP}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{bias_tag}/"
+            f"scale{scale:.6g}/{config_tag}")
+
+
 def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float, cfg: FAConfig,
                  bias_dtype: str) -> KernelSource:
     if not sm90_eligible(dtype, head_dim, pattern, scale, 90):
@@ -236,10 +242,9 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         "STAGES": str(cfg.num_stages), "PINGPONG": str(int(cfg.pingpong)),
         "Q_BUFFERS": str(cfg.q_buffers),
     }
-    bias_tag = "nobias" if pattern is None else "bias" + "".join(map(str, pattern))
     return KernelSource(
-        name=(f"flash_attention/{OP}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{bias_tag}/"
-              f"scale{scale:.6g}/sm90s{cfg.num_stages}q{cfg.q_buffers}{'p' if cfg.pingpong else ''}"),
+        name=_source_name(dtype, head_dim, causal, pattern, scale,
+                          f"sm90s{cfg.num_stages}q{cfg.q_buffers}{'p' if cfg.pingpong else ''}"),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,
@@ -290,11 +295,10 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
         "BIAS_N": flags[3], "SCALAR_BIAS": scalar_bias, "PIPELINE_QK": cfg.pipeline_qk,
         "LAZY_RESCALE": cfg.lazy_rescale,
     })
-    bias_tag = "nobias" if pattern is None else "bias" + "".join(map(str, flags))
     return KernelSource(
-        name=(f"flash_attention/{OP}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{bias_tag}/"
-              f"scale{scale:.6g}/m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
-              f"{'p' if cfg.pipeline_qk else ''}{'l' if cfg.lazy_rescale else ''}"),
+        name=_source_name(dtype, head_dim, causal, pattern, scale,
+                          f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+                          f"{'p' if cfg.pipeline_qk else ''}{'l' if cfg.lazy_rescale else ''}"),
         lang="triton",
         path=KERNEL_PATH,
         entry=ENTRY,

@@ -11,7 +11,9 @@ import pytest
 
 from optfuse.kernels import KernelCache
 from optfuse.kernels.registry import plugin_module
-from optfuse.kernels.testing import check_error, check_onnx_function, check_ulps, gpu_run, max_abs_err, np_dtype
+from optfuse.kernels.testing import (
+    candidate_artifacts, check_error, check_onnx_function, check_ulps, gpu_run, max_abs_err, np_dtype,
+)
 
 launch = plugin_module("layer_norm", "launch")
 reference = plugin_module("layer_norm", "reference")
@@ -266,13 +268,7 @@ GPU_CANDIDATE_CASES = [(op, dt, h) for op in OPS for dt in DTYPES for h in (33, 
 
 @pytest.fixture(scope="module")
 def gpu_candidate_artifacts(cuda_torch):
-    keys = [(op, dt, h, c) for op, dt, h in GPU_CANDIDATE_CASES for c in launch.candidate_configs(dt, h, op)]
-    srcs = [launch.kernel_config(op, dt, {"epsilon": 1e-5}, {"hidden": h}, config=c) for op, dt, h, c in keys]
-    arts = KernelCache().build_many(srcs)
-    out: dict = {}
-    for (op, dt, h, c), art in zip(keys, arts):
-        out.setdefault((op, dt, h), []).append((c, art))
-    return out
+    return candidate_artifacts(launch, GPU_CANDIDATE_CASES, {"epsilon": 1e-5})
 
 
 @pytest.mark.gpu

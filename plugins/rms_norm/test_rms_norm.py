@@ -13,7 +13,10 @@ import pytest
 from optfuse.kernels import KernelCache
 from optfuse.kernels.nvrtc import compile_cuda
 from optfuse.kernels.registry import plugin_module
-from optfuse.kernels.testing import check_error, check_onnx_function, check_ulps, gpu_run, max_abs_err, np_dtype, run_onnx_function
+from optfuse.kernels.testing import (
+    candidate_artifacts, check_error, check_onnx_function, check_ulps, gpu_run, max_abs_err, np_dtype,
+    run_onnx_function,
+)
 
 launch = plugin_module("rms_norm", "launch")
 reference = plugin_module("rms_norm", "reference")
@@ -233,13 +236,7 @@ def test_gpu_matches_fp64(cuda_torch, gpu_artifacts, op, dtype, hidden):
 
 @pytest.fixture(scope="module")
 def gpu_candidate_artifacts(cuda_torch):
-    keys = [(op, dt, h, c) for op, dt, h in GPU_CASES for c in launch.candidate_configs(dt, h, op)]
-    srcs = [launch.kernel_config(op, dt, {"epsilon": 1e-6}, {"hidden": h}, config=c) for op, dt, h, c in keys]
-    arts = KernelCache().build_many(srcs)
-    out: dict = {}
-    for (op, dt, h, c), art in zip(keys, arts):
-        out.setdefault((op, dt, h), []).append((c, art))
-    return out
+    return candidate_artifacts(launch, GPU_CASES, {"epsilon": 1e-6})
 
 
 @pytest.mark.gpu
