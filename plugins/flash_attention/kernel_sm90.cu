@@ -27,7 +27,8 @@
 // Compile-time specialization (-D): OPTFUSE_DTYPE (1 fp16, 2 bf16), HEAD_DIM (64|128), CAUSAL,
 // BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
-// SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES, PINGPONG. Needs sm_90a (wgmma, setmaxnreg).
+// SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES (K/V ring depth), PINGPONG, Q_BUFFERS (1|2) and
+// EPI_SMEM (the staged epilogue; default with two Q buffers). Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -431,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     extern __shared__ unsigned char smem_raw[];
     const u32 raw = smem_addr(smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
-    const u32 bar = base + OFF_BAR;  // [q_full, q_empty, full_k[S], full_v[S], empty_k[S], empty_v[S]]
+    const u32 bar = base + OFF_BAR;  // [q_full[Q], q_empty[Q], full_k[S], full_v[S], empty_k[S], empty_v[S]]
 #define BAR_Q_FULL(q) (bar + 8 * (q))
 #define BAR_Q_EMPTY(q) (bar + 8 * (Q_BUFFERS + (q)))
 #define BAR_FULL_K(s) (bar + 8 * (2 * Q_BUFFERS + (s)))
