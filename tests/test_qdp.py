@@ -129,6 +129,11 @@ def test_aot_kernel_symbolic_shapes():
     kv = TensorInfo("float16", (B, 2, S, 64), (-1, 2, -1, 64))
     ak = aot_kernel("FlashAttention", [q, kv, kv], CASES["FlashAttention"][1], 0, arch=90, cdiv=_cdiv)
     assert [type(e) for e in ak.extra_args].count(Sym) >= 2  # Sq, Sk are runtime values
+    # sm_90 gets the CUDA (sm_90a) kernel: persistent grid, num_tiles as a fifth extra argument
+    assert ak.artifact.arch_suffix == "a" and ak.artifact.n_extra == 5
+    assert ak.launch.grid[0] == 132 and "cdiv(S,128)" in ak.extra_args[4].e
+    ak89 = aot_kernel("FlashAttention", [q, kv, kv], CASES["FlashAttention"][1], 0, arch=89, cdiv=_cdiv)
+    assert ak89.artifact.arch_suffix == "" and ak89.artifact.n_extra == 4  # the Triton kernel
 
     dyn = [TensorInfo("float16", (B, S, H), (-1, -1, -1)), TensorInfo("float16", (H,), (-1,)), TensorInfo("float16", (H,), (-1,))]
     with pytest.raises(ValueError, match="must be static"):
