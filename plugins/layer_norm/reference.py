@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-DOMAIN = "optfuse"
+from optfuse.functions import plugin_function
+
 OPS = ("LayerNorm", "SkipLayerNorm")
 DEFAULT_EPSILON = 1e-5
 
@@ -63,22 +64,7 @@ def onnx_function(op: str, opset: int = 17, dtype: str = "float32"):
         nodes.append(ln)
     else:
         nodes += _decomposed(ln_in, opset, dtype)
-    attribute_proto = [
-        helper.make_attribute("epsilon", DEFAULT_EPSILON),
-        helper.make_attribute("plugin_namespace", "optfuse"),
-        helper.make_attribute("plugin_version", "1"),
-    ]
-    return helper.make_function(
-        DOMAIN,
-        op,
-        inputs,
-        outputs,
-        nodes,
-        opset_imports=[helper.make_opsetid("", opset)],
-        attributes=[],
-        attribute_protos=attribute_proto,
-        doc_string=f"optfuse {op}: reference semantics for onnxruntime (TensorRT maps the node to a plugin).",
-    )
+    return plugin_function(op, inputs, outputs, nodes, opset, {"epsilon": DEFAULT_EPSILON})
 
 
 def _decomposed(x: str, opset: int, dtype: str) -> list:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-DOMAIN = "optfuse"
+from optfuse.functions import plugin_function
+
 OPS = ("RMSNorm", "SkipRMSNorm")
 DEFAULT_EPSILON = 1e-6
 
@@ -77,19 +78,4 @@ def onnx_function(op: str, opset: int = 17, dtype: str = "float32"):
     else:
         to = TensorProto.BFLOAT16 if dtype == "bfloat16" else helper.np_dtype_to_tensor_dtype(__import__("numpy").dtype(dtype))
         nodes.append(helper.make_node("Cast", ["yf"], ["y"], to=to))
-    attribute_protos = [
-        helper.make_attribute("epsilon", DEFAULT_EPSILON),
-        helper.make_attribute("plugin_namespace", "optfuse"),
-        helper.make_attribute("plugin_version", "1"),
-    ]
-    return helper.make_function(
-        DOMAIN,
-        op,
-        inputs,
-        outputs,
-        nodes,
-        opset_imports=[helper.make_opsetid("", opset)],
-        attributes=[],
-        attribute_protos=attribute_protos,
-        doc_string=f"optfuse {op}: reference semantics for onnxruntime (TensorRT maps the node to a plugin).",
-    )
+    return plugin_function(op, inputs, outputs, nodes, opset, {"epsilon": DEFAULT_EPSILON})
