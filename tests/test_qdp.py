@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from optfuse.kernels.testing import SymDim, sym_cdiv
 from optfuse.trt.qdp import AotKernel, TensorInfo, aot_kernel, entry_params, strip_trailing_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,67 +78,28 @@ def test_aot_kernel_returns_qdp_kernel(case):
     assert kinds == ["ptr"] * art.n_inputs + ["int"] * art.n_extra + ["ptr"] * art.n_outputs
 
 
-class Sym:
-    """A symbolic dim: records the expression the launch code builds (as TensorRT's ShapeExpr would)."""
-
-    def __init__(self, e):
-        self.e = e
-
-    @staticmethod
-    def _s(o):
-        return o.e if isinstance(o, Sym) else repr(o)
-
-    def __add__(self, o):
-        return Sym(f"({self.e}+{Sym._s(o)})")
-
-    def __radd__(self, o):
-        return Sym(f"({Sym._s(o)}+{self.e})")
-
-    def __sub__(self, o):
-        return Sym(f"({self.e}-{Sym._s(o)})")
-
-    def __mul__(self, o):
-        return Sym(f"({self.e}*{Sym._s(o)})")
-
-    def __rmul__(self, o):
-        return Sym(f"({Sym._s(o)}*{self.e})")
-
-    def __floordiv__(self, o):  # not allowed: TensorRT launch expressions use cdiv
-        raise AssertionError("launch parameters must use cdiv, not //")
-
-    def __int__(self):
-        raise TypeError("symbolic")
-
-    def __repr__(self):
-        return f"Sym{self.e}"
-
-
-def _cdiv(a, b):
-    return Sym(f"cdiv({Sym._s(a)},{Sym._s(b)})")
-
-
 def test_aot_kernel_symbolic_shapes():
-    B, S = Sym("B"), Sym("S")
+    B, S = SymDim("B"), SymDim("S")
     infos = [TensorInfo("float16", (B, S, 64), (-1, -1, 64)), TensorInfo("float16", (64,)), TensorInfo("float16", (64,))]
-    ak = aot_kernel("LayerNorm", infos, {"epsilon": 1e-5}, 0, arch=90, cdiv=_cdiv)
-    assert isinstance(ak.launch.grid[0], Sym) and "cdiv((B*S)" in ak.launch.grid[0].e
-    assert isinstance(ak.extra_args[0], Sym) and ak.extra_args[0].e == "(B*S)"
+    ak = aot_kernel("LayerNorm", infos, {"epsilon": 1e-5}, 0, arch=90, cdiv=sym_cdiv)
+    assert isinstance(ak.launch.grid[0], SymDim) and "cdiv((B*S)" in ak.launch.grid[0].e
+    assert isinstance(ak.extra_args[0], SymDim) and ak.extra_args[0].e == "(B*S)"
     assert ak.launch.block[0] == ak.artifact.threads
 
-    H = Sym("H")
+    H = SymDim("H")
     q = TensorInfo("float16", (B, 4, S, 64), (-1, 4, -1, 64))
     kv = TensorInfo("float16", (B, 2, S, 64), (-1, 2, -1, 64))
-    ak = aot_kernel("FlashAttention", [q, kv, kv], CASES["FlashAttention"][1], 0, arch=90, cdiv=_cdiv)
-    assert [type(e) for e in ak.extra_args].count(Sym) >= 2  # Sq, Sk are runtime values
+    ak = aot_kernel("FlashAttention", [q, kv, kv], CASES["FlashAttention"][1], 0, arch=90, cdiv=sym_cdiv)
+    assert [type(e) for e in ak.extra_args].count(SymDim) >= 2  # Sq, Sk are runtime values
     # sm_90 gets the CUDA (sm_90a) kernel: persistent grid, num_tiles as a fifth extra argument
     assert ak.artifact.arch_suffix == "a" and ak.artifact.n_extra == 5
     assert ak.launch.grid[0] == 132 and "cdiv(S,128)" in ak.extra_args[4].e
-    ak89 = aot_kernel("FlashAttention", [q, kv, kv], CASES["FlashAttention"][1], 0, arch=89, cdiv=_cdiv)
+    ak89 = aot_kernel("FlashAttention", [q, kv, kv], CASES["FlashAttention"][1], 0, arch=89, cdiv=sym_cdiv)
     assert ak89.artifact.arch_suffix == "" and ak89.artifact.n_extra == 4  # the Triton kernel
 
     dyn = [TensorInfo("float16", (B, S, H), (-1, -1, -1)), TensorInfo("float16", (H,), (-1,)), TensorInfo("float16", (H,), (-1,))]
     with pytest.raises(ValueError, match="must be static"):
-        aot_kernel("LayerNorm", dyn, {"epsilon": 1e-5}, 0, arch=90, cdiv=_cdiv)
+        aot_kernel("LayerNorm", dyn, {"epsilon": 1e-5}, 0, arch=90, cdiv=sym_cdiv)
 
 
 def test_float_attributes_are_compiled_in():

@@ -186,3 +186,49 @@ def candidate_artifacts(launch, cases, attrs: dict) -> dict:
     for (op, dt, h, c), art in zip(keys, KernelCache().build_many(srcs)):
         out.setdefault((op, dt, h), []).append((c, art))
     return out
+
+
+class SymDim:
+    """A symbolic dimension for tests of ``launch_params``: it records the expression the launch
+    code builds (``.e``, also its repr) and allows only what TensorRT QDP shape expressions have
+    here, ``+ - *`` (and :func:`sym_cdiv`); anything else -- ``//``, ``/``, ``%``, ``int()``,
+    truth values, comparisons -- fails the test."""
+
+    def __init__(self, e: str):
+        self.e = e
+
+    @staticmethod
+    def _s(o: Any) -> str:
+        return o.e if isinstance(o, SymDim) else repr(o)
+
+    def __add__(self, o):
+        return SymDim(f"({self.e}+{SymDim._s(o)})")
+
+    def __radd__(self, o):
+        return SymDim(f"({SymDim._s(o)}+{self.e})")
+
+    def __sub__(self, o):
+        return SymDim(f"({self.e}-{SymDim._s(o)})")
+
+    def __mul__(self, o):
+        return SymDim(f"({self.e}*{SymDim._s(o)})")
+
+    def __rmul__(self, o):
+        return SymDim(f"({SymDim._s(o)}*{self.e})")
+
+    def __repr__(self) -> str:
+        return self.e
+
+
+def _not_a_shape_expression(*_):
+    raise AssertionError("launch_params used an operation TensorRT shape expressions do not have")
+
+
+for _name in ("__floordiv__", "__rfloordiv__", "__truediv__", "__mod__", "__int__", "__index__", "__bool__",
+              "__lt__", "__gt__", "__eq__"):
+    setattr(SymDim, _name, _not_a_shape_expression)
+
+
+def sym_cdiv(a: Any, b: Any) -> SymDim:
+    """``cdiv`` for :class:`SymDim` (TensorRT's ``trtp.cdiv``)."""
+    return SymDim(f"cdiv({SymDim._s(a)},{SymDim._s(b)})")

@@ -6,6 +6,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from optfuse.kernels.registry import plugin_module
+from optfuse.kernels.testing import SymDim, sym_cdiv
 
 R = plugin_module("flash_attention", "reference")
 L = plugin_module("flash_attention", "launch")
@@ -138,29 +139,10 @@ def test_function_signature_follows_spec():
 
 def test_launch_params_use_only_ring_ops():
     """launch_params must work on symbolic dims: feed objects that only support + - * and cdiv."""
-
-    class Sym:
-        def __init__(self, e):
-            self.e = e
-
-        def __add__(self, o):
-            return Sym(f"({self.e}+{getattr(o, 'e', o)})")
-
-        def __sub__(self, o):
-            return Sym(f"({self.e}-{getattr(o, 'e', o)})")
-
-        def __mul__(self, o):
-            return Sym(f"({self.e}*{getattr(o, 'e', o)})")
-
-        __radd__, __rmul__ = __add__, __mul__
-
-    def cdiv(a, b):
-        return Sym(f"cdiv({getattr(a, 'e', a)},{getattr(b, 'e', b)})")
-
-    B, H, Hkv, Sq, Sk = (Sym(n) for n in ("B", "H", "Hkv", "Sq", "Sk"))
+    B, H, Hkv, Sq, Sk = (SymDim(n) for n in ("B", "H", "Hkv", "Sq", "Sk"))
     attrs = {"scale": 0.125, "causal": 1, "num_heads": 8, "num_kv_heads": 2}
     p = L.launch_params("FlashAttention", [[B, H, Sq, 64], [B, Hkv, Sk, 64], [B, Hkv, Sk, 64],
-                                          [B, 1, 1, Sk]], ["float16"], attrs, cdiv=cdiv)
+                                          [B, 1, 1, Sk]], ["float16"], attrs, cdiv=sym_cdiv)
     cfg = L.choose_config("float16", 64, True)
     assert p.grid[0].e == f"(cdiv(Sq,{cfg.block_m})*(B*H))"
     assert [a.e for a in p.extra_args] == ["H", "Hkv", "Sq", "Sk"]

@@ -10,6 +10,7 @@ import pytest
 
 from optfuse.kernels import KernelCache
 from optfuse.kernels.registry import plugin_module
+from optfuse.kernels.testing import SymDim, sym_cdiv
 
 L = plugin_module("flash_attention", "launch")
 OP = "FlashAttention"
@@ -61,24 +62,9 @@ def test_launch_params_persistent_and_symbolic():
                          static_shape=dict(static, sm_count=114))
     assert p2.grid == (114, 1, 1)
 
-    class Sym:  # only + - * and cdiv, like TensorRT's symbolic shape expressions
-        def __init__(self, e):
-            self.e = e
-
-        def __add__(self, o):
-            return Sym(f"({self.e}+{getattr(o, 'e', o)})")
-
-        def __mul__(self, o):
-            return Sym(f"({self.e}*{getattr(o, 'e', o)})")
-
-        __rmul__ = __mul__
-
-    def cdiv(a, b):
-        return Sym(f"cdiv({getattr(a, 'e', a)},{b})")
-
-    B, H, S = Sym("B"), Sym("H"), Sym("S")
+    B, H, S = SymDim("B"), SymDim("H"), SymDim("S")
     sym = L.launch_params(OP, [[B, H, S, 128], [B, H, S, 128], [B, H, S, 128], [B, 1, 1, S]],
-                          ["float16"], _attrs(128), cdiv=cdiv, static_shape=static)
+                          ["float16"], _attrs(128), cdiv=sym_cdiv, static_shape=static)
     assert sym.extra_args[-1].e == "(cdiv(S,128)*(B*H))"
 
 

@@ -12,7 +12,7 @@ import pytest
 from optfuse.kernels import KernelCache
 from optfuse.kernels.registry import plugin_module
 from optfuse.kernels.testing import (
-    candidate_artifacts, check_error, check_onnx_function, check_ulps, gpu_run, max_abs_err, np_dtype,
+    SymDim, candidate_artifacts, check_error, check_onnx_function, check_ulps, gpu_run, max_abs_err, np_dtype, sym_cdiv,
 )
 
 launch = plugin_module("layer_norm", "launch")
@@ -73,38 +73,10 @@ def test_onnx_function_runs_in_onnxruntime(op, dtype, opset):
     check_onnx_function(reference, op, make_inputs(op, dtype, 5, 771, rng), dtype, opset)
 
 
-class Sym:
-    """A symbolic dim that allows only + - * (what TensorRT QDP expressions support here)."""
-
-    def __init__(self, s):
-        self.s = s
-
-    def _op(self, other, sym):
-        return Sym(f"({self.s}{sym}{other.s if isinstance(other, Sym) else other})")
-
-    __add__ = lambda self, o: self._op(o, "+")  # noqa: E731
-    __radd__ = __add__
-    __sub__ = lambda self, o: self._op(o, "-")  # noqa: E731
-    __mul__ = lambda self, o: self._op(o, "*")  # noqa: E731
-    __rmul__ = __mul__
-
-    def __repr__(self):
-        return self.s
-
-
-def _fail(*a):
-    raise AssertionError("launch_params used an operation TensorRT expressions do not have")
-
-
-for _name in ("__floordiv__", "__rfloordiv__", "__truediv__", "__mod__", "__int__", "__index__", "__bool__", "__lt__", "__gt__", "__eq__"):
-    setattr(Sym, _name, _fail)
-
-
 @pytest.mark.parametrize("op", OPS)
 def test_launch_params_symbolic(op):
-    cdiv = lambda a, b: Sym(f"cdiv({a},{b})")  # noqa: E731
-    shapes = [[Sym("B"), Sym("S"), 768]] + [[768]] * (len(launch._INPUTS[op]) - 1)
-    p = launch.launch_params(op, shapes, ["float16"], {"epsilon": 1e-5}, cdiv=cdiv, static_shape={"hidden": 768})
+    shapes = [[SymDim("B"), SymDim("S"), 768]] + [[768]] * (len(launch._INPUTS[op]) - 1)
+    p = launch.launch_params(op, shapes, ["float16"], {"epsilon": 1e-5}, cdiv=sym_cdiv, static_shape={"hidden": 768})
     cfg = launch.choose_config("float16", 768, op)
     assert repr(p.grid[0]) == f"cdiv((B*S),{cfg.block_m})"
     assert repr(p.extra_args[0]) == "(B*S)"

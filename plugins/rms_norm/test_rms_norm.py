@@ -14,8 +14,8 @@ from optfuse.kernels import KernelCache
 from optfuse.kernels.nvrtc import compile_cuda
 from optfuse.kernels.registry import plugin_module
 from optfuse.kernels.testing import (
-    candidate_artifacts, check_error, check_onnx_function, check_ulps, gpu_run, max_abs_err, np_dtype,
-    run_onnx_function,
+    SymDim, candidate_artifacts, check_error, check_onnx_function, check_ulps, gpu_run, max_abs_err, np_dtype,
+    run_onnx_function, sym_cdiv,
 )
 
 launch = plugin_module("rms_norm", "launch")
@@ -73,36 +73,11 @@ def test_onnx_function_fp16_large_inputs():
     assert max_abs_err(y, w) <= 1e-2
 
 
-class Sym:
-    def __init__(self, s):
-        self.s = s
-
-    def _op(self, o, sym):
-        return Sym(f"({self.s}{sym}{o.s if isinstance(o, Sym) else o})")
-
-    __add__ = lambda self, o: self._op(o, "+")  # noqa: E731
-    __sub__ = lambda self, o: self._op(o, "-")  # noqa: E731
-    __mul__ = lambda self, o: self._op(o, "*")  # noqa: E731
-    __radd__, __rmul__ = __add__, __mul__
-
-    def __repr__(self):
-        return self.s
-
-
-def _fail(*a):
-    raise AssertionError("launch_params used an operation TensorRT expressions do not have")
-
-
-for _name in ("__floordiv__", "__rfloordiv__", "__truediv__", "__mod__", "__int__", "__index__", "__bool__", "__lt__", "__gt__", "__eq__"):
-    setattr(Sym, _name, _fail)
-
-
 @pytest.mark.parametrize("hidden", [33, 768, 8192])
 @pytest.mark.parametrize("op", OPS)
 def test_launch_params_symbolic(op, hidden):
-    cdiv = lambda a, b: Sym(f"cdiv({a},{b})")  # noqa: E731
-    shapes = [[Sym("B"), Sym("S"), hidden]]
-    p = launch.launch_params(op, shapes, ["bfloat16"], {}, cdiv=cdiv, static_shape={"hidden": hidden})
+    shapes = [[SymDim("B"), SymDim("S"), hidden]]
+    p = launch.launch_params(op, shapes, ["bfloat16"], {}, cdiv=sym_cdiv, static_shape={"hidden": hidden})
     cfg = launch.choose_config("bfloat16", hidden)
     assert repr(p.grid[0]) == f"cdiv((B*S),{cfg.rpb * cfg.iters})"
     assert repr(p.extra_args[0]) == "(B*S)"
