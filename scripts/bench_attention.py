@@ -21,6 +21,7 @@ triton.testing.do_bench (L2 flushed between calls).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -74,15 +75,42 @@ def _gpu_test_sources(arch=None):
         shapes = [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D), bias_shape]
         out.append(T.case_sources(dtype, shapes, attrs)[0])
         if arch == 90 and mod._sm90_applies(case):
-            cfgs = [L.sm90_config(D, causal)] + [L.sm90_config(D, causal, *v) for v in mod.SM90_VARIANTS]
+            cfgs = [L.sm90_config(D, causal)] + [dataclasses.replace(L.sm90_config(D, causal), **v)
+                                                 for v in mod.SM90_VARIANTS]
             for cfg in cfgs:
                 if L.sm90_shared_mem(D, cfg, 2) <= L.SM90_SMEM_LIMIT:
                     out.append(T.case_sources(dtype, shapes, attrs, config=cfg, arch=90)[0])
     return out
 
 
+def parse_variants(text: str | None) -> list[tuple[str, dict]]:
+    """``--variants "lazy_rescale=0;num_stages=3,pingpong=0"`` -> [(name, FAConfig overrides)]."""
+    out = []
+    fields = {f.name: f.type for f in dataclasses.fields(L.FAConfig)}
+    for spec in filter(None, (text or "").split(";")):
+        kv = {}
+        for item in spec.split(","):
+            k, _, v = item.partition("=")
+            k = k.strip()
+            if k not in fields or not v:
+                raise SystemExit(f"bench_attention: bad --variants item {item!r} "
+                                 f"(FAConfig fields: {', '.join(fields)})")
+            kv[k] = v.strip().lower() in ("1", "true") if fields[k] in (bool, "bool") else int(v)
+        out.append((spec.strip(), kv))
+    return out
+
+
+def variant_configs(dtype, D, causal, variants, keypad=False):
+    """The CUDA kernel's default config for the case with each variant's overrides applied
+    ([] where the CUDA kernel does not apply)."""
+    if not variants or not L.sm90_eligible(dtype, D, None, 1.0, 90):
+        return []
+    base = L.sm90_config(D, causal, keypad=keypad)
+    return [(name, dataclasses.replace(base, **kv)) for name, kv in variants]
+
+
 def build_sources(sweep: bool = True, tests: bool = True, configs: dict | None = None,
-                  sweep_dtypes=("bfloat16",), arch=None):
+                  sweep_dtypes=("bfloat16",), arch=None, variants=()):
     """Every KernelSource a device run may need, most needed first: the GPU test cases, the chosen
     config of each benchmark shape (plus bias variants), then the sweep candidates. ``arch=90``
     adds the CUDA kernel's (the shipped choice, the mask rows of both kernels, its sweep)."""
@@ -101,6 +129,9 @@ def build_sources(sweep: bool = True, tests: bool = True, configs: dict | None =
                 if a == 90 and cfg is None and L.sm90_eligible(dtype, D, L.bias_pattern(bshape), 1.0, 90):
                     s, _ = source_for(dtype, 4096, D, causal, L.sm90_config(D, causal), bshape, arch=90)
                     srcs[s.name] = s
+        for _, vcfg in variant_configs(dtype, D, causal, variants):
+            s, _ = source_for(dtype, 4096, D, causal, vcfg, arch=90)
+            srcs[s.name] = s
     if sweep:
         for dtype, D, causal in combos:
             if dtype not in sweep_dtypes:
@@ -208,7 +239,7 @@ def interleaved(fns: dict, rounds: int) -> dict:
 
 
 def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, jit=True, arch=None,
-              triton_too=False, rounds=1):
+              triton_too=False, rounds=1, variants=()):
     import torch
     import torch.nn.functional as F
 
@@ -244,10 +275,23 @@ def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, ji
     row["max_abs_vs_sdpa"] = err = float((out.float() - ref.float()).abs().max())
     if not err < 0.05:  # bf16/fp16 outputs of N(0,1) inputs: ~1e-2 at most
         row["error"] = f"output differs from SDPA by {err:.3g}"
-    del ref
 
     # -- the contenders, timed in interleaved rounds --
     fns = {"ours": lambda: launch(art, params, ins, [out], stream)}
+    if variants and bias_t is None:  # CUDA-kernel variants (--variants), checked like ours
+        row["variants"] = {}
+        for name, vcfg in variant_configs(dtype, D, causal, variants):
+            vsrc, vparams = source_for(dtype, S, D, causal, vcfg, arch=90)
+            vart, _ = runner.artifact(vsrc)
+            vout = torch.full_like(q, float("nan"))
+            launch(vart, vparams, ins, [vout], stream, sync=True)
+            verr = float((vout.float() - ref.float()).abs().max())
+            if not verr < 0.05:
+                row["variants"][name] = {"error": f"differs from SDPA by {verr:.3g}"}
+                continue
+            row["variants"][name] = {"max_abs_vs_sdpa": verr}
+            fns["v:" + name] = (lambda a, p_, o: lambda: launch(a, p_, ins, [o], stream))(vart, vparams, vout)
+    del ref
     if sdpa:
         row["default_backend"] = _default_backend(q, k, v, causal)
         from torch.nn.attention import sdpa_kernel
@@ -274,7 +318,9 @@ def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, ji
     times = interleaved(fns, rounds)
     row.update(ours_ms=times["ours"], ours_tfs=fl / times["ours"] * 1e-9, rounds=rounds)
     for name, t in times.items():
-        if name != "ours":
+        if name.startswith("v:"):
+            row["variants"][name[2:]]["tfs"] = fl / t * 1e-9
+        elif name != "ours":
             row[f"{name}_tfs"] = fl / t * 1e-9
     if sdpa:
         best = max((row.get(f"{n}_tfs") or 0) for n in _sdpa_backends())
@@ -301,6 +347,12 @@ def print_table(rows):
         print(f"{r['dtype']:9} {r['S']:6d} {r['D']:4d} {r['causal']:2d} {r['bias']:7} {fmt(r['ours_tfs'])} "
               f"{fmt(r.get('triton_tfs'))} {fmt(r.get('jit_tfs'))} {fmt(r.get('flash_tfs'))} {fmt(r.get('cudnn_tfs'))} "
               f"{fmt(r.get('efficient_tfs'))} {fmt(r.get('ratio'), '6.2f')}  {r.get('default_backend', '')}")
+        for name, v in (r.get("variants") or {}).items():
+            best = r.get("sdpa_best_tfs")
+            print(f"{'':9} {'':>6} {'':>4} {'':>2} variant {name}: "
+                  + (v["error"] if "error" in v else
+                     f"{v['tfs']:.1f} TF/s" + (f", {v['tfs'] / best:.2f}x SDPA best" if best else "")
+                     + f", {v['tfs'] / r['ours_tfs']:.3f}x ours"))
 
 
 def main(argv=None):
@@ -327,12 +379,20 @@ def main(argv=None):
     ap.add_argument("--arch", type=int, default=None,
                     help="target arch for the kernel choice (90: the CUDA sm90 kernel where it "
                          "applies, with the Triton kernel timed beside it); default: Triton only")
+    ap.add_argument("--variants", metavar="SPEC[;SPEC]",
+                    help="main table: also time the CUDA kernel's default config with these FAConfig "
+                         "overrides, in the same rounds (e.g. \"lazy_rescale=0;num_stages=3,pingpong=0\"); "
+                         "implies --arch 90")
     args = ap.parse_args(argv)
+    variants = parse_variants(args.variants)
+    if variants:
+        args.arch = 90
 
     if args.build:
         from optfuse.kernels import KernelCache
 
-        srcs = build_sources(sweep_dtypes=tuple(args.build_sweep_dtypes.split(",")), arch=args.arch)
+        srcs = build_sources(sweep_dtypes=tuple(args.build_sweep_dtypes.split(",")), arch=args.arch,
+                             variants=variants)
         t0 = time.time()
         KernelCache(args.build).build_many(srcs, 90, jobs=args.jobs)
         print(f"built {len(srcs)} artifacts for sm_90 in {time.time() - t0:.0f}s into {args.build}")
@@ -398,7 +458,7 @@ def main(argv=None):
 
     prebuild_missing(runners + [Runner(c[1]) for c in chosen.values()],
                      build_sources(sweep=False, tests=False, arch=args.arch,
-                                   configs={k: v[0] for k, v in chosen.items()}))
+                                   configs={k: v[0] for k, v in chosen.items()}, variants=variants))
     for dtype in dtypes:
         for D in dims:
             for causal in (0, 1):
@@ -406,7 +466,7 @@ def main(argv=None):
                 for S in (int(s) for s in args.seqs.split(",")):
                     rows.append(run_shape(runner, dtype, S, D, causal, cfg, jit=not args.no_jit,
                                           arch=args.arch, triton_too=args.arch is not None,
-                                          rounds=args.rounds))
+                                          rounds=args.rounds, variants=variants))
                     print_table(rows[-1:])
                     sys.stdout.flush()
     for D in [int(d) for d in args.mask_dims.split(",")]:
