@@ -21,14 +21,16 @@
 //   * between the two warpgroups (PINGPONG), named barriers let one issue its MMAs while the
 //     other does its softmax.
 // No TMA: tensor maps would have to be built on the host per launch, which a QDP kernel (pointers
-// and int32 scalars only) cannot do; the producer's cp.async keeps up (the kernel is 20x
-// compute-bound).
+// and int32 scalars only) cannot do; the producer's cp.async keeps up as long as K/V come mostly
+// from L2 (each 128 x 128 block is 128 FLOP per byte: from HBM alone the tensor cores would
+// starve; see the tile order below).
 //
 // Compile-time specialization (-D): OPTFUSE_DTYPE (1 fp16, 2 bf16), HEAD_DIM (64|128), CAUSAL,
 // BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
-// SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES (K/V ring depth), PINGPONG, Q_BUFFERS (1|2) and
-// EPI_SMEM (the staged epilogue; default with two Q buffers). Needs sm_90a (wgmma, setmaxnreg).
+// SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES (K/V ring depth), PINGPONG, Q_BUFFERS (1|2),
+// EPI_SMEM (the staged epilogue; default with two Q buffers), LAZY_RESCALE (0 or the stale-max
+// margin, log2 units; 8 by default in launch.py). Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -67,6 +69,13 @@ typedef unsigned short u16;
 #ifndef Q_BUFFERS
 #define Q_BUFFERS 2
 #endif
+// Lazy rescaling (FlashAttention-4): a warp keeps its rows' running maxima while no row's block
+// maximum exceeds its stored one by more than 2^LAZY_RESCALE (log2 units; 0: always update), so
+// the O rescale (D / 2 FMULs a thread) is skipped for most blocks. Exponents stay <= LAZY_RESCALE:
+// p <= 2^8 fits fp16/bf16 and the fp32 sums; the final 1 / l cancels the stale offset.
+#ifndef LAZY_RESCALE
+#define LAZY_RESCALE 0
+#endif
 // Stage the output through this warpgroup's rows of its Q tile (free after the tile's last
 // Q K^T) and write it with coalesced 16-byte stores. Needs two Q buffers: the slot is released
 // only after the epilogue, and the next tile's Q must not wait for that.
@@ -95,8 +104,8 @@ typedef unsigned short u16;
 #define BLOCK_M 128                      // query rows per CTA: 64 per consumer warpgroup
 #define D HEAD_DIM
 #define NTHREADS 384                     // producer warpgroup + 2 consumer warpgroups
-#define PRODUCER_REGS 40
-#define CONSUMER_REGS 232                // 128 * 40 + 256 * 232 <= 64K registers
+#define PRODUCER_REGS 56                 // 40 spilled the causal pair indexing (D = 64, no key bias)
+#define CONSUMER_REGS 224                // 128 * 56 + 256 * 224 <= 64K registers
 
 // Shared memory: every tile is stored in 128-byte swizzle atoms, the layout wgmma reads with a
 // "128B swizzle" descriptor: the tile's head dim is cut into 64-element (128-byte) chunks; chunk c
@@ -277,7 +286,7 @@ __device__ __forceinline__ void load_tile(u32 dst, const u16* src, int rows_vali
     constexpr int RSTEP = 128 / UNITS;    // rows one pass of the 128 threads covers (a multiple of 8)
     // Consecutive threads copy consecutive 16 bytes of a row (coalesced). A thread's row advances
     // by RSTEP per pass, so its swizzled position (u ^ row % 8) never changes: one address
-    // computation, then constant offsets (the producer runs on 40 registers).
+    // computation, then constant offsets (the producer runs on few registers).
     const int r = ptid / UNITS, u = ptid % UNITS;
     const u32 off = (u >> 3) * (ROWS * 128) + r * 128 + (((u & 7) ^ (r & 7)) << 4);
     const u16* g = src + r * D + u * 8;
@@ -317,9 +326,10 @@ __device__ __forceinline__ void apply_mask(float (&s)[64], int kv0, int lim0, in
 }
 
 // Online softmax of one block, in place: s becomes p = exp2(s * SCALE_LOG2 (+ bias) - m_new).
-// Returns alpha = exp2(m_old - m_new) per row (0 while a row has seen no finite score).
+// Sets alpha = exp2(m_old - m_new) per row (0 while a row has seen no finite score); returns
+// whether O needs rescaling (false when the warp kept its maxima: alpha = 1, warp-uniform).
 template <bool FIRST>
-__device__ __forceinline__ void softmax_block(float (&s)[64], float& m0, float& m1, float& l0, float& l1,
+__device__ __forceinline__ bool softmax_block(float (&s)[64], float& m0, float& m1, float& l0, float& l1,
                                               float& alpha0, float& alpha1, const float* bias_s, int q4) {
 #if BIAS_MODE == 2
     // key bias (already in log2 units): t = s * SCALE_LOG2 + b[col]
@@ -343,13 +353,18 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], float& m0, float& 
     }
     mx0 = quad_max(mx0) * sc;
     mx1 = quad_max(mx1) * sc;
-    const float mn0 = FIRST ? mx0 : fmaxf(m0, mx0);
-    const float mn1 = FIRST ? mx1 : fmaxf(m1, mx1);
+    bool keep = false;
+#if LAZY_RESCALE
+    if (!FIRST)
+        keep = __all_sync(0xffffffffu, mx0 <= m0 + LAZY_RESCALE && mx1 <= m1 + LAZY_RESCALE);
+#endif
+    const float mn0 = FIRST ? mx0 : keep ? m0 : fmaxf(m0, mx0);
+    const float mn1 = FIRST ? mx1 : keep ? m1 : fmaxf(m1, mx1);
     // A row with no finite score yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
     const float ms0 = mn0 == NEG_INF ? 0.f : mn0;
     const float ms1 = mn1 == NEG_INF ? 0.f : mn1;
-    alpha0 = FIRST ? 0.f : ex2(m0 - ms0);
-    alpha1 = FIRST ? 0.f : ex2(m1 - ms1);
+    alpha0 = FIRST ? 0.f : keep ? 1.f : ex2(m0 - ms0);
+    alpha1 = FIRST ? 0.f : keep ? 1.f : ex2(m1 - ms1);
     m0 = mn0;
     m1 = mn1;
     float sum0 = 0.f, sum1 = 0.f;
@@ -365,6 +380,7 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], float& m0, float& 
     // per-thread partial row sums; the quad reduction happens once, in the epilogue
     l0 = FIRST ? sum0 : fmaf(l0, alpha0, sum0);
     l1 = FIRST ? sum1 : fmaf(l1, alpha1, sum1);
+    return !keep;
 }
 
 // p (fp32, S layout) -> 16-bit A fragments of O += P V: k-step kk covers keys 16kk..16kk+15,
@@ -394,7 +410,7 @@ __device__ __forceinline__ void rescale(float (&o)[N], float a0, float a1) {
 __device__ __forceinline__ void issue_qk(float (&s)[64], u32 q_s, u32 k_s) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const u32 koff = (kk >> 2) * 0 + (kk & 3) * 32;  // within a 128-byte chunk
+        const u32 koff = (kk & 3) * 32;  // within a 128-byte chunk
         const u64 da = make_desc(q_s + (kk >> 2) * (BLOCK_M * 128) + koff, 16, 1024);
         const u64 db = make_desc(k_s + (kk >> 2) * (BLOCK_N * 128) + koff, 16, 1024);
         if (kk == 0)
@@ -461,21 +477,38 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     }
     __syncthreads();
 
-    // Tile order. Non-causal: CTA i takes tiles i, i + G, ... (G = gridDim.x) with the query block
-    // fastest, so the CTAs running together read the same heads' K/V from L2. Causal tiles differ
-    // in cost (a query block sees only the keys up to its diagonal): tiles go heaviest first
-    // across all heads (query block slowest, from the last) and the rounds alternate direction
-    // over the CTAs (zig-zag), which evens out each CTA's total without a dynamic scheduler (that
-    // would need a global counter, and QDP kernels get no scratch memory).
+    // Tile order: no dynamic scheduler (it would need a global counter, and QDP kernels get no
+    // scratch memory); a fixed assignment that keeps K/V reuse in L2 and the CTAs' work even.
     const int G = gridDim.x;
     const int BH = num_tiles / num_m;
+    (void)BH;
+#if CAUSAL
+    // Causal: head-major pairs. CTA i takes pairs i, i + G, ...; pair q = (head q / P, k = q % P)
+    // is query blocks num_m - 1 - k and k of one head, so every pair costs num_m + 1 key blocks
+    // (balanced without ordering tiles by cost), and the CTAs running together share a few heads'
+    // K/V in L2. (Heaviest-first order over all heads had each of the 132 CTAs read another
+    // head's K/V: at B * H = 512 that kernel was bound by HBM traffic, 15-20 % slower.)
+    const int P = (num_m + 1) / 2;
+#define TILE_LOOP for (int r = 0; (r >> 1) * G < BH * P; ++r)
+#define TILE_INDEX                                                                                   \
+    const int pair = (r >> 1) * G + (int)blockIdx.x;                                               \
+    if (pair >= BH * P) continue;                                                                  \
+    const int pk = pair % P;                                                                       \
+    if ((r & 1) && pk == num_m - 1 - pk) continue; /* odd num_m: the middle block has no partner */ \
+    const int bh = pair / P;                                                                       \
+    const int mb = (r & 1) ? pk : num_m - 1 - pk;
+#else
+    // Non-causal: CTA i takes tiles i, i + G, ... with the query block fastest, so the CTAs running
+    // together read the same heads' K/V from L2.
 #define TILE_LOOP for (int r = 0; r * G < num_tiles; ++r)
-#define TILE_COORDS                                                                                  \
-    const int tile = CAUSAL ? r * G + ((r & 1) ? G - 1 - (int)blockIdx.x : (int)blockIdx.x)          \
-                            : r * G + (int)blockIdx.x;                                             \
+#define TILE_INDEX                                                                                   \
+    const int tile = r * G + (int)blockIdx.x;                                                      \
     if (tile >= num_tiles) continue;                                                               \
-    const int bh = CAUSAL ? tile % BH : tile / num_m;                                              \
-    const int mb = CAUSAL ? num_m - 1 - tile / BH : tile % num_m;                                  \
+    const int bh = tile / num_m;                                                                   \
+    const int mb = tile % num_m;
+#endif
+#define TILE_COORDS                                                                                  \
+    TILE_INDEX                                                                                     \
     const int m0 = mb * BLOCK_M;                                                                   \
     const int b = bh / H, h = bh % H;                                                              \
     const int kvh = b * Hkv + h / (H / Hkv); /* GQA: index the shared kv head, never copy it */  \
@@ -601,13 +634,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     fence_regs(s);
                     if (!EPI_SMEM && j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));
                     if (j >= n_clean) apply_mask(s, j * BLOCK_N, lim0, lim1, q4);
-                    softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
+                    const bool resc = softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
                     wgmma_wait<0>();  // PV done: O and the P registers are free
                     fence_regs(o);
                     fence_regs(p);
                     mbar_arrive_warp(BAR_EMPTY_V(sp));
-                    rescale(o, a0, a1);
+                    if (resc) rescale(o, a0, a1);
                     pack_p(s, p);
                 }
                 // -- tail: the last block's O += P V --

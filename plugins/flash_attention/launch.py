@@ -45,7 +45,9 @@ class FAConfig:
     num_warps: int
     num_stages: int  # software-pipelining depth of the K/V loads
     pipeline_qk: bool = False  # issue q @ k^T of the next block before this block's softmax
-    lazy_rescale: bool = False  # rescale acc only when a row max grows by > 2^8 (unmasked blocks)
+    #: rescale acc only when a row max grows by > 2^8 (Triton: unmasked blocks; sm90: per warp,
+    #: on by default there)
+    lazy_rescale: bool = False
     #: "triton" (kernel.py, any arch) or "sm90" (kernel_sm90.cu: CUDA C++, wgmma, warp-specialized;
     #: sm_90 only). For sm90, num_warps is 12 (producer + 2 consumer warpgroups), block_m 128,
     #: block_n 128 and num_stages the depth of the K/V ring.
@@ -55,14 +57,14 @@ class FAConfig:
 
 
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
-#: defaults there (K/V ring depth, turn-taking, Q buffers); None keeps the Triton kernel. From the
-#: H200 runs in the README ("CUDA kernel"), same run, interleaved rounds: at D = 128 it beats the
-#: Triton kernel everywhere (+10..+48 % without a mask, +52 % with key padding); at D = 64 it is
-#: +3 % non-causal and 1.65x / 1.14x with key padding, while causal without a mask the Triton
-#: kernel stays 3 % ahead. Two Q buffers also enable the staged (16-byte store) epilogue.
+#: defaults there (K/V ring depth, turn-taking, Q buffers); None would keep the Triton kernel. From
+#: the H200 runs in the README ("CUDA kernel"), same run, interleaved rounds: at D = 128 it beats
+#: the Triton kernel everywhere (+10..+48 % without a mask, +52 % with key padding); at D = 64 it
+#: is +3-8 % non-causal, 1.0-1.16x causal (with head-major causal pairs, run 15) and 1.2-1.7x with
+#: key padding. Two Q buffers also enable the staged (16-byte store) epilogue.
 SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, bool, int] | None] = {
     (64, False, False): (3, True, 2),
-    (64, True, False): None,
+    (64, True, False): (3, True, 2),
     (64, False, True): (3, True, 2),
     (64, True, True): (3, True, 2),
     (128, False, False): (2, True, 2),
@@ -78,15 +80,17 @@ def _is_keypad(pattern) -> bool:
 
 def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
                 pingpong: bool | None = None, q_buffers: int | None = None,
-                keypad: bool = False) -> FAConfig:
+                lazy_rescale: bool = True, *, keypad: bool = False) -> FAConfig:
     """The CUDA kernel's config: 128 x 128 tiles, 3 warpgroups, a K/V ring of ``stages``
-    (D = 128: 2-3 fit in shared memory; D = 64: 2-4)."""
+    (D = 128: 2-3 fit in shared memory; D = 64: 2-4); unset fields from SM90_DEFAULTS. Lazy
+    rescaling is on by default (README "CUDA kernel", runs 14-15: +1-3 % at D = 64 and for causal
+    D = 128, neutral elsewhere)."""
     d_stages, d_pp, d_qb = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
                             or SM90_DEFAULTS.get((head_dim, bool(causal), True))
                             or (2 if head_dim > 64 else 3, True, 2))
     return FAConfig(128, 128, 12, d_stages if stages is None else stages, impl="sm90",
                     pingpong=d_pp if pingpong is None else pingpong,
-                    q_buffers=d_qb if q_buffers is None else q_buffers)
+                    q_buffers=d_qb if q_buffers is None else q_buffers, lazy_rescale=lazy_rescale)
 
 
 # Tuned on the H200 (README "Tuning"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
@@ -138,16 +142,18 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, has_bias: bool = Fals
 def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None = None) -> list[FAConfig]:
     """Configs a tuning sweep tries (the current choice first).
     FAConfig(block_m, block_n, num_warps, num_stages, pipeline_qk, lazy_rescale, impl, pingpong);
-    with ``arch=90`` and a case the CUDA kernel takes, its ring depths and turn-taking variants."""
+    with ``arch=90`` and a case the CUDA kernel takes, its ring depths, turn-taking, Q buffers and
+    lazy rescaling."""
     if sm90_eligible(norm_dtype(dtype), head_dim, None, 1.0, arch):
         stages = (2, 3) if head_dim > 64 else (2, 3, 4)
         out = [sm90_config(head_dim, causal)]
         for qb in (2, 1):
             for st in stages:
                 for pp in (True, False):
-                    c = sm90_config(head_dim, causal, st, pp, qb)
-                    if c not in out and sm90_shared_mem(head_dim, c, 2) <= SM90_SMEM_LIMIT:
-                        out.append(c)
+                    for lazy in (True, False):
+                        c = sm90_config(head_dim, causal, st, pp, qb, lazy)
+                        if c not in out and sm90_shared_mem(head_dim, c, 2) <= SM90_SMEM_LIMIT:
+                            out.append(c)
         return out
     C = FAConfig
     if next_pow2(head_dim) <= 64:
@@ -240,11 +246,12 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         "BIAS_BATCH": str(pattern[0] if mode == 2 else 0), "BIAS_DTYPE": str(_DTYPE_CODE[bias_dtype]),
         "SCALE_LOG2": f"{scale_log2!r}f", "BLOCK_N": str(cfg.block_n),
         "STAGES": str(cfg.num_stages), "PINGPONG": str(int(cfg.pingpong)),
-        "Q_BUFFERS": str(cfg.q_buffers),
+        "Q_BUFFERS": str(cfg.q_buffers), "LAZY_RESCALE": "8" if cfg.lazy_rescale else "0",
     }
     return KernelSource(
         name=_source_name(dtype, head_dim, causal, pattern, scale,
-                          f"sm90s{cfg.num_stages}q{cfg.q_buffers}{'p' if cfg.pingpong else ''}"),
+                          f"sm90s{cfg.num_stages}q{cfg.q_buffers}{'p' if cfg.pingpong else ''}"
+                          f"{'l' if cfg.lazy_rescale else ''}"),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,

@@ -7,6 +7,7 @@ Run on the device machine: ``python -m pytest plugins/flash_attention -m gpu``. 
 for sm_90), those artifacts are used; otherwise they are compiled with the local Triton.
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -86,21 +87,25 @@ def test_artifact_matches_reference(case, impl, seed):
                 config=L.sm90_config(case[5], case[6]) if impl == "sm90" else None)
 
 
-#: CUDA kernel variants (ring depth, turn-taking, Q buffers) run on a few cases (any a sweep picks).
-SM90_VARIANTS = [(2, True, 2), (2, False, 1), (3, True, 1), (4, True, 2)]
+#: CUDA kernel variants run on a few cases (any a sweep picks): FAConfig fields over the case's
+#: default config.
+SM90_VARIANTS = [
+    dict(num_stages=2, pingpong=True, q_buffers=2), dict(num_stages=2, pingpong=False, q_buffers=1),
+    dict(num_stages=3, q_buffers=1), dict(num_stages=4, q_buffers=2), dict(lazy_rescale=False),
+    dict(lazy_rescale=False, q_buffers=1, num_stages=3),
+]
 
 
-@pytest.mark.parametrize("variant", SM90_VARIANTS)
+@pytest.mark.parametrize("variant", SM90_VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
 @pytest.mark.parametrize("case", [c for c in CASES if _sm90_applies(c)][-5:],
                          ids=lambda c: "-".join(map(str, c[:9])).replace(" ", ""))
 def test_sm90_variants(case, variant, seed):
     if not torch.cuda.is_available() or _device_arch() != 90:
         pytest.skip("needs an sm_90 device")
-    stages, pingpong, q_buffers = variant
     D = case[5]
-    cfg = L.sm90_config(D, case[6], stages, pingpong, q_buffers)
+    cfg = dataclasses.replace(L.sm90_config(D, case[6]), **variant)
     if L.sm90_shared_mem(D, cfg, 2) > 227 * 1024:
-        pytest.skip(f"{stages} stages of D = {D} tiles exceed shared memory")
+        pytest.skip(f"{cfg.num_stages} stages of D = {D} tiles exceed shared memory")
     _check_case(case, seed, arch=90, config=cfg)
 
 

@@ -24,7 +24,7 @@ def _attrs(D, causal=0, H=8, Hkv=2):
     (90, "bfloat16", 128, None, "cuda"),
     (90, "float16", 128, (), "cuda"),                   # the rewrite's scalar dummy bias
     (90, "float16", 64, (), "cuda"),
-    (90, "float16", 64, "causal", "triton"),            # D 64 causal without a mask: Triton
+    (90, "float16", 64, "causal", "cuda"),              # causal without a mask
     (90, "float16", 128, (-1, 1, 1, -1), "cuda"),       # key padding [B, 1, 1, Sk]
     (90, "bfloat16", 64, (1, 1, 1, -1), "cuda"),        # key padding shared by the batch
     (90, "bfloat16", 128, (-1, -1, -1, -1), "triton"),  # full bias: Triton
