@@ -93,7 +93,9 @@ def test_aot_kernel_symbolic_shapes():
     assert [type(e) for e in ak.extra_args].count(SymDim) >= 2  # Sq, Sk are runtime values
     # sm_90 gets the CUDA (sm_90a) kernel: persistent grid, num_tiles as a fifth extra argument
     assert ak.artifact.arch_suffix == "a" and ak.artifact.n_extra == 5
-    assert ak.launch.grid[0] == 132 and "cdiv(S,128)" in ak.extra_args[4].e
+    # D = 64 without a mask: three consumer warpgroups, 192-row tiles, 512 threads
+    assert ak.launch.grid[0] == 132 and "cdiv(S,192)" in ak.extra_args[4].e
+    assert ak.launch.block[0] == ak.artifact.threads == 512
     ak89 = aot_kernel("FlashAttention", [q, kv, kv], CASES["FlashAttention"][1], 0, arch=89, cdiv=sym_cdiv)
     assert ak89.artifact.arch_suffix == "" and ak89.artifact.n_extra == 4  # the Triton kernel
 

@@ -5,7 +5,7 @@
 //
 // q, o: [B, H, Sq, D]; k, v: [B, Hkv, Sk, D]; contiguous fp16/bf16; D in {64, 128}.
 // Arguments (TensorRT QDP order): q, k, v[, bias], H, Hkv, Sq, Sk, num_tiles (int32), o;
-// num_tiles = cdiv(Sq, 128) * B * H, grid = one CTA per SM (persistent).
+// num_tiles = cdiv(Sq, BLOCK_M) * B * H, grid = one CTA per SM (persistent).
 //
 // Why this kernel exists: the Triton kernel (FA2 schedule) keeps the tensor cores idle while the
 // same warps compute exp2/max/sum; at D = 128 the exponentials alone take half the MMA time of a
@@ -13,7 +13,7 @@
 //   * one producer warpgroup streams K/V tiles into shared memory (cp.async, 16-byte, swizzled
 //     for wgmma) through a STAGES-deep ring guarded by mbarriers, so the math warps never wait on
 //     address arithmetic or loads;
-//   * two consumer warpgroups own 64 query rows each and run wgmma: S = Q K^T from shared memory,
+//   * two (or three: CONSUMERS) consumer warpgroups own 64 query rows each and run wgmma: S = Q K^T from shared memory,
 //     O += P V with P straight from registers (the fp32 accumulator layout of S, packed to 16 bit,
 //     is the A-operand register layout of the next wgmma: no shared-memory round trip);
 //   * inside a warpgroup, S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued before the softmax of
@@ -101,11 +101,29 @@ typedef unsigned short u16;
 #error "BLOCK_N must be 128 (the score wgmma is m64n128k16)"
 #endif
 
-#define BLOCK_M 128                      // query rows per CTA: 64 per consumer warpgroup
+// Consumer warpgroups (2 or 3), 64 query rows each. Three give each warpgroup's softmax the time of
+// two others' MMAs instead of one (FlashAttention-3's choice at D = 64, where the exponentials of
+// a block take as long as its MMAs) at 160 registers a consumer thread.
+#ifndef CONSUMERS
+#define CONSUMERS 2
+#endif
+#if CONSUMERS != 2 && CONSUMERS != 3
+#error "CONSUMERS must be 2 or 3"
+#endif
+#if CONSUMERS == 3 && HEAD_DIM != 64
+#error "three consumer warpgroups only at D = 64 (at D = 128, 160 registers spill)"
+#endif
+#define BLOCK_M (64 * CONSUMERS)         // query rows per CTA
 #define D HEAD_DIM
-#define NTHREADS 384                     // producer warpgroup + 2 consumer warpgroups
+#define NTHREADS (128 * (CONSUMERS + 1)) // producer warpgroup + consumer warpgroups
+#if CONSUMERS == 2
 #define PRODUCER_REGS 56                 // 40 spilled the causal pair indexing (D = 64, no key bias)
 #define CONSUMER_REGS 224                // 128 * 56 + 256 * 224 <= 64K registers
+#else
+#define PRODUCER_REGS 32                 // 128 * 32 + 384 * 160 = 64K registers
+#define CONSUMER_REGS 160
+#endif
+#define CONSUMER_WARPS (4 * CONSUMERS)
 
 // Shared memory: every tile is stored in 128-byte swizzle atoms, the layout wgmma reads with a
 // "128B swizzle" descriptor: the tile's head dim is cut into 64-element (128-byte) chunks; chunk c
@@ -192,8 +210,12 @@ __device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
         for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
+// Turn-taking between consumer warpgroups: warpgroup c waits on barrier 1 + c, then (after issuing
+// its MMAs) arrives on the next one's; each barrier joins the waiting and the arriving warpgroup.
 __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+#define TURN_WAIT(cw) named_sync(1 + (cw))
+#define TURN_PASS(cw) named_arrive(1 + ((cw) + 1) % CONSUMERS)
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -465,13 +487,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     if (threadIdx.x == 0) {
         for (int q = 0; q < Q_BUFFERS; ++q) {
             mbar_init(BAR_Q_FULL(q), 128);
-            mbar_init(BAR_Q_EMPTY(q), 8);  // consumer barriers: one arrival per consumer warp
+            mbar_init(BAR_Q_EMPTY(q), CONSUMER_WARPS);  // consumer barriers: one arrival per consumer warp
         }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(BAR_FULL_K(s), BIAS_MODE == 2 ? 256 : 128);  // cp.async + (bias) plain arrivals
             mbar_init(BAR_FULL_V(s), 128);
-            mbar_init(BAR_EMPTY_K(s), 8);
-            mbar_init(BAR_EMPTY_V(s), 8);
+            mbar_init(BAR_EMPTY_K(s), CONSUMER_WARPS);
+            mbar_init(BAR_EMPTY_V(s), CONSUMER_WARPS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -566,7 +588,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         const u32 q_wg = cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
         int it = 0, tc = 0;
 #if PINGPONG
-        if (cw == 1) named_arrive(1);  // warpgroup 0 issues first
+        if (cw == CONSUMERS - 1) named_arrive(1);  // warpgroup 0 issues first
 #endif
         TILE_LOOP {
             TILE_COORDS
@@ -597,13 +619,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     mbar_wait(BAR_FULL_K(s0), (it / STAGES) & 1);
                     fence_proxy_async();
 #if PINGPONG
-                    named_sync(1 + cw);
+                    TURN_WAIT(cw);
 #endif
                     wgmma_fence();
                     issue_qk(s, q_tile, base + OFF_K + s0 * KV_BYTES);
                     wgmma_commit();
 #if PINGPONG
-                    named_arrive(2 - cw);
+                    TURN_PASS(cw);
 #endif
                     wgmma_wait<0>();
                     fence_regs(s);
@@ -620,7 +642,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     mbar_wait(BAR_FULL_V(sp), ((it + j - 1) / STAGES) & 1);
                     fence_proxy_async();
 #if PINGPONG
-                    named_sync(1 + cw);
+                    TURN_WAIT(cw);
 #endif
                     wgmma_fence();
                     issue_qk(s, q_tile, base + OFF_K + sj * KV_BYTES);
@@ -628,7 +650,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     issue_pv(o, p, base + OFF_V + sp * KV_BYTES);
                     wgmma_commit();
 #if PINGPONG
-                    named_arrive(2 - cw);
+                    TURN_PASS(cw);
 #endif
                     wgmma_wait<1>();  // S_j ready; PV still running
                     fence_regs(s);
@@ -649,13 +671,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     mbar_wait(BAR_FULL_V(sp), ((it + n_blocks - 1) / STAGES) & 1);
                     fence_proxy_async();
 #if PINGPONG
-                    named_sync(1 + cw);
+                    TURN_WAIT(cw);
 #endif
                     wgmma_fence();
                     issue_pv(o, p, base + OFF_V + sp * KV_BYTES);
                     wgmma_commit();
 #if PINGPONG
-                    named_arrive(2 - cw);
+                    TURN_PASS(cw);
 #endif
                     wgmma_wait<0>();
                     fence_regs(o);
@@ -694,7 +716,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     *reinterpret_cast<u32*>(c + (rl0 + 8) * 128 + ((u ^ (rl0 & 7)) << 4) + 4 * q4) =
                         pack2(fmaf(o[4 * n + 2], inv1, add), fmaf(o[4 * n + 3], inv1, add));
                 }
-                asm volatile("bar.sync %0, 128;" ::"r"(3 + cw) : "memory");  // this warpgroup only
+                asm volatile("bar.sync %0, 128;" ::"r"(1 + CONSUMERS + cw) : "memory");  // this warpgroup only
                 // (2) ... then out as whole 16-byte row pieces: consecutive threads, consecutive
                 // addresses of a row.
                 constexpr int UNITS = D / 8;
@@ -723,7 +745,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             }
         }
 #if PINGPONG
-        if (cw == 0) named_sync(1);  // consume warpgroup 1's last turn hand-over
+        if (cw == 0) named_sync(1);  // consume the last warpgroup's final hand-over
 #endif
     }
 }

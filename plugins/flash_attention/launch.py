@@ -57,20 +57,24 @@ class FAConfig:
 
 
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
-#: defaults there (K/V ring depth, turn-taking, Q buffers); None would keep the Triton kernel. From
-#: the H200 runs in the README ("CUDA kernel"), same run, interleaved rounds: at D = 128 it beats
-#: the Triton kernel everywhere (+10..+48 % without a mask, +52 % with key padding); at D = 64 it
-#: is +3-8 % non-causal, 1.0-1.16x causal (with head-major causal pairs, run 15) and 1.2-1.7x with
-#: key padding. Two Q buffers also enable the staged (16-byte store) epilogue.
-SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, bool, int] | None] = {
-    (64, False, False): (3, True, 2),
-    (64, True, False): (3, True, 2),
-    (64, False, True): (3, True, 2),
-    (64, True, True): (3, True, 2),
-    (128, False, False): (2, True, 2),
-    (128, True, False): (2, True, 2),
-    (128, False, True): (2, True, 2),
-    (128, True, True): (2, True, 2),
+#: defaults there (query rows per CTA: 128 = two consumer warpgroups, 192 = three; K/V ring depth;
+#: turn-taking; Q buffers); None would keep the Triton kernel. From the H200 runs in the README
+#: ("CUDA kernel"), same run, interleaved rounds: at D = 128 it beats the Triton kernel everywhere
+#: (+10..+48 % without a mask, +52 % with key padding); at D = 64 it is +3-8 % non-causal (three
+#: warpgroups: another +3-18 %, run 17), 1.0-1.16x causal (head-major causal pairs, run 15) and
+#: 1.2-1.7x with key padding. Three warpgroups stay off for causal D = 64: +6-13 % at S >= 4096 but
+#: 27 % slower at S = 512 (192-row tiles waste a third of the diagonal block), and kernel_config
+#: cannot see S; with key padding they are not measured. Two Q buffers also enable the staged
+#: (16-byte store) epilogue.
+SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool, int] | None] = {
+    (64, False, False): (192, 3, True, 2),
+    (64, True, False): (128, 3, True, 2),
+    (64, False, True): (128, 3, True, 2),
+    (64, True, True): (128, 3, True, 2),
+    (128, False, False): (128, 2, True, 2),
+    (128, True, False): (128, 2, True, 2),
+    (128, False, True): (128, 2, True, 2),
+    (128, True, True): (128, 2, True, 2),
 }
 
 
@@ -80,15 +84,16 @@ def _is_keypad(pattern) -> bool:
 
 def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
                 pingpong: bool | None = None, q_buffers: int | None = None,
-                lazy_rescale: bool = True, *, keypad: bool = False) -> FAConfig:
-    """The CUDA kernel's config: 128 x 128 tiles, 3 warpgroups, a K/V ring of ``stages``
-    (D = 128: 2-3 fit in shared memory; D = 64: 2-4); unset fields from SM90_DEFAULTS. Lazy
-    rescaling is on by default (README "CUDA kernel", runs 14-15: +1-3 % at D = 64 and for causal
-    D = 128, neutral elsewhere)."""
-    d_stages, d_pp, d_qb = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
-                            or SM90_DEFAULTS.get((head_dim, bool(causal), True))
-                            or (2 if head_dim > 64 else 3, True, 2))
-    return FAConfig(128, 128, 12, d_stages if stages is None else stages, impl="sm90",
+                lazy_rescale: bool = True, *, keypad: bool = False, block_m: int | None = None) -> FAConfig:
+    """The CUDA kernel's config: 128 x 128 tiles with 3 warpgroups (producer + 2 consumers) or, at
+    D = 64, 192 x 128 with 4; a K/V ring of ``stages`` (D = 128: 2-3 fit in shared memory; D = 64:
+    2-4); unset fields from SM90_DEFAULTS. Lazy rescaling is on by default (README "CUDA kernel",
+    runs 14-15: +1-3 % at D = 64 and for causal D = 128, neutral elsewhere)."""
+    d_bm, d_stages, d_pp, d_qb = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
+                                  or SM90_DEFAULTS.get((head_dim, bool(causal), True))
+                                  or (128, 2 if head_dim > 64 else 3, True, 2))
+    bm = d_bm if block_m is None else block_m
+    return FAConfig(bm, 128, 4 * (bm // 64 + 1), d_stages if stages is None else stages, impl="sm90",
                     pingpong=d_pp if pingpong is None else pingpong,
                     q_buffers=d_qb if q_buffers is None else q_buffers, lazy_rescale=lazy_rescale)
 
@@ -142,18 +147,19 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, has_bias: bool = Fals
 def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None = None) -> list[FAConfig]:
     """Configs a tuning sweep tries (the current choice first).
     FAConfig(block_m, block_n, num_warps, num_stages, pipeline_qk, lazy_rescale, impl, pingpong);
-    with ``arch=90`` and a case the CUDA kernel takes, its ring depths, turn-taking, Q buffers and
-    lazy rescaling."""
+    with ``arch=90`` and a case the CUDA kernel takes, its consumer warpgroups (D = 64), ring
+    depths, turn-taking, Q buffers and lazy rescaling."""
     if sm90_eligible(norm_dtype(dtype), head_dim, None, 1.0, arch):
         stages = (2, 3) if head_dim > 64 else (2, 3, 4)
         out = [sm90_config(head_dim, causal)]
-        for qb in (2, 1):
-            for st in stages:
-                for pp in (True, False):
-                    for lazy in (True, False):
-                        c = sm90_config(head_dim, causal, st, pp, qb, lazy)
-                        if c not in out and sm90_shared_mem(head_dim, c, 2) <= SM90_SMEM_LIMIT:
-                            out.append(c)
+        for bm in (128, 192) if head_dim == 64 else (128,):
+            for qb in (2, 1):
+                for st in stages:
+                    for pp in (True, False):
+                        for lazy in (True, False):
+                            c = sm90_config(head_dim, causal, st, pp, qb, lazy, block_m=bm)
+                            if c not in out and sm90_shared_mem(head_dim, c, 2) <= SM90_SMEM_LIMIT:
+                                out.append(c)
         return out
     C = FAConfig
     if next_pow2(head_dim) <= 64:
@@ -236,8 +242,12 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
     if not sm90_eligible(dtype, head_dim, pattern, scale, 90):
         raise ValueError(f"FlashAttention sm90 kernel: {dtype} D={head_dim} bias {pattern} "
                          f"scale {scale} not supported (use the Triton kernel)")
-    if (cfg.block_m, cfg.block_n, cfg.num_warps) != (128, 128, 12):
-        raise ValueError(f"FlashAttention sm90 kernel: config {cfg} (tiles are 128 x 128, 12 warps)")
+    if (cfg.block_m, cfg.block_n, cfg.num_warps) not in ((128, 128, 12), (192, 128, 16)):
+        raise ValueError(f"FlashAttention sm90 kernel: config {cfg} (tiles are 128 x 128 with 12 "
+                         f"warps or 192 x 128 with 16)")
+    if cfg.block_m == 192 and head_dim != 64:
+        raise ValueError(f"FlashAttention sm90 kernel: three consumer warpgroups (block_m 192) only at "
+                         f"head_dim 64, not {head_dim}")
     mode = _sm90_bias_mode(pattern)
     scale_log2 = scale * 1.4426950408889634
     defines = {
@@ -247,10 +257,12 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         "SCALE_LOG2": f"{scale_log2!r}f", "BLOCK_N": str(cfg.block_n),
         "STAGES": str(cfg.num_stages), "PINGPONG": str(int(cfg.pingpong)),
         "Q_BUFFERS": str(cfg.q_buffers), "LAZY_RESCALE": "8" if cfg.lazy_rescale else "0",
+        "CONSUMERS": str(cfg.block_m // 64),
     }
     return KernelSource(
         name=_source_name(dtype, head_dim, causal, pattern, scale,
-                          f"sm90s{cfg.num_stages}q{cfg.q_buffers}{'p' if cfg.pingpong else ''}"
+                          f"sm90{'m192' if cfg.block_m == 192 else ''}s{cfg.num_stages}q{cfg.q_buffers}"
+                          f"{'p' if cfg.pingpong else ''}"
                           f"{'l' if cfg.lazy_rescale else ''}"),
         lang="cuda",
         path=SM90_PATH,
@@ -340,7 +352,7 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     pattern = bias_pattern(bias_shape)
     cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), static_shape)
     if cfg.impl == "sm90":
-        # persistent: a fixed grid walks num_tiles = cdiv(Sq, 128) * B * H tiles
+        # persistent: a fixed grid walks num_tiles = cdiv(Sq, block_m) * B * H tiles
         return LaunchParams(
             grid=(int((static_shape or {}).get("sm_count") or SM90_GRID), 1, 1),
             block=(32 * cfg.num_warps, 1, 1),

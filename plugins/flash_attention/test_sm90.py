@@ -41,7 +41,9 @@ def test_kernel_choice(arch, dtype, D, bias, expect):
     src = L.kernel_config(OP, dtype, _attrs(D, causal), {"head_dim": D, "bias_shape": bias, "arch": arch})
     assert src.lang == expect
     if expect == "cuda":
-        assert src.arch_suffix == "a" and src.threads == 384
+        keypad = bias is not None and any(L.bias_pattern(bias))
+        three = D == 64 and not causal and not keypad  # three consumer warpgroups (SM90_DEFAULTS)
+        assert src.arch_suffix == "a" and src.threads == (512 if three else 384)
         assert src.n_inputs == 3 + (bias is not None) and src.n_extra == 5
         mode = 0 if bias is None else 1 if not any(L.bias_pattern(bias)) else 2
         assert src.defines["BIAS_MODE"] == str(mode)
@@ -61,6 +63,13 @@ def test_launch_params_persistent_and_symbolic():
     p2 = L.launch_params(OP, shapes, ["bfloat16"], _attrs(128, 1, 16, 4),
                          static_shape=dict(static, sm_count=114))
     assert p2.grid == (114, 1, 1)
+    # D = 64 without a mask: 192-row tiles, producer + three consumer warpgroups
+    shapes64 = [[2, 16, 1000, 64], [2, 16, 1000, 64], [2, 16, 1000, 64]]
+    p3 = L.launch_params(OP, shapes64, ["float16"], _attrs(64, 0, 16, 16),
+                         static_shape={"head_dim": 64, "arch": 90})
+    assert p3.block == (512, 1, 1) and p3.extra_args[-1] == 6 * 2 * 16  # cdiv(1000, 192) = 6
+    cfg64 = L.choose_config("float16", 64, False, arch=90, scale=0.1)
+    assert cfg64.block_m == 192 and p3.shared_mem == L.sm90_shared_mem(64, cfg64, 0)
 
     B, H, S = SymDim("B"), SymDim("H"), SymDim("S")
     sym = L.launch_params(OP, [[B, H, S, 128], [B, H, S, 128], [B, H, S, 128], [B, 1, 1, S]],
@@ -95,6 +104,7 @@ def _cuobjdump():
     ("float16", 128, 1, (-1, 1, 1, -1)),
     ("bfloat16", 64, 1, ()),
     ("float16", 64, 0, (1, 1, 1, -1)),
+    ("bfloat16", 64, 0, None),  # three consumer warpgroups (160 registers each): no spills either
 ])
 def test_sm90a_compile(tmp_path, dtype, D, causal, bias):
     pytest.importorskip("cuda.bindings.nvrtc")
