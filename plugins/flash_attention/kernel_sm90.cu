@@ -123,7 +123,17 @@ typedef unsigned short u16;
 #define PRODUCER_REGS 32                 // 128 * 32 + 384 * 160 = 64K registers
 #define CONSUMER_REGS 160
 #endif
-#define CONSUMER_WARPS (4 * CONSUMERS)
+// Causal with three: 192-row tiles cost a third more score blocks on the diagonal (27 % slower at
+// S = 512, 6-13 % faster from S = 4096), so below SQ_THREE query rows the third consumer warpgroup
+// sits out and the tiles are 128 rows: a run-time choice (launch parameters cannot branch on Sq).
+#ifndef SQ_THREE
+#define SQ_THREE 4096
+#endif
+#if CONSUMERS == 3 && CAUSAL
+#define ACTIVE_CONSUMERS(sq) ((sq) >= SQ_THREE ? 3 : 2)
+#else
+#define ACTIVE_CONSUMERS(sq) CONSUMERS
+#endif
 
 // Shared memory: every tile is stored in 128-byte swizzle atoms, the layout wgmma reads with a
 // "128B swizzle" descriptor: the tile's head dim is cut into 64-element (128-byte) chunks; chunk c
@@ -215,7 +225,7 @@ __device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
 __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 #define TURN_WAIT(cw) named_sync(1 + (cw))
-#define TURN_PASS(cw) named_arrive(1 + ((cw) + 1) % CONSUMERS)
+#define TURN_PASS(cw) named_arrive(1 + ((cw) + 1) % nc)
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -481,19 +491,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     float* bias_ring = reinterpret_cast<float*>(smem_raw + (base + OFF_BIAS - raw));
     (void)bias_ring;
 
-    const int num_m = (Sq + BLOCK_M - 1) / BLOCK_M;
+    // num_tiles counts BLOCK_M-row tiles (launch.py); with nc < CONSUMERS active consumer
+    // warpgroups the tiles are bm = 64 * nc rows.
+    const int nc = ACTIVE_CONSUMERS(Sq), bm = 64 * nc;
+    const int BH = num_tiles / ((Sq + BLOCK_M - 1) / BLOCK_M);
+    const int num_m = (Sq + bm - 1) / bm;
+    const int n_tiles = num_m * BH;
+    (void)n_tiles;
     const int causal_off = Sk - Sq;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int q = 0; q < Q_BUFFERS; ++q) {
             mbar_init(BAR_Q_FULL(q), 128);
-            mbar_init(BAR_Q_EMPTY(q), CONSUMER_WARPS);  // consumer barriers: one arrival per consumer warp
+            mbar_init(BAR_Q_EMPTY(q), 4 * nc);  // consumer barriers: one arrival per consumer warp
         }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(BAR_FULL_K(s), BIAS_MODE == 2 ? 256 : 128);  // cp.async + (bias) plain arrivals
             mbar_init(BAR_FULL_V(s), 128);
-            mbar_init(BAR_EMPTY_K(s), CONSUMER_WARPS);
-            mbar_init(BAR_EMPTY_V(s), CONSUMER_WARPS);
+            mbar_init(BAR_EMPTY_K(s), 4 * nc);
+            mbar_init(BAR_EMPTY_V(s), 4 * nc);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -502,8 +518,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     // Tile order: no dynamic scheduler (it would need a global counter, and QDP kernels get no
     // scratch memory); a fixed assignment that keeps K/V reuse in L2 and the CTAs' work even.
     const int G = gridDim.x;
-    const int BH = num_tiles / num_m;
-    (void)BH;
 #if CAUSAL
     // Causal: head-major pairs. CTA i takes pairs i, i + G, ...; pair q = (head q / P, k = q % P)
     // is query blocks num_m - 1 - k and k of one head, so every pair costs num_m + 1 key blocks
@@ -522,19 +536,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #else
     // Non-causal: CTA i takes tiles i, i + G, ... with the query block fastest, so the CTAs running
     // together read the same heads' K/V from L2.
-#define TILE_LOOP for (int r = 0; r * G < num_tiles; ++r)
+#define TILE_LOOP for (int r = 0; r * G < n_tiles; ++r)
 #define TILE_INDEX                                                                                   \
     const int tile = r * G + (int)blockIdx.x;                                                      \
-    if (tile >= num_tiles) continue;                                                               \
+    if (tile >= n_tiles) continue;                                                                 \
     const int bh = tile / num_m;                                                                   \
     const int mb = tile % num_m;
 #endif
 #define TILE_COORDS                                                                                  \
     TILE_INDEX                                                                                     \
-    const int m0 = mb * BLOCK_M;                                                                   \
+    const int m0 = mb * bm;                                                                        \
     const int b = bh / H, h = bh % H;                                                              \
     const int kvh = b * Hkv + h / (H / Hkv); /* GQA: index the shared kv head, never copy it */  \
-    const int kv_end = CAUSAL ? min(Sk, m0 + BLOCK_M + causal_off) : Sk;                           \
+    const int kv_end = CAUSAL ? min(Sk, m0 + bm + causal_off) : Sk;                                \
     const int n_blocks = kv_end > 0 ? (kv_end + BLOCK_N - 1) / BLOCK_N : 0;                        \
     (void)b; (void)kvh;
 
@@ -550,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             // tile (one buffer: only after its last Q K^T, an exposed load per tile).
             const int qs = tc % Q_BUFFERS;
             mbar_wait(BAR_Q_EMPTY(qs), ((tc / Q_BUFFERS) & 1) ^ 1);
-            load_tile<BLOCK_M>(Q_SLOT(qs), Q + ((long long)bh * Sq + m0) * D, Sq - m0, ptid);
+            load_tile<BLOCK_M>(Q_SLOT(qs), Q + ((long long)bh * Sq + m0) * D, min(Sq - m0, bm), ptid);
             cp_async_arrive(BAR_Q_FULL(qs));
             ++tc;
             const u16* k_g = K + (long long)kvh * Sk * D;
@@ -583,12 +597,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         // ================= consumer warpgroups: 64 query rows each =================
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
         const int cw = wg - 1;
+        if (cw >= nc) return;  // a consumer warpgroup that sits out (ACTIVE_CONSUMERS)
         const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q4 = lane % 4;
         const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
         const u32 q_wg = cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
         int it = 0, tc = 0;
 #if PINGPONG
-        if (cw == CONSUMERS - 1) named_arrive(1);  // warpgroup 0 issues first
+        if (cw == nc - 1) named_arrive(1);  // warpgroup 0 issues first
 #endif
         TILE_LOOP {
             TILE_COORDS

@@ -62,13 +62,13 @@ class FAConfig:
 #: ("CUDA kernel"), same run, interleaved rounds: at D = 128 it beats the Triton kernel everywhere
 #: (+10..+48 % without a mask, +52 % with key padding); at D = 64 it is +3-8 % non-causal (three
 #: warpgroups: another +3-18 %, run 17), 1.0-1.16x causal (head-major causal pairs, run 15) and
-#: 1.2-1.7x with key padding. Three warpgroups stay off for causal D = 64: +6-13 % at S >= 4096 but
-#: 27 % slower at S = 512 (192-row tiles waste a third of the diagonal block), and kernel_config
-#: cannot see S; with key padding they are not measured. Two Q buffers also enable the staged
-#: (16-byte store) epilogue.
+#: 1.2-1.7x with key padding. Causal D = 64 with three warpgroups is +6-13 % at S >= 4096 but 27 %
+#: slower at S = 512 (192-row tiles waste a third of the diagonal block), so that kernel uses the
+#: third warpgroup only from Sq >= 4096 (kernel_sm90.cu SQ_THREE, decided at run time). With key
+#: padding three warpgroups are not measured. Two Q buffers also enable the staged epilogue.
 SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool, int] | None] = {
     (64, False, False): (192, 3, True, 2),
-    (64, True, False): (128, 3, True, 2),
+    (64, True, False): (192, 3, True, 2),
     (64, False, True): (128, 3, True, 2),
     (64, True, True): (128, 3, True, 2),
     (128, False, False): (128, 2, True, 2),

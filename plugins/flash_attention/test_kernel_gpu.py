@@ -44,6 +44,9 @@ CASES = [
     (2, 4, 4, 64, 1500, 64, 0, None, "bfloat16", None),
     (2, 2, 2, 1500, 64, 128, 1, None, "float16", None),
     (1, 4, 1, 777, 1900, 64, 1, (1, 1, 1, 1900), "bfloat16", "pad"),
+    # causal D = 64 from Sq = 4096 on: the third consumer warpgroup joins (SQ_THREE), 192-row tiles
+    (1, 2, 1, 4100, 4100, 64, 1, None, "bfloat16", None),
+    (1, 2, 2, 4200, 4400, 64, 1, (), "float16", None),
 ]
 
 

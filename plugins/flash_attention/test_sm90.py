@@ -42,7 +42,7 @@ def test_kernel_choice(arch, dtype, D, bias, expect):
     assert src.lang == expect
     if expect == "cuda":
         keypad = bias is not None and any(L.bias_pattern(bias))
-        three = D == 64 and not causal and not keypad  # three consumer warpgroups (SM90_DEFAULTS)
+        three = D == 64 and not keypad  # three consumer warpgroups (SM90_DEFAULTS)
         assert src.arch_suffix == "a" and src.threads == (512 if three else 384)
         assert src.n_inputs == 3 + (bias is not None) and src.n_extra == 5
         mode = 0 if bias is None else 1 if not any(L.bias_pattern(bias)) else 2
