@@ -466,11 +466,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const u32 (&p)[8][4]
 }
 
 // ---- the kernel --------------------------------------------------------------------------------
-// Persistent: the grid is one CTA per SM (launch.py); CTA i takes tiles i, i + gridDim.x, ...
-// (a tile = 128 query rows of one (b, h); the query block varies fastest so CTAs running together
-// share K/V in L2; causal walks query blocks from the heaviest). The producer runs ahead into the
-// next tile (its Q and first K/V tiles load while the consumers finish the current one), which
-// hides the per-tile prologue and epilogue that dominate short sequences.
+// Persistent: the grid is one CTA per SM (launch.py); each CTA walks a fixed list of tiles (a tile
+// = BLOCK_M query rows of one (b, h); the order is set after the barriers). The producer runs
+// ahead into the next tile (its Q and first K/V tiles load while the consumers finish the current
+// one), which hides the per-tile prologue and epilogue that dominate short sequences.
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
 #if BIAS_MODE != 0
