@@ -18,21 +18,16 @@
 // priority, as Triton writes eviction_policy: 0 none, 1 evict_first, 2 evict_last) and YPOL
 // (1: y/sum stores L2 evict_first, not allocated in L1). The policies decide which lines the L2
 // gives up first, clean inputs or dirty outputs, and so when the write-backs reach DRAM.
-// XPOL 3: L1::no_allocate with L2 evict_last. Options the sweep measures at long rows (kernel v4):
-// RELOAD (0: each thread keeps its accesses of x in registers across the reduction; 1: Inductor's
-// two passes: x read for the sum of squares, then read again after the reduction with L1+L2
-// evict_first priority (meant to hit L1/L2), so x is not live across the barrier; 2: the same, second
-// read plain ld.global.nc), PF (1: x/skip loads with the .L2::256B prefetch-size hint) and BULK
-// (sm_90+, block-per-row 16-byte layouts only; compiled as 0 below sm_90 or where the rows do not
-// fit: 1: each of the block's ITERS rows copied whole into static shared memory by one
-// cp.async.bulk, issued by thread 0 at block start and completed on an mbarrier; the threads read
-// their accesses from shared memory twice (sum of squares, then y), so nothing but gamma is live
-// across the reduction; 2: also y (and sum) written back from shared memory by a bulk copy).
+// RELOAD (kernel v4; 0: each thread keeps its accesses of x in registers across the reduction;
+// 1: Inductor's two passes: x read for the sum of squares, then read again after the reduction
+// with L1+L2 evict_first priority (meant to hit L1/L2), so x is not live across the barrier; 2: the
+// same, second read plain ld.global.nc). Tried and removed (README "Tuning" 6): a .L2::256B
+// prefetch hint, L1::no_allocate loads, and whole rows through shared memory by cp.async.bulk.
 //
-// Each thread keeps its VPT accesses of the row in registers (packed, as loaded; with RELOAD or
-// BULK, only until its sum of squares is formed): one read of x
-// (and skip), one write of y (and sum); gamma is loaded once per block, by default together with
-// the first row, so no global load waits behind the reduction.
+// Each thread keeps its VPT accesses of the row in registers (packed, as loaded; with RELOAD only
+// until its sum of squares is formed): one read of x (and skip), one write of y (and sum); gamma
+// is loaded once per block, by default together with the first row, so no global load waits
+// behind the reduction.
 //
 // Parameter order is TensorRT QDP's: inputs, int32 extra args (rows), outputs.
 // No CUDA headers needed (fp16/bf16 conversions in inline PTX), so the nvrtc wheel alone builds it.
@@ -63,17 +58,6 @@
 #endif
 #ifndef RELOAD
 #define RELOAD 0
-#endif
-#ifndef PF
-#define PF 0
-#endif
-#ifndef BULK
-#define BULK 0
-#endif
-#if PF
-#define OPTFUSE_PF ".L2::256B"
-#else
-#define OPTFUSE_PF ""
 #endif
 
 typedef unsigned short u16;
@@ -131,8 +115,8 @@ static_assert(!kBlockRow || kTPR % 32 == 0, "block-per-row mode needs whole warp
 static_assert(kBlockRow || (kTPR & (kTPR - 1)) == 0, "sub-warp rows need a power-of-two width");
 static_assert(kThreads <= 1024, "at most 1024 threads per block");
 static_assert(kIters >= 1 && kIters <= 8, "ITERS in 1..8");
-static_assert(XPOL >= 0 && XPOL <= 3 && YPOL >= 0 && YPOL <= 1, "XPOL in 0..3, YPOL in 0..1");
-static_assert(RELOAD >= 0 && RELOAD <= 2 && BULK >= 0 && BULK <= 2, "RELOAD in 0..2, BULK in 0..2");
+static_assert(XPOL >= 0 && XPOL <= 2 && YPOL >= 0 && YPOL <= 1, "XPOL in 0..2, YPOL in 0..1");
+static_assert(RELOAD >= 0 && RELOAD <= 2, "RELOAD in 0..2");
 
 typedef typename RawOf<kVec * sizeof(T)>::type Raw;
 union Pack {
@@ -216,32 +200,23 @@ __device__ __forceinline__ R ldg(const R* p) {
     }
 }
 
-// A 16-byte load with the PTX form OP, with (POL) or without an L2 cache-policy operand.
-#define OPTFUSE_LD4(OP)                                                                            \
-    asm(OP ".v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p))
+// A 16-byte load with the PTX form OP and an L2 cache-policy operand.
 #define OPTFUSE_LD4_POL(OP, POL)                                                                   \
     asm(OP ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"                                                   \
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                                               \
         : "l"(p), "l"(l2_policy<POL>()))
 
-// x / skip: with XPOL, Triton's form of an eviction_policy load (L1 and L2 priority); XPOL 3:
-// not allocated in L1, L2 evict_last. PF adds the .L2::256B prefetch-size hint.
+// x / skip: with XPOL, Triton's form of an eviction_policy load (L1 and L2 priority).
 template <typename R>
 __device__ __forceinline__ R ldx(const R* p) {
-    if constexpr (sizeof(R) != 16 || (XPOL == 0 && !PF)) {
+    if constexpr (XPOL == 0 || sizeof(R) != 16) {
         return ldg(p);
     } else {
         R v;
-        if constexpr (XPOL == 0 && NC) {
-            OPTFUSE_LD4("ld.global.nc" OPTFUSE_PF);
-        } else if constexpr (XPOL == 0) {
-            OPTFUSE_LD4("ld.global" OPTFUSE_PF);
-        } else if constexpr (XPOL == 1) {
-            OPTFUSE_LD4_POL("ld.global.L1::evict_first.L2::cache_hint" OPTFUSE_PF, 1);
-        } else if constexpr (XPOL == 2) {
-            OPTFUSE_LD4_POL("ld.global.L1::evict_last.L2::cache_hint" OPTFUSE_PF, 2);
+        if constexpr (XPOL == 1) {
+            OPTFUSE_LD4_POL("ld.global.L1::evict_first.L2::cache_hint", 1);
         } else {
-            OPTFUSE_LD4_POL("ld.global.L1::no_allocate.L2::cache_hint" OPTFUSE_PF, 2);
+            OPTFUSE_LD4_POL("ld.global.L1::evict_last.L2::cache_hint", 2);
         }
         return v;
     }
@@ -259,7 +234,6 @@ __device__ __forceinline__ R ldx2(const R* p) {
         return ldg(p);
     }
 }
-#undef OPTFUSE_LD4
 #undef OPTFUSE_LD4_POL
 
 template <bool SKIP>
@@ -375,162 +349,6 @@ __device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x_, const T*
     }
 }
 
-// ---- BULK: whole rows through shared memory by the bulk copy engine (sm_90+) ----
-#if BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define OPTFUSE_BULK BULK
-#else
-#define OPTFUSE_BULK 0
-#endif
-constexpr unsigned kRowBytes = kHidden * sizeof(T);
-// x (and skip) of every row group of the block in static shared memory: at most 32 KiB
-template <bool SKIP>
-constexpr bool kBulkFits = OPTFUSE_BULK != 0 && kBlockRow && kRPB == 1 && kVec * sizeof(T) == 16 &&
-                           kIters * (SKIP ? 2 : 1) * kRowBytes <= 32768;
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-    asm volatile(
-        "{ .reg .u64 g; cvta.to.global.u64 g, %1;\n"
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [g], %2, [%3]; }"
-        ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
-        : "memory");
-}
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
-    asm volatile(
-        "{ .reg .u64 g; cvta.to.global.u64 g, %0;\n"
-        "cp.async.bulk.global.shared::cta.bulk_group [g], [%1], %2; }"
-        ::"l"(dst), "r"(smem_addr(src)), "r"(bytes)
-        : "memory");
-}
-__device__ __forceinline__ void bar_wait(unsigned long long* bar) {  // phase 0 (each barrier used once)
-    unsigned done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(smem_addr(bar))
-            : "memory");
-    } while (!done);
-}
-
-template <bool SKIP>
-__device__ __forceinline__ void rms_norm_rows_bulk(const T* __restrict__ x_, const T* __restrict__ skip_,
-                                                   const T* __restrict__ gamma_, int rows, T* __restrict__ y_,
-                                                   T* __restrict__ sum_) {
-#if OPTFUSE_BULK
-  if constexpr (kBulkFits<SKIP>) {
-    constexpr int kIn = SKIP ? 2 : 1;
-    __shared__ __align__(128) Raw sbuf[kIters][kIn][kNV];
-    __shared__ __align__(8) unsigned long long bar[kIters];
-    const Raw* __restrict__ gamma = reinterpret_cast<const Raw*>(gamma_);
-    const int t = threadIdx.x;
-    const int grp = blockIdx.x;
-    if (grp >= rows) return;  // block-uniform (one row per group)
-    if (t == 0) {
-#pragma unroll
-        for (int it = 0; it < kIters; ++it)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar[it])) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#pragma unroll
-        for (int it = 0; it < kIters; ++it) {
-            const long long row = (long long)grp + (long long)it * gridDim.x;
-            if (row < rows) {
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&bar[it])),
-                             "r"(kIn * kRowBytes)
-                             : "memory");
-                bulk_load(&sbuf[it][0][0], x_ + row * kHidden, kRowBytes, &bar[it]);
-                if (SKIP) bulk_load(&sbuf[it][kIn - 1][0], skip_ + row * kHidden, kRowBytes, &bar[it]);
-            }
-        }
-    }
-    Raw g[kVPT];
-    if (!kGammaLate) {
-#pragma unroll
-        for (int i = 0; i < kVPT; ++i) g[i] = ldg(gamma + clamp_access(t + i * kTPR));
-    }
-    const bool never = rows < 0;
-    __syncthreads();  // the barriers' initialization seen by every thread
-
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const long long row = (long long)grp + (long long)it * gridDim.x;
-        if (row >= rows) break;  // block-uniform
-        const long long base = row * kNV;
-        bar_wait(&bar[it]);
-        Raw* xs = sbuf[it][0];
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < kVPT; ++i) {
-            const int idx = t + i * kTPR;
-            if (kFull || idx < kNV) {
-                Pack p;
-                p.raw = xs[idx];
-                if (!kGammaLate && it == 0 && never) p.raw = g[i];  // gamma "needed" before the row
-                if (SKIP) {
-                    Pack q;
-                    q.raw = sbuf[it][kIn - 1][idx];
-#pragma unroll
-                    for (int j = 0; j < kVec; ++j) p.v[j] = from_f32(to_f32(p.v[j]) + to_f32(q.v[j]));
-                    if (BULK == 2) {
-                        sbuf[it][kIn - 1][idx] = p.raw;  // the sum, in place, written out below
-                    } else {
-                        store(reinterpret_cast<Raw*>(sum_) + base + idx, p.raw);
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < kVec; ++j) {
-                    const float v = to_f32(p.v[j]);
-                    ss += v * v;
-                }
-            }
-        }
-        ss = row_sum(ss, it & 1);
-        const float inv = rsqrtf(ss * kInvHidden + (float)(EPS));
-#pragma unroll
-        for (int i = 0; i < kVPT; ++i) {
-            const int idx = t + i * kTPR;
-            if (kFull || idx < kNV) {
-                Pack p, q, o;
-                if (SKIP && BULK == 2) {
-                    p.raw = sbuf[it][kIn - 1][idx];
-                } else {
-                    p.raw = xs[idx];
-                    if (SKIP) {  // the sum again (BULK 1 keeps it only in global memory)
-                        Pack k;
-                        k.raw = sbuf[it][kIn - 1][idx];
-#pragma unroll
-                        for (int j = 0; j < kVec; ++j) p.v[j] = from_f32(to_f32(p.v[j]) + to_f32(k.v[j]));
-                    }
-                }
-                q.raw = kGammaLate ? ldg(gamma + idx) : g[i];
-#pragma unroll
-                for (int j = 0; j < kVec; ++j) o.v[j] = from_f32(to_f32(p.v[j]) * inv * to_f32(q.v[j]));
-                if (BULK == 2) {
-                    xs[idx] = o.raw;  // y, in place
-                } else {
-                    store(reinterpret_cast<Raw*>(y_) + base + idx, o.raw);
-                }
-            }
-        }
-        if (BULK == 2) {
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> bulk copy
-            __syncthreads();
-            if (t == 0) {
-                bulk_store(y_ + row * kHidden, xs, kRowBytes);
-                if (SKIP) bulk_store(sum_ + row * kHidden, &sbuf[it][kIn - 1][0], kRowBytes);
-                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-            }
-        }
-    }
-    if (BULK == 2 && t == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // smem kept till read
-  }
-#endif
-}
-
 #if MINB > 0
 #define OPTFUSE_BOUNDS __launch_bounds__(kThreads, MINB)
 #else
@@ -540,20 +358,12 @@ __device__ __forceinline__ void rms_norm_rows_bulk(const T* __restrict__ x_, con
 // RMSNorm: inputs (x, gamma), extra (rows), outputs (y).
 extern "C" __global__ void OPTFUSE_BOUNDS
 rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, int rows, T* __restrict__ y) {
-    if constexpr (kBulkFits<false>) {
-        rms_norm_rows_bulk<false>(x, nullptr, gamma, rows, y, nullptr);
-    } else {
-        rms_norm_rows<false>(x, nullptr, gamma, rows, y, nullptr);
-    }
+    rms_norm_rows<false>(x, nullptr, gamma, rows, y, nullptr);
 }
 
 // SkipRMSNorm: inputs (x, skip, gamma), extra (rows), outputs (y, sum).
 extern "C" __global__ void OPTFUSE_BOUNDS
 skip_rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma, int rows,
                   T* __restrict__ y, T* __restrict__ sum) {
-    if constexpr (kBulkFits<true>) {
-        rms_norm_rows_bulk<true>(x, skip, gamma, rows, y, sum);
-    } else {
-        rms_norm_rows<true>(x, skip, gamma, rows, y, sum);
-    }
+    rms_norm_rows<true>(x, skip, gamma, rows, y, sum);
 }

@@ -44,11 +44,9 @@ class RMSConfig:
     glate: bool = False  # gamma loads not tied to before the reduction (ptxas may sink them behind it)
     minb: int = 0  # __launch_bounds__ minimum blocks per SM (0: none): caps the registers
     nc: bool = True  # loads through the read-only path (ld.global.nc); False: plain ld.global
-    xpol: int = 0  # x/skip load priority: 0 none, 1 evict_first, 2 evict_last, 3 L1 no_allocate + L2 evict_last
+    xpol: int = 0  # x/skip loads with an L2 eviction priority: 0 none, 1 evict_first, 2 evict_last
     ypol: int = 0  # 1: y/sum stores L2 evict_first (and not allocated in L1)
     reload: int = 0  # x read again after the reduction (1: L1+L2 evict_first, Inductor's; 2: plain read-only)
-    pf: bool = False  # x/skip loads with the .L2::256B prefetch-size hint
-    bulk: int = 0  # sm_90: rows into shared memory by cp.async.bulk (1), y/sum written back by one too (2)
 
     @property
     def threads(self) -> int:
@@ -74,7 +72,6 @@ def _vec_nv(dtype: str, hidden: int) -> tuple[int, int]:
 def make_config(
     dtype: Any, hidden: int, vpt: int, block_threads: int = 256, iters: int = 1, stcs: bool = False,
     glate: bool = False, full: bool = False, nc: bool = True, xpol: int = 0, ypol: int = 0, reload: int = 0,
-    pf: bool = False, bulk: int = 0,
 ) -> RMSConfig:
     """About ``vpt`` accesses (16 bytes, or one element when hidden is not a multiple of 16 bytes)
     per thread: rows of <= 32 threads get a (sub-)warp each, ``block_threads`` threads per block;
@@ -89,23 +86,12 @@ def make_config(
     if need <= 32:
         tpr = next_pow2(need)
         rpb = max(1, block_threads // tpr)
-        if bulk:
-            raise ValueError("bulk copies need a block per row")
         minb = 2048 // (tpr * rpb) if full else 0
-        return RMSConfig(vec, tpr, rpb, iters, stcs, glate, minb, nc, xpol, ypol, reload, pf)
+        return RMSConfig(vec, tpr, rpb, iters, stcs, glate, minb, nc, xpol, ypol, reload)
     tpr = min(1024, -(-need // 32) * 32)
     # 1024 threads leave 64 registers a thread: a prefetched second row would spill
     return RMSConfig(vec, tpr, 1, 1 if tpr == 1024 else iters, stcs, glate, 2048 // tpr if full else 0, nc, xpol, ypol,
-                     reload, pf, bulk)
-
-
-def bulk_fits(op: str, dtype: Any, hidden: int, iters: int = 1) -> bool:
-    """Whether BULK applies (kernel.cu's kBulkFits): 16-byte accesses, a block per row, and the
-    block's rows of x (and skip) in at most 32 KiB of static shared memory."""
-    dtype = norm_dtype(dtype)
-    vec, nv = _vec_nv(dtype, hidden)
-    row_bytes = hidden * ITEMSIZE[dtype]
-    return vec * ITEMSIZE[dtype] == 16 and nv > 32 and iters * (2 if op == "SkipRMSNorm" else 1) * row_bytes <= 32768
+                     reload)
 
 
 def choose_config(dtype: Any, hidden: int, op: str = "RMSNorm") -> RMSConfig:
@@ -174,8 +160,7 @@ def candidate_configs(dtype: Any, hidden: int, op: str = "RMSNorm") -> list[RMSC
         add(2, xpol=2)
         add(2, ypol=1)
         add(2, xpol=2, ypol=1)
-        # kernel v4 (README "Tuning" 6): x read twice (Inductor's form), prefetch-size hint, L1 no_allocate,
-        # other thread counts with evict_last loads, whole rows through shared memory by bulk copies
+        # kernel v4 (README "Tuning" 6): x read twice (Inductor's form), other thread counts with evict_last loads
         add(2, xpol=2, reload=1)
         add(2, xpol=2, reload=1, glate=True)
         add(2, xpol=2, reload=2)
@@ -185,15 +170,6 @@ def candidate_configs(dtype: Any, hidden: int, op: str = "RMSNorm") -> list[RMSC
             add(2, xpol=2, full=True)
             add(4, xpol=2, reload=1, full=True)
         add(1, xpol=2)
-        add(2, xpol=2, pf=True)
-        add(2, xpol=3)
-        blk = lambda vpt: -(-nv // vpt) > 32  # noqa: E731  (a block per row)
-        if bulk_fits(op, dtype, hidden):
-            for a, k in ((2, {}), (4, {}), (8, {}), (8, {"glate": True}), (2, {"bulk": 2}), (4, {"bulk": 2})):
-                if blk(a):
-                    add(a, **{"bulk": 1, **k})
-        if bulk_fits(op, dtype, hidden, iters=2) and blk(4):
-            add(4, bulk=1, iters=2)
     return out
 
 
@@ -217,7 +193,7 @@ def kernel_config(
             f"rms_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/v{cfg.vec}t{cfg.tpr}r{cfg.rpb}i{cfg.iters}"
             f"{'s' if cfg.stcs else ''}{'g' if cfg.glate else ''}{f'b{cfg.minb}' if cfg.minb else ''}{'' if cfg.nc else 'p'}"
             f"{f'x{cfg.xpol}' if cfg.xpol else ''}{f'y{cfg.ypol}' if cfg.ypol else ''}"
-            f"{f'd{cfg.reload}' if cfg.reload else ''}{'f' if cfg.pf else ''}{f'k{cfg.bulk}' if cfg.bulk else ''}"
+            f"{f'd{cfg.reload}' if cfg.reload else ''}"
         ),
         lang="cuda",
         path=KERNEL_PATH,
@@ -240,8 +216,6 @@ def kernel_config(
             "XPOL": str(cfg.xpol),
             "YPOL": str(cfg.ypol),
             "RELOAD": str(cfg.reload),
-            "PF": str(int(cfg.pf)),
-            "BULK": str(cfg.bulk),
         },
         threads=cfg.threads,
         pointer_align=cfg.vec * ITEMSIZE[dtype],
