@@ -13,13 +13,14 @@
 //   * one producer warpgroup streams K/V tiles into shared memory (cp.async, 16-byte, swizzled
 //     for wgmma) through a STAGES-deep ring guarded by mbarriers, so the math warps never wait on
 //     address arithmetic or loads;
-//   * two (or three: CONSUMERS) consumer warpgroups own 64 query rows each and run wgmma: S = Q K^T from shared memory,
-//     O += P V with P straight from registers (the fp32 accumulator layout of S, packed to 16 bit,
-//     is the A-operand register layout of the next wgmma: no shared-memory round trip);
+//   * two (or three: CONSUMERS) consumer warpgroups own 64 query rows each and run wgmma:
+//     S = Q K^T from shared memory, O += P V with P straight from registers (the fp32 accumulator
+//     layout of S, packed to 16 bit, is the A-operand register layout of the next wgmma: no
+//     shared-memory round trip);
 //   * inside a warpgroup, S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued before the softmax of
 //     S_{j+1} runs, so the exponentials overlap the tensor cores (intra-warpgroup pipelining);
-//   * between the two warpgroups (PINGPONG), named barriers let one issue its MMAs while the
-//     other does its softmax.
+//   * between the consumer warpgroups (PINGPONG), named barriers let one issue its MMAs while
+//     the others do their softmax.
 // No TMA: tensor maps would have to be built on the host per launch, which a QDP kernel (pointers
 // and int32 scalars only) cannot do; the producer's cp.async keeps up as long as K/V come mostly
 // from L2 (each 128 x 128 block is 128 FLOP per byte: from HBM alone the tensor cores would
@@ -670,7 +671,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     fence_regs(s);
                     if (!EPI_SMEM && j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));
                     if (j >= n_clean) apply_mask(s, j * BLOCK_N, lim0, lim1, q4);
-                    const bool resc = softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
+                    const bool resc =
+                        softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
                     wgmma_wait<0>();  // PV done: O and the P registers are free
                     fence_regs(o);
@@ -730,7 +732,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     *reinterpret_cast<u32*>(c + (rl0 + 8) * 128 + ((u ^ (rl0 & 7)) << 4) + 4 * q4) =
                         pack2(fmaf(o[4 * n + 2], inv1, add), fmaf(o[4 * n + 3], inv1, add));
                 }
-                asm volatile("bar.sync %0, 128;" ::"r"(1 + CONSUMERS + cw) : "memory");  // this warpgroup only
+                // this warpgroup only (ids after the turn-taking ones)
+                asm volatile("bar.sync %0, 128;" ::"r"(1 + CONSUMERS + cw) : "memory");
                 // (2) ... then out as whole 16-byte row pieces: consecutive threads, consecutive
                 // addresses of a row.
                 constexpr int UNITS = D / 8;

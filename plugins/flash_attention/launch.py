@@ -49,8 +49,8 @@ class FAConfig:
     #: on by default there)
     lazy_rescale: bool = False
     #: "triton" (kernel.py, any arch) or "sm90" (kernel_sm90.cu: CUDA C++, wgmma, warp-specialized;
-    #: sm_90 only). For sm90, num_warps is 12 (producer + 2 consumer warpgroups), block_m 128,
-    #: block_n 128 and num_stages the depth of the K/V ring.
+    #: sm_90 only). For sm90, block_m is 128 (num_warps 12: producer + 2 consumer warpgroups) or, at
+    #: D = 64, 192 (num_warps 16: 3 consumers), block_n 128, num_stages the depth of the K/V ring.
     impl: str = "triton"
     pingpong: bool = True  # sm90: the two consumer warpgroups take turns issuing their MMAs
     q_buffers: int = 2  # sm90: Q tiles in shared memory (2: the next tile's Q loads early)
@@ -58,14 +58,13 @@ class FAConfig:
 
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
 #: defaults there (query rows per CTA: 128 = two consumer warpgroups, 192 = three; K/V ring depth;
-#: turn-taking; Q buffers); None would keep the Triton kernel. From the H200 runs in the README
-#: ("CUDA kernel"), same run, interleaved rounds: at D = 128 it beats the Triton kernel everywhere
-#: (+10..+48 % without a mask, +52 % with key padding); at D = 64 it is +3-8 % non-causal (three
-#: warpgroups: another +3-18 %, run 17), 1.0-1.16x causal (head-major causal pairs, run 15) and
-#: 1.2-1.7x with key padding. Causal D = 64 with three warpgroups is +6-13 % at S >= 4096 but 27 %
-#: slower at S = 512 (192-row tiles waste a third of the diagonal block), so that kernel uses the
-#: third warpgroup only from Sq >= 4096 (kernel_sm90.cu SQ_THREE, decided at run time). With key
-#: padding three warpgroups are not measured. Two Q buffers also enable the staged epilogue.
+#: turn-taking; Q buffers); None would keep the Triton kernel. H200, same run, interleaved rounds
+#: (README "CUDA kernel", runs 18-19): 1.01-1.81x the Triton kernel on every benchmark shape but
+#: causal D = 64 at S = 512 (0.98-1.0x). Three consumer warpgroups at D = 64: +3-18 % non-causal
+#: (run 17); causal, they pay from S = 4096 (+7-12 %) but cost 27 % at S = 512 (192-row tiles waste
+#: a third of the diagonal block), so that kernel uses the third warpgroup only from Sq >= 4096
+#: (kernel_sm90.cu SQ_THREE, decided at run time). With key padding three warpgroups are not
+#: measured. Two Q buffers also enable the staged (16-byte store) epilogue.
 SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool, int] | None] = {
     (64, False, False): (192, 3, True, 2),
     (64, True, False): (192, 3, True, 2),
@@ -146,7 +145,8 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, has_bias: bool = Fals
 
 def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None = None) -> list[FAConfig]:
     """Configs a tuning sweep tries (the current choice first).
-    FAConfig(block_m, block_n, num_warps, num_stages, pipeline_qk, lazy_rescale, impl, pingpong);
+    FAConfig(block_m, block_n, num_warps, num_stages, pipeline_qk, lazy_rescale, impl, pingpong,
+    q_buffers);
     with ``arch=90`` and a case the CUDA kernel takes, its consumer warpgroups (D = 64), ring
     depths, turn-taking, Q buffers and lazy rescaling."""
     if sm90_eligible(norm_dtype(dtype), head_dim, None, 1.0, arch):
