@@ -92,11 +92,13 @@ def parse_variants(text: str | None) -> list[tuple[str, dict]]:
         kv = {}
         for item in spec.split(","):
             k, _, v = item.partition("=")
-            k = k.strip()
-            if k not in fields or not v:
+            k, v = k.strip(), v.strip()
+            typ = fields.get(k)
+            if typ is None or not v or (typ in (int, "int") and not v.lstrip("-").isdigit()):
                 raise SystemExit(f"bench_attention: bad --variants item {item!r} "
                                  f"(FAConfig fields: {', '.join(fields)})")
-            kv[k] = v.strip().lower() in ("1", "true") if fields[k] in (bool, "bool") else int(v)
+            kv[k] = (v.lower() in ("1", "true") if typ in (bool, "bool")
+                     else int(v) if typ in (int, "int") else v)
         out.append((spec.strip(), kv))
     return out
 

@@ -91,8 +91,8 @@ def test_artifact_matches_reference(case, impl, seed):
                 if impl == "sm90" else None)
 
 
-#: CUDA kernel variants run on a few cases (any a sweep picks): FAConfig fields over the case's
-#: default config.
+#: CUDA kernel variants (any a sweep picks), run on every case the CUDA kernel takes: FAConfig
+#: fields over the case's default config.
 SM90_VARIANTS = [
     dict(num_stages=2, pingpong=True, q_buffers=2), dict(num_stages=2, pingpong=False, q_buffers=1),
     dict(num_stages=3, q_buffers=1), dict(num_stages=4, q_buffers=2), dict(lazy_rescale=False),

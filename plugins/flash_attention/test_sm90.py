@@ -1,6 +1,8 @@
 """The CUDA (sm90) FlashAttention kernel on the CPU machine: when launch.py picks it, its launch
-parameters (symbolic too), and NVRTC compiles for sm_90a (wgmma, setmaxnreg, no local memory)."""
+parameters (symbolic too), NVRTC compiles for sm_90a (wgmma, setmaxnreg, no local memory), and the
+benchmark's ``--variants`` of it."""
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -130,3 +132,28 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias):
         sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
         assert "HGMMA.64x128x16.F32" in sass
         assert "USETMAXREG" in sass
+
+
+def _bench_module():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("_bench_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_variants():
+    bench = _bench_module()
+    variants = bench.parse_variants("lazy_rescale=0;block_m=192,num_warps=16")
+    assert variants == [("lazy_rescale=0", {"lazy_rescale": False}),
+                        ("block_m=192,num_warps=16", {"block_m": 192, "num_warps": 16})]
+    for bad in ("num_stages=x", "no_such_field=1", "pingpong"):
+        with pytest.raises(SystemExit):
+            bench.parse_variants(bad)
+    # over the shipped config of the case; one the kernel does not take there is left out
+    at128 = bench.variant_configs("bfloat16", 128, False, variants)
+    assert [name for name, _ in at128] == ["lazy_rescale=0"]
+    assert at128[0][1] == L.sm90_config(128, False, lazy_rescale=False)
+    at64 = dict(bench.variant_configs("bfloat16", 64, True, variants))
+    assert at64["block_m=192,num_warps=16"].block_m == 192 and not at64["lazy_rescale=0"].lazy_rescale
+    assert bench.variant_configs("float32", 64, True, variants) == []  # no CUDA kernel for fp32
