@@ -125,7 +125,7 @@ typedef unsigned short u16;
 #define CONSUMER_REGS 160
 #endif
 // Causal with three: 192-row tiles cost a third more score blocks on the diagonal (27 % slower at
-// S = 512, 6-13 % faster from S = 4096), so below SQ_THREE query rows the third consumer warpgroup
+// S = 512, 7-13 % faster from S = 4096), so below SQ_THREE query rows the third consumer warpgroup
 // sits out and the tiles are 128 rows: a run-time choice (launch parameters cannot branch on Sq).
 #ifndef SQ_THREE
 #define SQ_THREE 4096

@@ -61,7 +61,7 @@ class FAConfig:
 #: turn-taking; Q buffers); None would keep the Triton kernel. H200, same run, interleaved rounds
 #: (README "CUDA kernel", runs 18-19): 1.01-1.81x the Triton kernel on every benchmark shape but
 #: causal D = 64 at S = 512 (0.98-1.0x). Three consumer warpgroups at D = 64: +3-18 % non-causal
-#: (run 17); causal, they pay from S = 4096 (+7-12 %) but cost 27 % at S = 512 (192-row tiles waste
+#: (run 17); causal, they pay from S = 4096 (+7-13 %) but cost 27 % at S = 512 (192-row tiles waste
 #: a third of the diagonal block), so that kernel uses the third warpgroup only from Sq >= 4096
 #: (kernel_sm90.cu SQ_THREE, decided at run time). With key padding three warpgroups are not
 #: measured. Two Q buffers also enable the staged (16-byte store) epilogue.
