@@ -140,7 +140,7 @@ def build_sources(sweep: bool = True, tests: bool = True, configs: dict | None =
                 srcs[s.name] = s
                 if a == 90 and cfg is None and L.sm90_eligible(dtype, D, L.bias_pattern(bshape), 1.0, 90):
                     s, _ = source_for(dtype, 4096, D, causal,
-                                      L.sm90_config(D, causal, keypad=bshape is not None and len(bshape) > 0),
+                                      L.sm90_config(D, causal, keypad=L.is_keypad(L.bias_pattern(bshape))),
                                       bshape, arch=90)
                     srcs[s.name] = s
         for _, vcfg in variant_configs(dtype, D, causal, variants):

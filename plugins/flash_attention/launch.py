@@ -77,7 +77,8 @@ SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool, int] | None] =
 }
 
 
-def _is_keypad(pattern) -> bool:
+def is_keypad(pattern) -> bool:
+    """A bias that is a real input, not one broadcast value (some dim of its pattern is not 1)."""
     return pattern is not None and any(pattern)
 
 
@@ -136,7 +137,7 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, has_bias: bool = Fals
     dtype = norm_dtype(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
-    keypad = _is_keypad(pattern)
+    keypad = is_keypad(pattern)
     if sm90_eligible(dtype, head_dim, pattern, scale, arch) and SM90_DEFAULTS.get((head_dim, bool(causal), keypad)):
         return sm90_config(head_dim, causal, keypad=keypad)
     cls = "float32" if dtype == "float32" else "half"

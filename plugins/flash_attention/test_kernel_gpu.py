@@ -87,7 +87,7 @@ def test_artifact_matches_reference(case, impl, seed):
         pytest.skip("the CUDA (sm90) kernel does not take this case / needs an sm_90 device")
     # the CUDA kernel on every case it takes, whether or not launch.py's policy picks it there
     _check_case(case, seed, arch=90 if impl == "sm90" else None,
-                config=L.sm90_config(case[5], case[6], keypad=L._is_keypad(L.bias_pattern(case[7])))
+                config=L.sm90_config(case[5], case[6], keypad=L.is_keypad(L.bias_pattern(case[7])))
                 if impl == "sm90" else None)
 
 

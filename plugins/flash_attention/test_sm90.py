@@ -43,7 +43,7 @@ def test_kernel_choice(arch, dtype, D, bias, expect):
     src = L.kernel_config(OP, dtype, _attrs(D, causal), {"head_dim": D, "bias_shape": bias, "arch": arch})
     assert src.lang == expect
     if expect == "cuda":
-        keypad = bias is not None and any(L.bias_pattern(bias))
+        keypad = L.is_keypad(L.bias_pattern(bias))
         three = D == 64 and not keypad  # three consumer warpgroups (SM90_DEFAULTS)
         assert src.arch_suffix == "a" and src.threads == (512 if three else 384)
         assert src.n_inputs == 3 + (bias is not None) and src.n_extra == 5
