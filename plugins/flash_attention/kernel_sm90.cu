@@ -347,14 +347,16 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // Scores of key block kv0 that no row may see: keys >= Sk, and (causal) keys > row + causal_off.
+// The limits are taken relative to this thread's first column, so each test is one compare of a
+// register with the constant 8n + j (no per-element column arithmetic).
 __device__ __forceinline__ void apply_mask(float (&s)[64], int kv0, int lim0, int lim1, int q4) {
+    const int rel0 = lim0 - kv0 - 2 * q4, rel1 = lim1 - kv0 - 2 * q4;
 #pragma unroll
     for (int n = 0; n < 16; ++n)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            const int col = kv0 + 8 * n + 2 * q4 + j;
-            if (col > lim0) s[4 * n + j] = NEG_INF;
-            if (col > lim1) s[4 * n + 2 + j] = NEG_INF;
+            if (8 * n + j > rel0) s[4 * n + j] = NEG_INF;
+            if (8 * n + j > rel1) s[4 * n + 2 + j] = NEG_INF;
         }
 }
 
@@ -480,13 +482,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     extern __shared__ unsigned char smem_raw[];
     const u32 raw = smem_addr(smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
-    const u32 bar = base + OFF_BAR;  // [q_full[Q], q_empty[Q], full_k[S], full_v[S], empty_k[S], empty_v[S]]
-#define BAR_Q_FULL(q) (bar + 8 * (q))
-#define BAR_Q_EMPTY(q) (bar + 8 * (Q_BUFFERS + (q)))
-#define BAR_FULL_K(s) (bar + 8 * (2 * Q_BUFFERS + (s)))
-#define BAR_FULL_V(s) (bar + 8 * (2 * Q_BUFFERS + STAGES + (s)))
-#define BAR_EMPTY_K(s) (bar + 8 * (2 * Q_BUFFERS + 2 * STAGES + (s)))
-#define BAR_EMPTY_V(s) (bar + 8 * (2 * Q_BUFFERS + 3 * STAGES + (s)))
+    // mbarriers: [q_full[Q], q_empty[Q], full_k[S], full_v[S], empty_k[S], empty_v[S]], addressed
+    // from base with constant offsets (a register holding their base was spilled in the D = 128
+    // causal key-padding build once the warpgroup index below became uniform)
+#define BARS (base + OFF_BAR)
+#define BAR_Q_FULL(q) (BARS + 8 * (q))
+#define BAR_Q_EMPTY(q) (BARS + 8 * (Q_BUFFERS + (q)))
+#define BAR_FULL_K(s) (BARS + 8 * (2 * Q_BUFFERS + (s)))
+#define BAR_FULL_V(s) (BARS + 8 * (2 * Q_BUFFERS + STAGES + (s)))
+#define BAR_EMPTY_K(s) (BARS + 8 * (2 * Q_BUFFERS + 2 * STAGES + (s)))
+#define BAR_EMPTY_V(s) (BARS + 8 * (2 * Q_BUFFERS + 3 * STAGES + (s)))
 #define Q_SLOT(q) (base + OFF_Q + (q) * Q_BYTES)
     float* bias_ring = reinterpret_cast<float*>(smem_raw + (base + OFF_BIAS - raw));
     (void)bias_ring;
@@ -499,7 +504,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     const int n_tiles = num_m * BH;
     (void)n_tiles;
     const int causal_off = Sk - Sq;
-    const int wg = threadIdx.x / 128;
+    // warpgroup index, broadcast from lane 0 so that ptxas knows it is warp-uniform (without it,
+    // values derived from it -- Q offsets, row limits -- were per-thread, and each branch on them
+    // a divergent one: README "Tuning" 18)
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
     if (threadIdx.x == 0) {
         for (int q = 0; q < Q_BUFFERS; ++q) {
             mbar_init(BAR_Q_FULL(q), 128);

@@ -47,6 +47,8 @@ CASES = [
     # causal D = 64 from Sq = 4096 on: the third consumer warpgroup joins (SQ_THREE), 192-row tiles
     (1, 2, 1, 4100, 4100, 64, 1, None, "bfloat16", None),
     (1, 2, 2, 4200, 4400, 64, 1, (), "float16", None),
+    # causal D = 64 with Sk < Sq: whole tiles and single warpgroups of dead rows (-> 0)
+    (2, 4, 2, 700, 450, 64, 1, None, "float16", None),
 ]
 
 
@@ -98,6 +100,7 @@ SM90_VARIANTS = [
     dict(num_stages=3, q_buffers=1), dict(num_stages=4, q_buffers=2), dict(lazy_rescale=False),
     dict(lazy_rescale=False, q_buffers=1, num_stages=3),
     dict(block_m=192, num_warps=16), dict(block_m=192, num_warps=16, num_stages=4, lazy_rescale=False),
+    dict(block_m=128, num_warps=12),
 ]
 
 
