@@ -380,6 +380,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--seqs", default=",".join(map(str, SEQS)))
     ap.add_argument("--dims", default=",".join(map(str, DIMS)))
+    ap.add_argument("--causal", default="0,1", help="main table: causal values to run (0, 1 or 0,1)")
     ap.add_argument("--no-jit", action="store_true")
     ap.add_argument("--tuned-from", metavar="SWEEP_JSON",
                     help="use the best config per (D, causal) of a --sweep run (else launch.py's)")
@@ -475,7 +476,7 @@ def main(argv=None):
                                    configs={k: v[0] for k, v in chosen.items()}, variants=variants))
     for dtype in dtypes:
         for D in dims:
-            for causal in (0, 1):
+            for causal in (int(c) for c in args.causal.split(",")):
                 cfg, runner = pick(D, causal)
                 for S in (int(s) for s in args.seqs.split(",")):
                     rows.append(run_shape(runner, dtype, S, D, causal, cfg, jit=not args.no_jit,
@@ -483,7 +484,7 @@ def main(argv=None):
                                           rounds=args.rounds, variants=variants))
                     print_table(rows[-1:])
                     sys.stdout.flush()
-    for D in [int(d) for d in args.mask_dims.split(",")]:
+    for D in [int(d) for d in args.mask_dims.split(",") if d]:  # "": no mask rows
         for bias in ("scalar", "keypad"):  # what a plugin with a mask input costs
             for causal in (0, 1):
                 cfg, runner = pick(D, causal)
