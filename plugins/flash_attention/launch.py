@@ -59,11 +59,12 @@ class FAConfig:
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
 #: defaults there (query rows per CTA: 128 = two consumer warpgroups, 192 = three; K/V ring depth;
 #: turn-taking; Q buffers); None would keep the Triton kernel. H200, same run, interleaved rounds
-#: (README "CUDA kernel", runs 18-19): 1.01-1.81x the Triton kernel on every benchmark shape but
-#: causal D = 64 at S = 512 (0.98-1.0x). Three consumer warpgroups at D = 64: +3-18 % non-causal
+#: (README "CUDA kernel", run 22): 1.03-1.78x the Triton kernel on every benchmark shape (least:
+#: causal D = 64 at S = 512). Three consumer warpgroups at D = 64: +3-18 % non-causal
 #: (run 17); causal, they pay from S = 4096 (+7-13 %) but cost 27 % at S = 512 (192-row tiles waste
 #: a third of the diagonal block), so that kernel uses the third warpgroup only from Sq >= 4096
-#: (kernel_sm90.cu SQ_THREE, decided at run time). With key padding three warpgroups are not
+#: (kernel_sm90.cu SQ_THREE, decided at run time; with per-warpgroup key ranges, three at every S
+#: measured 0.86x at S = 512, README "Tuning" 20). With key padding three warpgroups are not
 #: measured. Two Q buffers also enable the staged (16-byte store) epilogue.
 SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool, int] | None] = {
     (64, False, False): (192, 3, True, 2),
