@@ -399,6 +399,8 @@ def main(argv=None):
                          "overrides, in the same rounds (e.g. \"lazy_rescale=0;num_stages=3,pingpong=0\"); "
                          "implies --arch 90")
     args = ap.parse_args(argv)
+    if not set(args.causal.split(",")) <= {"0", "1"}:
+        ap.error(f"--causal {args.causal!r}: give 0, 1 or 0,1")
     variants = parse_variants(args.variants)
     if variants:
         args.arch = 90

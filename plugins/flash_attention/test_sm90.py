@@ -157,3 +157,6 @@ def test_bench_variants():
     at64 = dict(bench.variant_configs("bfloat16", 64, True, variants))
     assert at64["block_m=192,num_warps=16"].block_m == 192 and not at64["lazy_rescale=0"].lazy_rescale
     assert bench.variant_configs("float32", 64, True, variants) == []  # no CUDA kernel for fp32
+    with pytest.raises(SystemExit) as exc:  # a usage error, before any GPU work
+        bench.main(["--causal", "2"])
+    assert exc.value.code == 2
