@@ -135,14 +135,9 @@ def build_sources(sweep: bool = True, tests: bool = True, configs: dict | None =
         cfg = (configs or {}).get((D, causal))
         B, H = shape_of(4096, D)
         for a in {None, arch}:
-            for bshape in (None, (), (B, 1, 1, 4096)):
+            for bshape in (None, (), (B, 1, 1, 4096)):  # with arch 90: the CUDA kernel where it applies
                 s, _ = source_for(dtype, 4096, D, causal, cfg, bshape, arch=a)
                 srcs[s.name] = s
-                if a == 90 and cfg is None and L.sm90_eligible(dtype, D, L.bias_pattern(bshape), 1.0, 90):
-                    s, _ = source_for(dtype, 4096, D, causal,
-                                      L.sm90_config(D, causal, keypad=L.is_keypad(L.bias_pattern(bshape))),
-                                      bshape, arch=90)
-                    srcs[s.name] = s
         for _, vcfg in variant_configs(dtype, D, causal, variants):
             s, _ = source_for(dtype, 4096, D, causal, vcfg, arch=90)
             srcs[s.name] = s
@@ -489,9 +484,7 @@ def main(argv=None):
     for D in [int(d) for d in args.mask_dims.split(",") if d]:  # "": no mask rows
         for bias in ("scalar", "keypad"):  # what a plugin with a mask input costs
             for causal in (0, 1):
-                cfg, runner = pick(D, causal)
-                if args.arch == 90 and cfg is None:  # the CUDA kernel vs the Triton one on masks
-                    cfg = L.sm90_config(D, causal, keypad=bias == "keypad")
+                cfg, runner = pick(D, causal)  # with --arch 90: the CUDA kernel, the Triton one beside it
                 rows.append(run_shape(runner, "bfloat16", 4096, D, causal, cfg, bias=bias, sdpa=False,
                                       jit=False, arch=args.arch, triton_too=args.arch is not None,
                                       rounds=args.rounds))
