@@ -130,7 +130,7 @@ def sm90_eligible(dtype: str, head_dim: int, pattern: tuple[int, int, int, int] 
             and scale > 0 and (pattern is None or pattern[1:3] == (0, 0)))
 
 
-def choose_config(dtype: Any, head_dim: int, causal: bool, has_bias: bool = False, *,
+def choose_config(dtype: Any, head_dim: int, causal: bool, *,
                   arch: int | None = None, pattern: tuple[int, int, int, int] | None = None,
                   scale: float = 1.0) -> FAConfig:
     """The config for a specialization. ``arch`` is the target (None: unknown, so the portable
@@ -210,7 +210,7 @@ def _head_dim(static_shape: dict) -> int:
 def _config_for(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
                 static_shape: dict | None) -> FAConfig:
     arch = (static_shape or {}).get("arch")
-    return choose_config(dtype, head_dim, causal, pattern is not None and any(pattern),
+    return choose_config(dtype, head_dim, causal,
                          arch=None if arch is None else int(arch), pattern=pattern, scale=scale)
 
 
@@ -293,7 +293,7 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     scale = float(attrs["scale"])
     causal = bool(int(attrs.get("causal", 0) or 0))
     pattern = bias_pattern(static_shape.get("bias_shape"))
-    has_bias = pattern is not None and any(pattern)
+    has_bias = is_keypad(pattern)
     scalar_bias = pattern is not None and not any(pattern)
     cfg = config or _config_for(dtype, head_dim, causal, pattern, scale, static_shape)
     if cfg.impl == "sm90":
