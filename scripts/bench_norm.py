@@ -83,9 +83,12 @@ def parse_args():
 
 
 def short(cfg) -> str:
-    """``RMSConfig(vec=8, tpr=32, rpb=4, iters=1, stcs=False)`` -> ``vec=8 tpr=32 rpb=4 iters=1``."""
+    """``RMSConfig(vec=8, tpr=32, rpb=4, iters=1, stcs=False, minb=0)`` -> ``vec=8 tpr=32 rpb=4 iters=1``
+    (fields left at False, 0 or '', which mean "off", are dropped)."""
     items = re.sub(r"^\w+\((.*)\)$", r"\1", str(cfg)).split(", ")
-    return " ".join(i.split("=")[0] if i.endswith("=True") else i for i in items if not i.endswith("=False"))
+    return " ".join(
+        i.split("=")[0] if i.endswith("=True") else i for i in items if not i.endswith(("=False", "=0", "=''"))
+    )
 
 
 def load_baselines(specs):
