@@ -154,6 +154,51 @@ typedef unsigned short u16;
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+// PROFILE 1: every warp adds the SM clock cycles it spends in each phase of its loop to counters
+// written to a second output, u32 [grid, warps per CTA, PR_N] (scripts/profile_attention.py).
+// Development only: the clock reads cost a few cycles each and constrain instruction scheduling.
+#ifndef PROFILE
+#define PROFILE 0
+#endif
+enum {
+    PR_WAIT_Q,   // consumer: Q tile landed / producer: Q slot free
+    PR_WAIT_KV,  // consumer: K / V tile landed / producer: ring slot free
+    PR_FENCE,    // consumer: fence.proxy.async after the K / V waits
+    PR_TURN,     // consumer: waiting for its turn to issue MMAs (pingpong)
+    PR_ISSUE,    // consumer: issuing wgmmas / producer: issuing cp.async
+    PR_PASS,     // consumer: handing the turn on (pingpong)
+    PR_WAIT_S,   // consumer: S = Q K^T not yet done
+    PR_SOFTMAX,  // consumer: mask + online softmax of a block
+    PR_WAIT_PV,  // consumer: O += P V not yet done
+    PR_POST,     // consumer: rescale O, pack P, tile bookkeeping
+    PR_EPI,      // consumer: epilogue (normalize, store O)
+    PR_TOTAL,    // cycles from the role split to the end
+    PR_TILES,    // tiles (count)
+    PR_BLOCKS,   // key blocks (count)
+    PR_N
+};
+#if PROFILE
+__device__ __forceinline__ u32 clock32() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(r)::"memory");
+    return r;
+}
+#define PROF_DECL u32 prof_acc[PR_N] = {}; u32 prof_t = clock32(); const u32 prof_start = prof_t;
+#define PROF(ph) { const u32 t_ = clock32(); prof_acc[ph] += t_ - prof_t; prof_t = t_; }
+#define PROF_COUNT(ph) (++prof_acc[ph])
+#define PROF_STORE                                                                         \
+    if ((threadIdx.x & 31) == 0) {                                                         \
+        prof_acc[PR_TOTAL] = clock32() - prof_start;                                       \
+        u32* dst = Prof + ((long long)blockIdx.x * (NTHREADS / 32) + threadIdx.x / 32) * PR_N; \
+        for (int i_ = 0; i_ < PR_N; ++i_) dst[i_] = prof_acc[i_];                          \
+    }
+#else
+#define PROF_DECL
+#define PROF(ph)
+#define PROF_COUNT(ph)
+#define PROF_STORE
+#endif
+
 // ---- small PTX wrappers -------------------------------------------------------------------------
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;
@@ -478,7 +523,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #if BIAS_MODE != 0
     const void* __restrict__ Bias,
 #endif
-    int H, int Hkv, int Sq, int Sk, int num_tiles, u16* __restrict__ O) {
+    int H, int Hkv, int Sq, int Sk, int num_tiles, u16* __restrict__ O
+#if PROFILE
+    , u32* __restrict__ Prof
+#endif
+    ) {
     extern __shared__ unsigned char smem_raw[];
     const u32 raw = smem_addr(smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
@@ -563,6 +612,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     if (wg == 0) {
         // ================= producer warpgroup: per tile Q, then the K/V ring =================
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+        PROF_DECL
         const int ptid = threadIdx.x;
         int it = 0, tc = 0;  // K/V tiles and Q tiles loaded so far (ring positions and phases)
         TILE_LOOP {
@@ -571,17 +621,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             // With two Q buffers this tile's Q loads while the consumers still work on the previous
             // tile (one buffer: only after its last Q K^T, an exposed load per tile).
             const int qs = tc % Q_BUFFERS;
+            PROF(PR_POST)
             mbar_wait(BAR_Q_EMPTY(qs), ((tc / Q_BUFFERS) & 1) ^ 1);
+            PROF(PR_WAIT_Q)
             load_tile<BLOCK_M>(Q_SLOT(qs), Q + ((long long)bh * Sq + m0) * D, min(Sq - m0, bm), ptid);
             cp_async_arrive(BAR_Q_FULL(qs));
             ++tc;
+            PROF_COUNT(PR_TILES);
+            PROF(PR_ISSUE)
             const u16* k_g = K + (long long)kvh * Sk * D;
             const u16* v_g = V + (long long)kvh * Sk * D;
             for (int j = 0; j < n_blocks; ++j, ++it) {
                 const int s = it % STAGES;
                 const u32 ph = (it / STAGES) & 1;
                 const int kv0 = j * BLOCK_N;
+                PROF(PR_POST)
                 mbar_wait(BAR_EMPTY_K(s), ph ^ 1);  // a fresh barrier passes parity 1 at once
+                PROF(PR_WAIT_KV)
                 load_tile<BLOCK_N>(base + OFF_K + s * KV_BYTES, k_g + (long long)kv0 * D, Sk - kv0, ptid);
                 cp_async_arrive(BAR_FULL_K(s));
 #if BIAS_MODE == 2
@@ -595,17 +651,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     mbar_arrive(BAR_FULL_K(s));  // BLOCK_N == 128 == producer threads
                 }
 #endif
+                PROF(PR_ISSUE)
                 mbar_wait(BAR_EMPTY_V(s), ph ^ 1);
+                PROF(PR_WAIT_KV)
                 load_tile<BLOCK_N>(base + OFF_V + s * KV_BYTES, v_g + (long long)kv0 * D, Sk - kv0, ptid);
                 cp_async_arrive(BAR_FULL_V(s));
+                PROF_COUNT(PR_BLOCKS);
+                PROF(PR_ISSUE)
             }
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
+        PROF_STORE
     } else {
         // ================= consumer warpgroups: 64 query rows each =================
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
         const int cw = wg - 1;
         if (cw >= nc) return;  // a consumer warpgroup that sits out (ACTIVE_CONSUMERS)
+        PROF_DECL
         const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q4 = lane % 4;
         const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
         const u32 q_wg = cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
@@ -634,77 +696,104 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             if (n_blocks > 0) {
                 qs = tc % Q_BUFFERS;
                 const u32 q_tile = Q_SLOT(qs) + q_wg;
+                PROF(PR_POST)
                 mbar_wait(BAR_Q_FULL(qs), (tc / Q_BUFFERS) & 1);
+                PROF(PR_WAIT_Q)
                 ++tc;
                 // -- block 0: scores and softmax (nothing before it to overlap with) --
                 {
                     const int s0 = it % STAGES;
                     mbar_wait(BAR_FULL_K(s0), (it / STAGES) & 1);
+                    PROF(PR_WAIT_KV)
                     fence_proxy_async();
+                    PROF(PR_FENCE)
 #if PINGPONG
                     TURN_WAIT(cw);
 #endif
+                    PROF(PR_TURN)
                     wgmma_fence();
                     issue_qk(s, q_tile, base + OFF_K + s0 * KV_BYTES);
                     wgmma_commit();
+                    PROF(PR_ISSUE)
 #if PINGPONG
                     TURN_PASS(cw);
 #endif
+                    PROF(PR_PASS)
                     wgmma_wait<0>();
                     fence_regs(s);
+                    PROF(PR_WAIT_S)
                     if (!EPI_SMEM && n_blocks == 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));  // Q no longer read
                     if (0 >= n_clean) apply_mask(s, 0, lim0, lim1, q4);
                     softmax_block<true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(s0));
+                    PROF(PR_SOFTMAX)
                     pack_p(s, p);
+                    PROF_COUNT(PR_BLOCKS);
+                    PROF(PR_POST)
                 }
                 // -- steady state: issue S_j and O += P_{j-1} V_{j-1}; softmax S_j while PV runs --
                 for (int j = 1; j < n_blocks; ++j) {
                     const int sj = (it + j) % STAGES, sp = (it + j - 1) % STAGES;
                     mbar_wait(BAR_FULL_K(sj), ((it + j) / STAGES) & 1);
                     mbar_wait(BAR_FULL_V(sp), ((it + j - 1) / STAGES) & 1);
+                    PROF(PR_WAIT_KV)
                     fence_proxy_async();
+                    PROF(PR_FENCE)
 #if PINGPONG
                     TURN_WAIT(cw);
 #endif
+                    PROF(PR_TURN)
                     wgmma_fence();
                     issue_qk(s, q_tile, base + OFF_K + sj * KV_BYTES);
                     wgmma_commit();
                     issue_pv(o, p, base + OFF_V + sp * KV_BYTES);
                     wgmma_commit();
+                    PROF(PR_ISSUE)
 #if PINGPONG
                     TURN_PASS(cw);
 #endif
+                    PROF(PR_PASS)
                     wgmma_wait<1>();  // S_j ready; PV still running
                     fence_regs(s);
+                    PROF(PR_WAIT_S)
                     if (!EPI_SMEM && j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));
                     if (j >= n_clean) apply_mask(s, j * BLOCK_N, lim0, lim1, q4);
                     const bool resc =
                         softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
+                    PROF(PR_SOFTMAX)
                     wgmma_wait<0>();  // PV done: O and the P registers are free
                     fence_regs(o);
                     fence_regs(p);
+                    PROF(PR_WAIT_PV)
                     mbar_arrive_warp(BAR_EMPTY_V(sp));
                     if (resc) rescale(o, a0, a1);
                     pack_p(s, p);
+                    PROF_COUNT(PR_BLOCKS);
+                    PROF(PR_POST)
                 }
                 // -- tail: the last block's O += P V --
                 {
                     const int sp = (it + n_blocks - 1) % STAGES;
                     mbar_wait(BAR_FULL_V(sp), ((it + n_blocks - 1) / STAGES) & 1);
+                    PROF(PR_WAIT_KV)
                     fence_proxy_async();
+                    PROF(PR_FENCE)
 #if PINGPONG
                     TURN_WAIT(cw);
 #endif
+                    PROF(PR_TURN)
                     wgmma_fence();
                     issue_pv(o, p, base + OFF_V + sp * KV_BYTES);
                     wgmma_commit();
+                    PROF(PR_ISSUE)
 #if PINGPONG
                     TURN_PASS(cw);
 #endif
+                    PROF(PR_PASS)
                     wgmma_wait<0>();
                     fence_regs(o);
+                    PROF(PR_WAIT_PV)
                     mbar_arrive_warp(BAR_EMPTY_V(sp));
                 }
                 it += n_blocks;
@@ -768,9 +857,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                             pack2(fmaf(o[4 * n + 2], inv1, add), fmaf(o[4 * n + 3], inv1, add));
                 }
             }
+            PROF_COUNT(PR_TILES);
+            PROF(PR_EPI)
         }
 #if PINGPONG
         if (cw == 0) named_sync(1);  // consume the last warpgroup's final hand-over
 #endif
+        PROF_STORE
     }
 }

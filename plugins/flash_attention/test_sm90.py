@@ -160,3 +160,41 @@ def test_bench_variants():
     with pytest.raises(SystemExit) as exc:  # a usage error, before any GPU work
         bench.main(["--causal", "2"])
     assert exc.value.code == 2
+
+
+def _profile_module():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "profile_attention.py"
+    spec = importlib.util.spec_from_file_location("_profile_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_script_phases_and_summary():
+    """scripts/profile_attention.py: its phase names are the kernel's PR_* counters, the profiled
+    source only adds PROFILE and the second output, and the shares add up per role."""
+    np = pytest.importorskip("numpy")
+    prof = _profile_module()
+    names = prof.phase_names()
+    assert "N" not in names and {"TOTAL", "TILES", "BLOCKS"} <= set(names)
+    assert set(prof.CONSUMER_PHASES) <= set(names) and set(prof.PRODUCER_PHASES) <= set(names)
+    assert len(names) == len(set(names)) == 14
+    src = L.kernel_config(OP, "bfloat16", _attrs(64, 1), {"head_dim": 64, "arch": 90})
+    p = prof.profiled(src)
+    assert p.defines == {**src.defines, "PROFILE": "1"} and p.n_outputs == 2 and src.n_outputs == 1
+    # 2 CTAs x 8 warps (4 producer, 4 consumer); consumer warp 7 of CTA 1 sat out (all zero)
+    c = np.zeros((2, 8, len(names)))
+    i = {n: k for k, n in enumerate(names)}
+    c[:, :4, i["TOTAL"]], c[:, :4, i["WAIT_KV"]], c[:, :4, i["ISSUE"]] = 100, 60, 30
+    c[:, 4:, i["TOTAL"]], c[:, 4:, i["SOFTMAX"]], c[:, 4:, i["TURN"]] = 200, 120, 50
+    c[:, 4:, i["TILES"]], c[:, 4:, i["BLOCKS"]] = 2, 5
+    c[1, 7, :] = 0
+    share = prof.summarize(c, names, 8)
+    assert share["producer"]["WAIT_KV"] == pytest.approx(0.6) and share["producer"]["other"] == pytest.approx(0.1)
+    assert share["consumer"]["SOFTMAX"] == pytest.approx(0.6) and share["consumer"]["TURN"] == pytest.approx(0.25)
+    assert share["consumer"]["blocks_per_tile"] == pytest.approx(2.5)
+    assert share["consumer"]["cycles_per_warp"] == pytest.approx(200)
+    assert prof.parse_shapes("512:64:1,4096:128:0") == [(512, 64, 1), (4096, 128, 0)]
+    for bad in ("512:64", "512:96:0", "500:64:0", "512:64:2", "x:64:0"):
+        with pytest.raises(ValueError):
+            prof.parse_shapes(bad)
