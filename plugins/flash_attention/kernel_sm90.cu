@@ -146,7 +146,19 @@ typedef unsigned short u16;
 #define OFF_Q 0                          // Q_BUFFERS Q tiles: the next tile's Q loads early
 #define OFF_K (OFF_Q + Q_BUFFERS * Q_BYTES)
 #define OFF_V (OFF_K + STAGES * KV_BYTES)
-#define OFF_BIAS (OFF_V + STAGES * KV_BYTES)
+// Row sums on the tensor cores (ONES_SUM, D = 64 only): O += P V runs with N = 72, the 8 extra
+// columns of "V" a constant tile of ones after the V ring, so O's 4 extra accumulators per thread
+// are its two rows' sums of p (of the 16-bit p that P V multiplies), and the softmax drops its
+// add per score.
+#ifndef ONES_SUM
+#define ONES_SUM 0
+#endif
+#if ONES_SUM && HEAD_DIM != 64
+#error "ONES_SUM only at D = 64 (the ones columns must fit m64n72)"
+#endif
+#define O_REGS (D / 2 + (ONES_SUM ? 4 : 0))
+#define OFF_ONES (OFF_V + STAGES * KV_BYTES)
+#define OFF_BIAS (OFF_ONES + (ONES_SUM ? BLOCK_N * 128 : 0))
 #define OFF_BAR (OFF_BIAS + (BIAS_MODE == 2 ? STAGES * BIAS_STAGE_BYTES : 0))
 #define N_BARS (2 * Q_BUFFERS + 4 * STAGES)
 // + 1024: the dynamic shared memory base is aligned up to 1024 bytes at run time.
@@ -347,6 +359,18 @@ __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const u32 (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
 }
 
+// d += A[64 x 16] (registers) @ B[16 x 72] (smem, N-major: imm-trans-b = 1; columns 64-71 from
+// the chunk at the descriptor's leading byte offset: the ones tile).
+#define ACC_REGS_36 ACC_REGS_32 ", %32, %33, %34, %35"
+__device__ __forceinline__ void wgmma_rs_n72(float (&d)[36], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n72k16.f32." WG_TY "." WG_TY " {" ACC_REGS_36
+        "}, {%36, %37, %38, %39}, %40, p, 1, 1, 1;\n}\n"
+        : ACC_OPS_32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+
 // d += A[64 x 16] (registers) @ B[16 x 128] (smem, N-major: imm-trans-b = 1).
 __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
     asm volatile(
@@ -454,12 +478,17 @@ __device__ __forceinline__ bool softmax_block(float (&s)[64], float& m0, float& 
         s[4 * n + 1] = ex2(fmaf(s[4 * n + 1], sc, -ms0));
         s[4 * n + 2] = ex2(fmaf(s[4 * n + 2], sc, -ms1));
         s[4 * n + 3] = ex2(fmaf(s[4 * n + 3], sc, -ms1));
-        sum0 += s[4 * n + 0] + s[4 * n + 1];
-        sum1 += s[4 * n + 2] + s[4 * n + 3];
+        if (!ONES_SUM) {
+            sum0 += s[4 * n + 0] + s[4 * n + 1];
+            sum1 += s[4 * n + 2] + s[4 * n + 3];
+        }
     }
-    // per-thread partial row sums; the quad reduction happens once, in the epilogue
-    l0 = FIRST ? sum0 : fmaf(l0, alpha0, sum0);
-    l1 = FIRST ? sum1 : fmaf(l1, alpha1, sum1);
+    // per-thread partial row sums; the quad reduction happens once, in the epilogue (ONES_SUM:
+    // the tensor cores sum, in O's extra columns)
+    if (!ONES_SUM) {
+        l0 = FIRST ? sum0 : fmaf(l0, alpha0, sum0);
+        l1 = FIRST ? sum1 : fmaf(l1, alpha1, sum1);
+    }
     return !keep;
 }
 
@@ -501,12 +530,15 @@ __device__ __forceinline__ void issue_qk(float (&s)[64], u32 q_s, u32 k_s) {
 }
 
 // O += P V: BLOCK_N / 16 wgmmas over the keys; V is N-major (head dim contiguous).
-__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const u32 (&p)[8][4], u32 v_s) {
+// lbo: from V's first 64-column chunk to its second (D = 128) or to the ones tile (ONES_SUM).
+__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[8][4], u32 v_s, u32 lbo = BLOCK_N * 128) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        const u64 db = make_desc(v_s + kk * 16 * 128, BLOCK_N * 128, 1024);
+        const u64 db = make_desc(v_s + kk * 16 * 128, lbo, 1024);
 #if HEAD_DIM == 128
         wgmma_rs_n128(o, p[kk], db);
+#elif ONES_SUM
+        wgmma_rs_n72(o, p[kk], db);
 #else
         wgmma_rs_n64(o, p[kk], db);
 #endif
@@ -542,6 +574,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #define BAR_EMPTY_K(s) (BARS + 8 * (2 * Q_BUFFERS + 2 * STAGES + (s)))
 #define BAR_EMPTY_V(s) (BARS + 8 * (2 * Q_BUFFERS + 3 * STAGES + (s)))
 #define Q_SLOT(q) (base + OFF_Q + (q) * Q_BYTES)
+#if ONES_SUM
+#define PV_LBO(stage) ((u32)(OFF_ONES - OFF_V - (stage) * KV_BYTES))  // V stage -> the ones tile
+#else
+#define PV_LBO(stage) (BLOCK_N * 128)
+#endif
     float* bias_ring = reinterpret_cast<float*>(smem_raw + (base + OFF_BIAS - raw));
     (void)bias_ring;
 
@@ -570,6 +607,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+#if ONES_SUM
+    // the ones tile: row r's 16-byte unit 0 of its 128-byte swizzle row (what an n72 wgmma reads)
+    for (int r = threadIdx.x; r < BLOCK_N; r += NTHREADS) {
+        const u32 one2 = OPTFUSE_DTYPE == 1 ? 0x3C003C00u : 0x3F803F80u;
+        *reinterpret_cast<uint4*>(smem_raw + (base + OFF_ONES - raw) + r * 128 + ((r & 7) << 4)) =
+            make_uint4(one2, one2, one2, one2);
+    }
+    fence_proxy_async();
+#endif
     __syncthreads();
 
     // Tile order: no dynamic scheduler (it would need a global counter, and QDP kernels get no
@@ -685,9 +731,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             int n_clean = Sk / BLOCK_N;
             if (CAUSAL) n_clean = min(n_clean, max(m0 + causal_off + 1, 0) / BLOCK_N);
 
-            float o[D / 2];
+            float o[O_REGS];
 #pragma unroll
-            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
             float s[64];
             u32 p[8][4];
             float m_0 = NEG_INF, m_1 = NEG_INF, l0 = 0.f, l1 = 0.f, a0, a1;
@@ -746,7 +792,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     wgmma_fence();
                     issue_qk(s, q_tile, base + OFF_K + sj * KV_BYTES);
                     wgmma_commit();
-                    issue_pv(o, p, base + OFF_V + sp * KV_BYTES);
+                    issue_pv(o, p, base + OFF_V + sp * KV_BYTES, PV_LBO(sp));
                     wgmma_commit();
                     PROF(PR_ISSUE)
 #if PINGPONG
@@ -784,7 +830,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #endif
                     PROF(PR_TURN)
                     wgmma_fence();
-                    issue_pv(o, p, base + OFF_V + sp * KV_BYTES);
+                    issue_pv(o, p, base + OFF_V + sp * KV_BYTES, PV_LBO(sp));
                     wgmma_commit();
                     PROF(PR_ISSUE)
 #if PINGPONG
@@ -800,8 +846,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             }
 
             // -- epilogue: normalise; rows with no visible key (l = 0) give 0 --
+#if ONES_SUM
+            l0 = o[D / 2];
+            l1 = o[D / 2 + 2];
+#else
             l0 = quad_sum(l0);
             l1 = quad_sum(l1);
+#endif
             float inv0 = l0 == 0.f ? 0.f : 1.f / l0;
             float inv1 = l1 == 0.f ? 0.f : 1.f / l1;
             float add = 0.f;

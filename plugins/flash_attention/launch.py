@@ -54,12 +54,15 @@ class FAConfig:
     impl: str = "triton"
     pingpong: bool = True  # sm90: the two consumer warpgroups take turns issuing their MMAs
     q_buffers: int = 2  # sm90: Q tiles in shared memory (2: the next tile's Q loads early)
+    #: sm90, D = 64: row sums of p on the tensor cores (P V with 8 extra columns of ones; the
+    #: default there, sm90_config)
+    ones_sum: bool = False
 
 
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
 #: defaults there (query rows per CTA: 128 = two consumer warpgroups, 192 = three; K/V ring depth;
 #: turn-taking; Q buffers); None would keep the Triton kernel. H200, same run, interleaved rounds
-#: (README "CUDA kernel", run 22): 1.03-1.78x the Triton kernel on every benchmark shape (least:
+#: (README "CUDA kernel", run 29): 1.03-1.79x the Triton kernel on every benchmark shape (least:
 #: causal D = 64 at S = 512). Three consumer warpgroups at D = 64: +3-18 % non-causal
 #: (run 17); causal, they pay from S = 4096 (+7-13 %) but cost 27 % at S = 512 (192-row tiles waste
 #: a third of the diagonal block), so that kernel uses the third warpgroup only from Sq >= 4096
@@ -89,14 +92,16 @@ def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
     """The CUDA kernel's config: 128 x 128 tiles with 3 warpgroups (producer + 2 consumers) or, at
     D = 64, 192 x 128 with 4; a K/V ring of ``stages`` (D = 128: 2-3 fit in shared memory; D = 64:
     2-4); unset fields from SM90_DEFAULTS. Lazy rescaling is on by default (README "CUDA kernel",
-    runs 14-15: +1-3 % at D = 64 and for causal D = 128, neutral elsewhere)."""
+    runs 14-15: +1-3 % at D = 64 and for causal D = 128, neutral elsewhere), and at D = 64 the row
+    sums come from the tensor cores (``ones_sum``; run 28: 1.00-1.06x, never slower)."""
     d_bm, d_stages, d_pp, d_qb = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
                                   or SM90_DEFAULTS.get((head_dim, bool(causal), True))
                                   or (128, 2 if head_dim > 64 else 3, True, 2))
     bm = d_bm if block_m is None else block_m
     return FAConfig(bm, 128, 4 * (bm // 64 + 1), d_stages if stages is None else stages, impl="sm90",
                     pingpong=d_pp if pingpong is None else pingpong,
-                    q_buffers=d_qb if q_buffers is None else q_buffers, lazy_rescale=lazy_rescale)
+                    q_buffers=d_qb if q_buffers is None else q_buffers, lazy_rescale=lazy_rescale,
+                    ones_sum=head_dim == 64)
 
 
 # Tuned on the H200 (README "Tuning"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
@@ -219,11 +224,12 @@ _DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
     """Dynamic shared memory of kernel_sm90.cu (its SMEM_BYTES): the Q tiles, the K/V ring, the
-    key bias ring, the mbarriers, and 1024 bytes to align the base."""
+    ones tile (ones_sum), the key bias ring, the mbarriers, and 1024 bytes to align the base."""
     q = cfg.block_m * head_dim * 2
     kv = cfg.block_n * head_dim * 2
     bias = cfg.num_stages * cfg.block_n * 4 if bias_mode == 2 else 0
-    return (cfg.q_buffers * q + 2 * cfg.num_stages * kv + bias
+    ones = cfg.block_n * 128 if cfg.ones_sum else 0
+    return (cfg.q_buffers * q + 2 * cfg.num_stages * kv + bias + ones
             + 8 * (2 * cfg.q_buffers + 4 * cfg.num_stages) + 1024)
 
 
@@ -250,6 +256,8 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
     if cfg.block_m == 192 and head_dim != 64:
         raise ValueError(f"FlashAttention sm90 kernel: three consumer warpgroups (block_m 192) only at "
                          f"head_dim 64, not {head_dim}")
+    if cfg.ones_sum and head_dim != 64:
+        raise ValueError(f"FlashAttention sm90 kernel: ones_sum only at head_dim 64, not {head_dim}")
     mode = _sm90_bias_mode(pattern)
     scale_log2 = scale * 1.4426950408889634
     defines = {
@@ -260,12 +268,14 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         "STAGES": str(cfg.num_stages), "PINGPONG": str(int(cfg.pingpong)),
         "Q_BUFFERS": str(cfg.q_buffers), "LAZY_RESCALE": "8" if cfg.lazy_rescale else "0",
         "CONSUMERS": str(cfg.block_m // 64),
+        **({"ONES_SUM": "1"} if cfg.ones_sum else {}),
     }
     return KernelSource(
         name=_source_name(dtype, head_dim, causal, pattern, scale,
                           f"sm90{'m192' if cfg.block_m == 192 else ''}s{cfg.num_stages}q{cfg.q_buffers}"
                           f"{'p' if cfg.pingpong else ''}"
-                          f"{'l' if cfg.lazy_rescale else ''}"),
+                          f"{'l' if cfg.lazy_rescale else ''}"
+                          f"{'o' if cfg.ones_sum else ''}"),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,

@@ -101,7 +101,14 @@ SM90_VARIANTS = [
     dict(lazy_rescale=False, q_buffers=1, num_stages=3),
     dict(block_m=192, num_warps=16), dict(block_m=192, num_warps=16, num_stages=4, lazy_rescale=False),
     dict(block_m=128, num_warps=12),
+    dict(ones_sum=False), dict(ones_sum=False, block_m=128, num_warps=12),
 ]
+
+
+def variant_applies(variant: dict, head_dim: int) -> bool:
+    """Three consumer warpgroups (block_m 192) and the choice of row sums (ones_sum: on the tensor
+    cores, the D = 64 default) exist at D = 64 only."""
+    return head_dim == 64 or (variant.get("block_m") != 192 and "ones_sum" not in variant)
 
 
 @pytest.mark.parametrize("variant", SM90_VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
@@ -111,8 +118,8 @@ def test_sm90_variants(case, variant, seed):
     if not torch.cuda.is_available() or _device_arch() != 90:
         pytest.skip("needs an sm_90 device")
     D = case[5]
-    if variant.get("block_m") == 192 and D != 64:
-        pytest.skip("three consumer warpgroups (block_m 192) only at D = 64")
+    if not variant_applies(variant, D):
+        pytest.skip("three consumer warpgroups (block_m 192) and ones_sum only at D = 64")
     cfg = dataclasses.replace(L.sm90_config(D, case[6]), **variant)
     if L.sm90_shared_mem(D, cfg, 2) > 227 * 1024:
         pytest.skip(f"{cfg.num_stages} stages of D = {D} tiles exceed shared memory")

@@ -2,6 +2,7 @@
 parameters (symbolic too), NVRTC compiles for sm_90a (wgmma, setmaxnreg, no local memory), and the
 benchmark's ``--variants`` of it."""
 
+import dataclasses
 import importlib.util
 import re
 import shutil
@@ -101,17 +102,20 @@ def _cuobjdump():
         return None
 
 
-@pytest.mark.parametrize("dtype,D,causal,bias", [
-    ("bfloat16", 128, 0, None),
-    ("float16", 128, 1, (-1, 1, 1, -1)),
-    ("bfloat16", 64, 1, ()),
-    ("float16", 64, 0, (1, 1, 1, -1)),
-    ("bfloat16", 64, 0, None),  # three consumer warpgroups (160 registers each): no spills either
+@pytest.mark.parametrize("dtype,D,causal,bias,ones_sum", [
+    ("bfloat16", 128, 0, None, False),
+    ("float16", 128, 1, (-1, 1, 1, -1), False),
+    ("bfloat16", 64, 1, (), True),  # D = 64: row sums on the tensor cores (m64n72 P V), the default
+    ("float16", 64, 0, (1, 1, 1, -1), True),
+    ("bfloat16", 64, 0, None, True),  # three consumer warpgroups (160 registers each): no spills either
+    ("float16", 64, 1, (-1, 1, 1, -1), False),  # the plain row sums, still a variant
+    ("bfloat16", 64, 0, None, False),
 ])
-def test_sm90a_compile(tmp_path, dtype, D, causal, bias):
+def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum):
     pytest.importorskip("cuda.bindings.nvrtc")
+    cfg = dataclasses.replace(L.sm90_config(D, causal), ones_sum=ones_sum)
     src = L.kernel_config(OP, dtype, _attrs(D, causal), {"head_dim": D, "bias_shape": bias, "arch": 90},
-                          config=L.sm90_config(D, causal))
+                          config=cfg)
     art = KernelCache(tmp_path).build(src, 90)
     assert art.arch == 90 and art.arch_suffix == "a" and art.cubin
     # QDP order: q, k, v[, bias] pointers, H, Hkv, Sq, Sk, num_tiles, o; no scratch pointers
@@ -131,6 +135,7 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias):
         assert "STACK:0" in res and "LOCAL:0" in res, res
         sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
         assert "HGMMA.64x128x16.F32" in sass
+        assert ("HGMMA.64x72x16.F32" in sass) == ones_sum
         assert "USETMAXREG" in sass
 
 
@@ -198,3 +203,18 @@ def test_profile_script_phases_and_summary():
     for bad in ("512:64", "512:96:0", "500:64:0", "512:64:2", "x:64:0"):
         with pytest.raises(ValueError):
             prof.parse_shapes(bad)
+
+
+def test_ones_sum_only_at_d64():
+    cfg = dataclasses.replace(L.sm90_config(128, False), ones_sum=True)
+    with pytest.raises(ValueError, match="ones_sum only at head_dim 64"):
+        L.kernel_config(OP, "bfloat16", _attrs(128), {"head_dim": 128, "arch": 90}, config=cfg)
+    c64 = L.sm90_config(64, True)
+    assert c64.ones_sum and not L.sm90_config(128, True).ones_sum  # the D = 64 default
+    src = L.kernel_config(OP, "bfloat16", _attrs(64, 1), {"head_dim": 64, "arch": 90})
+    assert src.defines["ONES_SUM"] == "1" and src.name.endswith("o")
+    # the ones tile (128 rows of 128 bytes) counts in the shared memory the launch asks for
+    off = dataclasses.replace(c64, ones_sum=False)
+    assert L.sm90_shared_mem(64, c64, 0) == L.sm90_shared_mem(64, off, 0) + 128 * 128
+    assert "ONES_SUM" not in L.kernel_config(OP, "bfloat16", _attrs(64, 1), {"head_dim": 64, "arch": 90},
+                                             config=off).defines
