@@ -31,7 +31,9 @@
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
 // SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES (K/V ring depth), PINGPONG, Q_BUFFERS (1|2),
 // EPI_SMEM (the staged epilogue; default with two Q buffers), LAZY_RESCALE (0 or the stale-max
-// margin, log2 units; 8 by default in launch.py). Needs sm_90a (wgmma, setmaxnreg).
+// margin, log2 units; 8 by default in launch.py), ONES_SUM (D = 64: the rows' sums of p from the
+// tensor cores; on by default there), PROFILE (per-phase cycle counters as a second output; for
+// scripts/profile_attention.py only). Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;

@@ -139,16 +139,17 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum):
         assert "USETMAXREG" in sass
 
 
-def _bench_module():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_attention.py"
-    spec = importlib.util.spec_from_file_location("_bench_attention", path)
+def _script(name):
+    """scripts/<name>.py as a module (the scripts folder is not a package)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_bench_variants():
-    bench = _bench_module()
+    bench = _script("bench_attention")
     variants = bench.parse_variants("lazy_rescale=0;block_m=192,num_warps=16")
     assert variants == [("lazy_rescale=0", {"lazy_rescale": False}),
                         ("block_m=192,num_warps=16", {"block_m": 192, "num_warps": 16})]
@@ -167,19 +168,11 @@ def test_bench_variants():
     assert exc.value.code == 2
 
 
-def _profile_module():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "profile_attention.py"
-    spec = importlib.util.spec_from_file_location("_profile_attention", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_profile_script_phases_and_summary():
     """scripts/profile_attention.py: its phase names are the kernel's PR_* counters, the profiled
     source only adds PROFILE and the second output, and the shares add up per role."""
     np = pytest.importorskip("numpy")
-    prof = _profile_module()
+    prof = _script("profile_attention")
     names = prof.phase_names()
     assert "N" not in names and {"TOTAL", "TILES", "BLOCKS"} <= set(names)
     assert set(prof.CONSUMER_PHASES) <= set(names) and set(prof.PRODUCER_PHASES) <= set(names)
