@@ -75,11 +75,9 @@ def _gpu_test_sources(arch=None):
         shapes = [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D), bias_shape]
         out.append(T.case_sources(dtype, shapes, attrs)[0])
         if arch == 90 and mod._sm90_applies(case):
-            cfgs = [L.sm90_config(D, causal)] + [dataclasses.replace(L.sm90_config(D, causal), **v)
-                                                 for v in mod.SM90_VARIANTS if mod.variant_applies(v, D)]
-            for cfg in cfgs:
-                if L.sm90_shared_mem(D, cfg, 2) <= L.SM90_SMEM_LIMIT:
-                    out.append(T.case_sources(dtype, shapes, attrs, config=cfg, arch=90)[0])
+            cfgs = [L.sm90_config(D, causal)] + [mod.variant_config(v, D, causal) for v in mod.SM90_VARIANTS]
+            for cfg in filter(None, cfgs):
+                out.append(T.case_sources(dtype, shapes, attrs, config=cfg, arch=90)[0])
     return out
 
 

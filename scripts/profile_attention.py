@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import re
 import sys
@@ -27,6 +28,17 @@ from optfuse.kernels.registry import plugin_module  # noqa: E402
 L = plugin_module("flash_attention", "launch")
 T = plugin_module("flash_attention", "testing")
 KERNEL = ROOT / "plugins" / "flash_attention" / "kernel_sm90.cu"
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("_bench_attention", ROOT / "scripts" / "bench_attention.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+#: the benchmark's shapes (shape_of, source_for: B * S = 16k tokens, H * D = 2048) and FLOP count
+BENCH = _bench_module()
 CONSUMER_PHASES = ("WAIT_Q", "WAIT_KV", "FENCE", "TURN", "ISSUE", "PASS", "WAIT_S", "SOFTMAX", "WAIT_PV", "POST", "EPI")
 PRODUCER_PHASES = ("WAIT_Q", "WAIT_KV", "ISSUE", "POST")
 
@@ -48,9 +60,9 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
         if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"bad --shapes item {item!r} (want S:D:causal, e.g. 512:64:1)")
         S, D, causal = map(int, parts)
-        if D not in L.SM90_HEAD_DIMS or causal not in (0, 1) or S < 1 or 16384 % S:
+        if D not in L.SM90_HEAD_DIMS or causal not in (0, 1) or S < 1 or BENCH.TOKENS % S:
             raise ValueError(f"--shapes {item!r}: D must be one of {L.SM90_HEAD_DIMS}, causal 0 or 1, "
-                             f"S a divisor of 16384")
+                             f"S a divisor of {BENCH.TOKENS}")
         out.append((S, D, causal))
     return out
 
@@ -103,13 +115,12 @@ def main() -> int:
     names = phase_names()
     results = []
     for S, D, causal in shapes:
-        B, H = 16384 // S, 2048 // D
+        B, H = BENCH.shape_of(S, D)
         cfg = L.sm90_config(D, causal)
         if args.block_m:
             cfg = dataclasses.replace(cfg, block_m=args.block_m, num_warps=4 * (args.block_m // 64 + 1))
         q, k, v, _ = T.random_inputs(B, H, H, S, S, D, args.dtype, device="cuda")
-        attrs = T.attrs_for(H, H, D, causal)
-        src, params = T.case_sources(args.dtype, [q.shape, k.shape, v.shape, None], attrs, config=cfg, arch=90)
+        src, params = BENCH.source_for(args.dtype, S, D, causal, cfg, arch=90)
         plain, prof = T.get_artifact(src, 90), build_kernel(profiled(src), 90)
         n_warps = prof.threads // 32
         out = torch.empty_like(q)
@@ -136,7 +147,7 @@ def main() -> int:
         launch(prof, params, [q, k, v], [out, counters], stream, sync=True)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
         err = (out.float() - ref.float()).abs().max().item()
-        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        flops = BENCH.flops(B, H, S, D, causal)
         share = summarize(counters.cpu().numpy().view("uint32"), names, n_warps)
         row = {"S": S, "D": D, "causal": causal, "dtype": args.dtype, "kernel": src.name,
                "tfs": flops / t_plain * 1e-9, "tfs_profiled": flops / t_prof * 1e-9, "max_abs_vs_sdpa": err, **share}
