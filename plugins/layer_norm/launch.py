@@ -1,4 +1,6 @@
-"""Kernel configs and launch parameters of the LayerNorm family (Triton kernels in kernel.py).
+"""Kernel configs and launch parameters of the LayerNorm family: Triton kernels (kernel.py) and,
+for short rows that a power-of-two Triton tile would pad, a CUDA C++ warp-per-row kernel
+(kernel_warp.cu).
 
 Per op (``LayerNorm``, ``SkipLayerNorm``):
 
@@ -21,12 +23,15 @@ from optfuse.kernels.artifact import KernelSource, LaunchParams
 from optfuse.kernels.util import ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, rows_of, static_int
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
+WARP_KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel_warp.cu")
 OPS = ("LayerNorm", "SkipLayerNorm")
 DEFAULT_EPSILON = 1e-5
 MAX_HIDDEN = 16384
 DTYPES = ("float32", "float16", "bfloat16")
 
 _ENTRY = {"LayerNorm": "layer_norm_fwd", "SkipLayerNorm": "skip_layer_norm_fwd"}
+_WARP_ENTRY = {"LayerNorm": "layer_norm_warp_fwd", "SkipLayerNorm": "skip_layer_norm_warp_fwd"}
+_DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 _INPUTS = {"LayerNorm": ("x", "gamma", "beta"), "SkipLayerNorm": ("x", "skip", "gamma", "beta")}
 _OUTPUTS = {"LayerNorm": ("y",), "SkipLayerNorm": ("y", "sum")}
 _EVICT_SUFFIX = {"": "", "evict_first": "e", "evict_last": "l"}
@@ -41,13 +46,55 @@ class LNConfig:
     x_evict: str = ""
 
 
+@dataclass(frozen=True)
+class LNWarpConfig:
+    """The CUDA kernel (kernel_warp.cu): one warp per row, ``vpt`` 16-byte accesses per lane
+    (exactly the row: no padding), ``rpb`` rows (warps) per block."""
+    vpt: int
+    rpb: int
+    xpol: int = 0  # x / skip loads: 0 read-only path, 2 L1/L2 evict_last
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.rpb
+
+
+def warp_kernel_fits(dtype: str, hidden: int) -> bool:
+    """The warp kernel takes rows of whole 16-byte accesses, at most 4 per lane (128 accesses:
+    1024 fp16 / bf16 elements; more would hold too many registers for a warp per row)."""
+    item = ITEMSIZE[norm_dtype(dtype)]
+    return (hidden * item) % 16 == 0 and hidden * item // 16 <= 128
+
+
+def warp_config(dtype: str, hidden: int, rpb: int = 2, xpol: int = 0) -> LNWarpConfig:
+    if not warp_kernel_fits(dtype, hidden):
+        raise ValueError(f"LayerNorm warp kernel: hidden {hidden} ({dtype}) is not whole 16-byte accesses <= 128")
+    nv = hidden * ITEMSIZE[norm_dtype(dtype)] // 16
+    return LNWarpConfig(-(-nv // 32), rpb, xpol)
+
+
 def _check_op(op: str) -> None:
     if op not in OPS:
         raise ValueError(f"layer_norm plugin has no op {op!r} (ops: {OPS})")
 
 
-def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig:
-    """Tile per program, from the H200 sweeps (README "Tuning"): LayerNorm rows of 513-768
+def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig | LNWarpConfig:
+    """The default kernel and config for ``op`` at ``dtype`` and ``hidden``: the CUDA warp-per-row
+    kernel for rows of 3-4 16-byte accesses a lane (fp16/bf16 hidden 520-1024 in steps of 8;
+    SkipLayerNorm: 3, up to 768), where the Triton tile is padded to 1024 columns; the Triton
+    kernel elsewhere. H200 sweep (README "Tuning" 5): LayerNorm 768 1.01-1.10x torch.compile
+    (Triton's one-warp tile, Inductor's: 1.00x), 1024 1.01-1.13x (Triton 1.00-1.11x);
+    SkipLayerNorm 768 1.01-1.14x (Triton 0.99-1.14x), at 1024 the Triton kernel stays (1.09-1.10x
+    against 1.03-1.05x at 4096 rows)."""
+    if warp_kernel_fits(dtype, hidden) and norm_dtype(dtype) != "float32":
+        vpt = warp_config(dtype, hidden).vpt
+        if vpt == 3 or (vpt == 4 and op == "LayerNorm"):
+            return warp_config(dtype, hidden)
+    return triton_config(dtype, hidden, op)
+
+
+def triton_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig:
+    """The Triton kernel's tile per program, from the H200 sweeps (README "Tuning"): LayerNorm rows of 513-768
     elements (a 1024 tile at least a quarter padding) one to a program of one warp (Inductor's
     choice): split over 2 warps, the second would hold at most 256 valid of its 512 columns and
     both reductions would cross warps through shared memory and a barrier; other rows of <= 1024
@@ -68,11 +115,13 @@ def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig:
     return LNConfig(1, block_n, min(8, block_n // 512) if block_n <= 8192 else 16)
 
 
-def candidate_configs(dtype: str, hidden: int, op: str = "LayerNorm") -> list[LNConfig]:
+def candidate_configs(dtype: str, hidden: int, op: str = "LayerNorm") -> list[LNConfig | LNWarpConfig]:
     """Configs a benchmark sweep may try (the op's default first); the GPU tests run every one."""
     block_n = next_pow2(hidden)
-    first = choose_config(dtype, hidden, op)
-    out = [first]
+    first = triton_config(dtype, hidden, op)  # the Triton candidates vary its tile
+    out = [choose_config(dtype, hidden, op)]
+    if first not in out:
+        out.append(first)
 
     def add(block_m, warps, x_evict=""):
         c = LNConfig(block_m, block_n, warps, x_evict)
@@ -96,6 +145,11 @@ def candidate_configs(dtype: str, hidden: int, op: str = "LayerNorm") -> list[LN
             add(max(1, 1024 // block_n) * block_m, warps, x_evict="evict_last")
     else:
         add(1, max(1, first.num_warps // 2), x_evict="evict_last")
+    if warp_kernel_fits(dtype, hidden):  # the CUDA warp-per-row kernel: 1-4 rows a block, both load paths
+        for rpb, xpol in ((2, 0), (2, 2), (1, 2), (4, 2)):
+            c = warp_config(dtype, hidden, rpb, xpol)
+            if c not in out:
+                out.append(c)
     return out
 
 
@@ -105,7 +159,7 @@ def _epsilon(attrs: dict | None) -> float:
 
 
 def kernel_config(
-    op: str, dtype: Any, attrs: dict | None, static_shape: dict, config: LNConfig | None = None
+    op: str, dtype: Any, attrs: dict | None, static_shape: dict, config: LNConfig | LNWarpConfig | None = None
 ) -> KernelSource:
     """What to compile for ``op`` at ``dtype`` (x's dtype) and ``static_shape['hidden']``."""
     _check_op(op)
@@ -113,6 +167,8 @@ def kernel_config(
     hidden = static_int(static_shape["hidden"], "hidden")
     cfg = config or choose_config(dtype, hidden, op)
     eps = _epsilon(attrs)
+    if isinstance(cfg, LNWarpConfig):
+        return _warp_kernel_source(op, dtype, hidden, eps, cfg)
     ty = "*" + TRITON_TYPE[dtype]
     ins, outs = _INPUTS[op], _OUTPUTS[op]
     signature = {"X": ty, **({"SKIP": ty} if op == "SkipLayerNorm" else {}), "W": ty, "B": ty, "rows": "i32", "Y": ty}
@@ -137,6 +193,31 @@ def kernel_config(
     )
 
 
+def _warp_kernel_source(op: str, dtype: str, hidden: int, eps: float, cfg: LNWarpConfig) -> KernelSource:
+    if warp_config(dtype, hidden).vpt != cfg.vpt:
+        raise ValueError(f"LayerNorm warp kernel: vpt {cfg.vpt} does not cover hidden {hidden} ({dtype})")
+    return KernelSource(
+        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/warp_v{cfg.vpt}r{cfg.rpb}x{cfg.xpol}",
+        lang="cuda",
+        path=WARP_KERNEL_PATH,
+        entry=_WARP_ENTRY[op],
+        n_inputs=len(_INPUTS[op]),
+        n_extra=1,
+        n_outputs=len(_OUTPUTS[op]),
+        defines={
+            "OPTFUSE_DTYPE": str(_DTYPE_CODE[dtype]),
+            "HIDDEN": str(hidden),
+            "EPS": format(eps, ".9g") + "f",
+            "VPT": str(cfg.vpt),
+            "RPB": str(cfg.rpb),
+            "XPOL": str(cfg.xpol),
+        },
+        threads=cfg.threads,
+        pointer_align=16,
+        meta={"op": op, "dtype": dtype, "hidden": hidden, "epsilon": eps, "config": asdict(cfg)},
+    )
+
+
 def launch_params(
     op: str,
     shapes: Sequence[Sequence[Any]],
@@ -145,7 +226,7 @@ def launch_params(
     cdiv=_cdiv,
     *,
     static_shape: dict | None = None,
-    config: LNConfig | None = None,
+    config: LNConfig | LNWarpConfig | None = None,
 ) -> LaunchParams:
     """Grid over the (dynamic) rows; ``shapes[0]`` is x's shape ``[..., hidden]``."""
     _check_op(op)
@@ -153,6 +234,9 @@ def launch_params(
     hidden = static_int(static_shape["hidden"] if static_shape else shapes[0][-1], "hidden")
     cfg = config or choose_config(dtype, hidden, op)
     rows = rows_of(shapes[0])
+    if isinstance(cfg, LNWarpConfig):
+        return LaunchParams(grid=(cdiv(rows, cfg.rpb), 1, 1), block=(cfg.threads, 1, 1), shared_mem=0,
+                            extra_args=[rows])
     return LaunchParams(
         grid=(cdiv(rows, cfg.block_m), 1, 1),
         block=(cfg.num_warps * 32, 1, 1),

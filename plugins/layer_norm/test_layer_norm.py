@@ -78,19 +78,27 @@ def test_launch_params_symbolic(op):
     shapes = [[SymDim("B"), SymDim("S"), 768]] + [[768]] * (len(launch._INPUTS[op]) - 1)
     p = launch.launch_params(op, shapes, ["float16"], {"epsilon": 1e-5}, cdiv=sym_cdiv, static_shape={"hidden": 768})
     cfg = launch.choose_config("float16", 768, op)
-    assert repr(p.grid[0]) == f"cdiv((B*S),{cfg.block_m})"
+    rows_per_program, threads = ((cfg.rpb, cfg.threads) if isinstance(cfg, launch.LNWarpConfig)
+                                 else (cfg.block_m, cfg.num_warps * 32))
+    assert repr(p.grid[0]) == f"cdiv((B*S),{rows_per_program})"
     assert repr(p.extra_args[0]) == "(B*S)"
-    assert p.block == (cfg.num_warps * 32, 1, 1)
+    assert p.block == (threads, 1, 1)
     # concrete ints work the same way
     q = launch.launch_params(op, [[4, 5, 768]], ["float16"], {})
-    assert q.grid == (-(-20 // cfg.block_m), 1, 1) and q.extra_args == [20]
+    assert q.grid == (-(-20 // rows_per_program), 1, 1) and q.extra_args == [20]
 
 
 def test_kernel_config_specializes():
-    a = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-5}, {"hidden": 768})
-    b = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-6}, {"hidden": 768})
+    tri = launch.triton_config("float16", 768)
+    a = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-5}, {"hidden": 768}, config=tri)
+    b = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-6}, {"hidden": 768}, config=tri)
     assert a.constexprs["EPS"] == 1e-5 and b.constexprs["EPS"] == 1e-6
     assert a.spec_dict() != b.spec_dict()
+    # the CUDA warp kernel (the default at 768) specializes the same way, through -D
+    wa = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-5}, {"hidden": 768})
+    wb = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-6}, {"hidden": 768})
+    assert wa.lang == "cuda" and wa.defines["EPS"] == "1e-05f" and wb.defines["EPS"] == "1e-06f"
+    assert wa.spec_dict() != wb.spec_dict()
     assert list(a.signature) == ["X", "W", "B", "rows", "Y"]
     s = launch.kernel_config("SkipLayerNorm", "bfloat16", {}, {"hidden": 33})
     assert list(s.signature) == ["X", "SKIP", "W", "B", "rows", "Y", "S"]
@@ -141,8 +149,9 @@ def test_triton_interpreter(op, dtype, hidden, scale):
     rows = int(rng.integers(1, 10))
     ins = make_inputs(op, dtype, rows, hidden, rng, magnitude=scale if scale > 1 else None)
     attrs = {"epsilon": 1e-5}
-    src = launch.kernel_config(op, dtype, attrs, {"hidden": hidden})
-    params = launch.launch_params(op, [a.shape for a in ins], [dtype], attrs)
+    cfg = launch.triton_config(dtype, hidden, op)  # (the default at some widths is the CUDA kernel)
+    src = launch.kernel_config(op, dtype, attrs, {"hidden": hidden}, config=cfg)
+    params = launch.launch_params(op, [a.shape for a in ins], [dtype], attrs, config=cfg)
     outs = [np.full((rows, hidden), np.nan, dtype=ins[0].dtype) for _ in launch._OUTPUTS[op]]
     run_interpreted(src, params, ins, outs)
     tins = [_torch_cpu(a) for a in ins]
@@ -187,9 +196,42 @@ def test_aot_compile(op, dtype, arch, tmp_path):
     assert ".version 8.7" in art.ptx  # loadable by drivers >= CUDA 12.8
 
 
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype,hidden", [("float16", 768), ("bfloat16", 1000), ("float32", 96)])
+@pytest.mark.parametrize("op", OPS)
+def test_aot_compile_warp_kernel(op, dtype, hidden, arch, tmp_path):
+    """The CUDA warp-per-row kernel (kernel_warp.cu) for full and partly filled lane groups."""
+    cfg = launch.warp_config(dtype, hidden)
+    src = launch.kernel_config(op, dtype, {}, {"hidden": hidden}, config=cfg)
+    assert src.lang == "cuda" and src.entry == launch._WARP_ENTRY[op]
+    (art,) = KernelCache(tmp_path).build_many([src], arch, isolate=True)
+    assert art.cubin[:4] == b"\x7fELF" and f".entry {src.entry}(" in art.ptx
+    assert art.n_scratch == 0 and art.threads == 32 * cfg.rpb and art.arch == arch
+
+
+def test_warp_kernel_limits():
+    assert launch.warp_config("float16", 768) == launch.LNWarpConfig(3, 2, 0)
+    assert launch.choose_config("float16", 768, "SkipLayerNorm") == launch.LNWarpConfig(3, 2, 0)
+    assert launch.choose_config("bfloat16", 1024, "LayerNorm") == launch.LNWarpConfig(4, 2, 0)
+    assert isinstance(launch.choose_config("bfloat16", 1024, "SkipLayerNorm"), launch.LNConfig)
+    assert isinstance(launch.choose_config("float16", 4096, "LayerNorm"), launch.LNConfig)
+    assert launch.warp_config("bfloat16", 1000).vpt == 4  # 125 accesses: the last lane group partly filled
+    for dtype, hidden in (("float16", 771), ("float16", 1032), ("float32", 768)):
+        assert not launch.warp_kernel_fits(dtype, hidden)
+        with pytest.raises(ValueError, match="16-byte accesses"):
+            launch.warp_config(dtype, hidden)
+    with pytest.raises(ValueError, match="does not cover"):
+        launch.kernel_config("LayerNorm", "float16", {}, {"hidden": 768}, config=launch.LNWarpConfig(4, 2))
+    shapes = [[SymDim("B"), SymDim("S"), 768]]
+    p = launch.launch_params("LayerNorm", shapes, ["float16"], {}, cdiv=sym_cdiv, static_shape={"hidden": 768},
+                             config=launch.LNWarpConfig(3, 4))
+    assert repr(p.grid[0]) == "cdiv((B*S),4)" and p.block == (128, 1, 1) and p.shared_mem == 0
+    assert repr(p.extra_args[0]) == "(B*S)"
+
+
 def test_cache_roundtrip(tmp_path, monkeypatch):
     cache = KernelCache(tmp_path)
-    src = launch.kernel_config("LayerNorm", "float16", {}, {"hidden": 768})
+    src = launch.kernel_config("LayerNorm", "float16", {}, {"hidden": 768}, config=launch.triton_config("float16", 768))
     (art,) = cache.build_many([src], "sm_90", isolate=True)
     assert art.key and (tmp_path / "sm_90").is_dir()
     # a fresh cache object finds it on disk without compiling
@@ -235,7 +277,7 @@ def test_gpu_matches_fp64(cuda_torch, gpu_artifacts, op, dtype, hidden):
         _gpu_case(cuda_torch, gpu_artifacts[(op, dtype, hidden)], op, dtype, rows, hidden, 1e-5, rng, what=f"rows={rows} seed={seed}")
 
 
-GPU_CANDIDATE_CASES = [(op, dt, h) for op in OPS for dt in DTYPES for h in (33, 768, 771, 1024, 5000, 8192)]
+GPU_CANDIDATE_CASES = [(op, dt, h) for op in OPS for dt in DTYPES for h in (33, 96, 768, 771, 1000, 1024, 5000, 8192)]
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +305,17 @@ def test_gpu_fp16_overflow(cuda_torch, gpu_artifacts, op):
     seed = _seed()
     rng = np.random.default_rng(seed)
     _gpu_case(cuda_torch, gpu_artifacts[(op, "float16", 4096, 1e-6)], op, "float16", 300, 4096, 1e-6, rng, scale=6e4, what=f"seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_fp16_overflow_warp_kernel(cuda_torch, op):
+    """The same overflow case through the CUDA warp-per-row kernel (hidden 768)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    cfg = launch.warp_config("float16", 768)
+    (art,) = KernelCache().build_many([launch.kernel_config(op, "float16", {"epsilon": 1e-6}, {"hidden": 768}, config=cfg)])
+    _gpu_case(cuda_torch, art, op, "float16", 300, 768, 1e-6, rng, scale=6e4, config=cfg, what=f"warp seed={seed}")
 
 
 @pytest.mark.gpu
