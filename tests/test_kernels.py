@@ -101,6 +101,39 @@ def test_registry_lists_norm_kernels():
         assert any(f"/{op}/" in n for n in names)
 
 
+def test_cuda_source_inlines_local_includes(tmp_path):
+    """A CUDA source's ``#include "relative"`` files are inlined (once each) into the text the
+    compiler gets and the cache key hashes, so editing a shared header rebuilds its kernels."""
+    from optfuse.kernels import KernelSource
+
+    (tmp_path / "common").mkdir()
+    (tmp_path / "op").mkdir()
+    head = tmp_path / "common" / "h.cuh"
+    head.write_text("#define FROM_HEADER 1\n")
+    (tmp_path / "op" / "k.cu").write_text('#include "../common/h.cuh"  // a comment\n'
+                                          '#include "../common/h.cuh"\n#include <cstdint>\nint x = FROM_HEADER;\n')
+
+    def src(path, lang="cuda"):
+        return KernelSource(name="t", lang=lang, path=str(path), entry="k", n_inputs=0, n_extra=0, n_outputs=0)
+
+    text = src(tmp_path / "op" / "k.cu").source_text()
+    assert text.count("#define FROM_HEADER 1") == 1 and "already included" in text
+    assert "#include <cstdint>" in text  # system headers are the compiler's business
+    key = src(tmp_path / "op" / "k.cu").spec_dict()["source_sha256"]
+    head.write_text("#define FROM_HEADER 2\n")
+    assert src(tmp_path / "op" / "k.cu").spec_dict()["source_sha256"] != key
+    (tmp_path / "op" / "missing.cu").write_text('#include "nope.cuh"\n')
+    with pytest.raises(FileNotFoundError, match="nope.cuh"):
+        src(tmp_path / "op" / "missing.cu").source_text()
+    (tmp_path / "a.cuh").write_text('#include "b.cuh"\n')
+    (tmp_path / "b.cuh").write_text('#include "a.cuh"\n')
+    with pytest.raises(ValueError, match="cycle"):
+        src(tmp_path / "a.cuh").source_text()
+    py = tmp_path / "k.py"
+    py.write_text('# #include "nope.cuh"\n')
+    assert src(py, "triton").source_text() == py.read_text()  # Triton sources are read as they are
+
+
 def test_every_kernel_compiles(tmp_path, monkeypatch):
     """CI gate: ``optfuse kernels build --target sm_80,sm_90`` compiles every plugin kernel
     (no GPU), then ``list`` shows them; a second build is served from the cache."""

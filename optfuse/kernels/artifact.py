@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,29 @@ from typing import Any
 
 #: Bumped whenever the artifact layout or the argument convention changes (part of the cache key).
 ABI_VERSION = 1
+
+
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*(?://.*)?$', re.M)
+
+
+def _inline_local_includes(path: Path, stack: tuple[Path, ...]) -> str:
+    """``path``'s text with every ``#include "file"`` (relative to the including file) replaced by
+    that file's text, recursively; each file is inlined once (an include guard for free)."""
+    path = path.resolve()
+    if path in stack:
+        raise ValueError(f"{path}: #include cycle through {' -> '.join(p.name for p in stack)}")
+    seen: set[Path] = set()
+
+    def expand(m: re.Match) -> str:
+        inc = (path.parent / m.group(1)).resolve()
+        if not inc.is_file():
+            raise FileNotFoundError(f"{path}: #include \"{m.group(1)}\" not found ({inc})")
+        if inc in seen:
+            return f"// {m.group(1)}: already included"
+        seen.add(inc)
+        return f"// ---- {m.group(1)} ----\n{_inline_local_includes(inc, stack + (path,))}// ---- end {m.group(1)} ----"
+
+    return _LOCAL_INCLUDE.sub(expand, path.read_text())
 
 
 @dataclass
@@ -59,7 +83,11 @@ class KernelSource:
             raise ValueError(f"{self.name}: arch_suffix {self.arch_suffix!r} (only 'a', CUDA kernels)")
 
     def source_text(self) -> str:
-        return Path(self.path).read_text()
+        """The text the compiler gets, and the cache key hashes. CUDA sources may ``#include
+        "relative/path"`` files of the project (shared helpers, e.g. plugins/common/): those are
+        inlined here, so NVRTC needs no include paths and a change to a helper changes the key."""
+        path = Path(self.path)
+        return _inline_local_includes(path, ()) if self.lang == "cuda" else path.read_text()
 
     def spec_dict(self) -> dict[str, Any]:
         """Everything that decides the compiled code, except the compiler and the arch."""

@@ -11,6 +11,14 @@ _DTYPES = {
 }
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 TRITON_TYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+#: ``-DOPTFUSE_DTYPE`` of the CUDA kernels (plugins/common/io_dtype.cuh, the FlashAttention kernel)
+CUDA_DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def norm_cuda_defines(dtype: str, hidden: int, eps: float) -> dict[str, str]:
+    """The ``-D`` defines every CUDA norm kernel takes: element type, row width, epsilon (a float
+    literal with 9 significant digits: the fp32 value exactly)."""
+    return {"OPTFUSE_DTYPE": str(CUDA_DTYPE_CODE[dtype]), "HIDDEN": str(hidden), "EPS": format(eps, ".9g") + "f"}
 
 
 def norm_dtype(dtype: Any) -> str:

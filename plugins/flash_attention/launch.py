@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
-from optfuse.kernels.util import TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, static_int
+from optfuse.kernels.util import CUDA_DTYPE_CODE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, static_int
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
 ENTRY = "_flash_attention_fwd_kernel"
@@ -219,7 +219,7 @@ def _config_for(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
                          arch=None if arch is None else int(arch), pattern=pattern, scale=scale)
 
 
-_DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
+_DTYPE_CODE = CUDA_DTYPE_CODE
 
 
 def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:

@@ -18,42 +18,11 @@
 // Parameter order is TensorRT QDP's: inputs, int32 extra args (rows), outputs.
 // No CUDA headers needed (conversions in inline PTX), so the nvrtc wheel alone builds it.
 
-#ifndef OPTFUSE_DTYPE
-#error "define OPTFUSE_DTYPE"
-#endif
 #ifndef XPOL
 #define XPOL 0
 #endif
 
-typedef unsigned short u16;
-
-#if OPTFUSE_DTYPE == 0
-typedef float T;
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float from_f32(float v) { return v; }
-#elif OPTFUSE_DTYPE == 1
-typedef u16 T;
-__device__ __forceinline__ float to_f32(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 from_f32(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-#elif OPTFUSE_DTYPE == 2
-typedef u16 T;
-__device__ __forceinline__ float to_f32(u16 h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ u16 from_f32(float f) {
-    u16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-#else
-#error "OPTFUSE_DTYPE must be 0 (fp32), 1 (fp16) or 2 (bf16)"
-#endif
+#include "../common/io_dtype.cuh"  // T, to_f32, from_f32
 
 constexpr int kVec = 16 / sizeof(T);               // elements per 16-byte access
 constexpr int kNV = HIDDEN / kVec;                 // accesses per row

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
-from optfuse.kernels.util import ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, rows_of, static_int
+from optfuse.kernels.util import (
+    ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_cuda_defines, norm_dtype, rows_of, static_int,
+)
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
 WARP_KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel_warp.cu")
@@ -31,7 +33,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 _ENTRY = {"LayerNorm": "layer_norm_fwd", "SkipLayerNorm": "skip_layer_norm_fwd"}
 _WARP_ENTRY = {"LayerNorm": "layer_norm_warp_fwd", "SkipLayerNorm": "skip_layer_norm_warp_fwd"}
-_DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 _INPUTS = {"LayerNorm": ("x", "gamma", "beta"), "SkipLayerNorm": ("x", "skip", "gamma", "beta")}
 _OUTPUTS = {"LayerNorm": ("y",), "SkipLayerNorm": ("y", "sum")}
 _EVICT_SUFFIX = {"": "", "evict_first": "e", "evict_last": "l"}
@@ -205,9 +206,7 @@ def _warp_kernel_source(op: str, dtype: str, hidden: int, eps: float, cfg: LNWar
         n_extra=1,
         n_outputs=len(_OUTPUTS[op]),
         defines={
-            "OPTFUSE_DTYPE": str(_DTYPE_CODE[dtype]),
-            "HIDDEN": str(hidden),
-            "EPS": format(eps, ".9g") + "f",
+            **norm_cuda_defines(dtype, hidden, eps),
             "VPT": str(cfg.vpt),
             "RPB": str(cfg.rpb),
             "XPOL": str(cfg.xpol),

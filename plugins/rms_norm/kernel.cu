@@ -32,9 +32,6 @@
 // Parameter order is TensorRT QDP's: inputs, int32 extra args (rows), outputs.
 // No CUDA headers needed (fp16/bf16 conversions in inline PTX), so the nvrtc wheel alone builds it.
 
-#ifndef OPTFUSE_DTYPE
-#error "define OPTFUSE_DTYPE"
-#endif
 #ifndef ITERS
 #define ITERS 1
 #endif
@@ -60,35 +57,7 @@
 #define RELOAD 0
 #endif
 
-typedef unsigned short u16;
-
-#if OPTFUSE_DTYPE == 0
-typedef float T;
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float from_f32(float v) { return v; }
-#elif OPTFUSE_DTYPE == 1
-typedef u16 T;
-__device__ __forceinline__ float to_f32(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 from_f32(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-#elif OPTFUSE_DTYPE == 2
-typedef u16 T;
-__device__ __forceinline__ float to_f32(u16 h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ u16 from_f32(float f) {
-    u16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-#else
-#error "OPTFUSE_DTYPE must be 0 (fp32), 1 (fp16) or 2 (bf16)"
-#endif
+#include "../common/io_dtype.cuh"  // T, to_f32, from_f32
 
 template <int BYTES> struct RawOf;
 template <> struct RawOf<16> { typedef uint4 type; };

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
-from optfuse.kernels.util import ITEMSIZE, cdiv as _cdiv, next_pow2, norm_dtype, rows_of, static_int
+from optfuse.kernels.util import ITEMSIZE, cdiv as _cdiv, next_pow2, norm_cuda_defines, norm_dtype, rows_of, static_int
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.cu")
 OPS = ("RMSNorm", "SkipRMSNorm")
@@ -31,7 +31,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 _ENTRY = {"RMSNorm": "rms_norm_fwd", "SkipRMSNorm": "skip_rms_norm_fwd"}
 _N_IO = {"RMSNorm": (2, 1), "SkipRMSNorm": (3, 2)}
-_DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -202,9 +201,7 @@ def kernel_config(
         n_extra=1,
         n_outputs=n_out,
         defines={
-            "OPTFUSE_DTYPE": str(_DTYPE_CODE[dtype]),
-            "HIDDEN": str(hidden),
-            "EPS": format(eps, ".9g") + "f",
+            **norm_cuda_defines(dtype, hidden, eps),
             "VEC": str(cfg.vec),
             "TPR": str(cfg.tpr),
             "RPB": str(cfg.rpb),
