@@ -134,6 +134,23 @@ def test_cuda_source_inlines_local_includes(tmp_path):
     assert src(py, "triton").source_text() == py.read_text()  # Triton sources are read as they are
 
 
+def test_nvrtc_leaves_shared_bytes_alone(tmp_path):
+    """NVRTC writes into the buffers it is given: with a clean compile its log is one NUL byte,
+    and a `b" " * 1` buffer would be CPython's shared b" " itself (which then reads b"\\x00" in the
+    whole process: `import torch` failed on the H200 after an in-process compile)."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from optfuse.kernels import KernelSource
+    from optfuse.kernels.nvrtc import _compile_nvrtc
+
+    (tmp_path / "k.cu").write_text('extern "C" __global__ void k(int* p) { *p = 1; }\n')
+    src = KernelSource(name="k", lang="cuda", path=str(tmp_path / "k.cu"), entry="k", n_inputs=0, n_extra=0,
+                       n_outputs=1, threads=32)
+    cubin, ptx = _compile_nvrtc(src, 90)
+    assert cubin[:4] == b"\x7fELF" and ".entry k(" in ptx and isinstance(cubin, bytes)
+    space = bytes([32])
+    assert (space * 1)[0] == 32 and eval('b" "') == space
+
+
 def test_every_kernel_compiles(tmp_path, monkeypatch):
     """CI gate: ``optfuse kernels build --target sm_80,sm_90`` compiles every plugin kernel
     (no GPU), then ``list`` shows them; a second build is served from the cache."""

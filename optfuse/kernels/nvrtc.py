@@ -121,19 +121,23 @@ def _compile_nvrtc(src: KernelSource, arch: int) -> tuple[bytes, str]:
         opts += [f"-I{d}" for d in cuda_include_dirs()]
         bopts = [o.encode() for o in opts]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(bopts), bopts)
+        # NVRTC writes into the buffers it is given: they must be fresh, writable objects. (The
+        # usual `b" " * size` is neither: for an empty log, size 1, it is CPython's shared b" "
+        # itself, and NVRTC's terminating NUL then corrupts that object for the whole process --
+        # seen as `import torch` failing afterwards on a schema with its spaces gone.)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
         _check(res, f"NVRTC compile of {src.name} for sm_{arch}{src.arch_suffix}", log.decode(errors="replace").rstrip("\x00 "))
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
         err, size = nvrtc.nvrtcGetPTXSize(prog)
         _check(err, "nvrtcGetPTXSize")
-        ptx = b" " * size
+        ptx = bytearray(size)
         _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
-        return cubin, ptx.rstrip(b"\x00").decode()
+        return bytes(cubin), bytes(ptx).rstrip(b"\x00").decode()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
