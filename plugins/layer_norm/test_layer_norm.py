@@ -319,12 +319,15 @@ def test_gpu_fp16_overflow_warp_kernel(cuda_torch, op):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [771, 768])  # the Triton kernel; the CUDA warp kernel (NVRTC's PTX)
 @pytest.mark.parametrize("op", OPS)
-def test_gpu_ptx_path(cuda_torch, gpu_artifacts, op):
-    """The PTX of the same compile, JIT-compiled by the driver, gives the same results."""
+def test_gpu_ptx_path(cuda_torch, gpu_artifacts, op, hidden):
+    """The PTX of the same compile, JIT-compiled by the driver (what a QDP engine embeds), gives
+    the same results."""
     seed = _seed()
     rng = np.random.default_rng(seed)
-    _gpu_case(cuda_torch, gpu_artifacts[(op, "float16", 771)], op, "float16", 100, 771, 1e-5, rng, prefer="ptx", what=f"ptx seed={seed}")
+    _gpu_case(cuda_torch, gpu_artifacts[(op, "float16", hidden)], op, "float16", 100, hidden, 1e-5, rng, prefer="ptx",
+              what=f"ptx seed={seed}")
 
 
 @pytest.mark.gpu
