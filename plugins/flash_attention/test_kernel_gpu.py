@@ -49,6 +49,10 @@ CASES = [
     (1, 2, 2, 4200, 4400, 64, 1, (), "float16", None),
     # causal D = 64 with Sk < Sq: whole tiles and single warpgroups of dead rows (-> 0)
     (2, 4, 2, 700, 450, 64, 1, None, "float16", None),
+    # causal with several rounds of tile pairs per CTA (512 pairs on 132 CTAs; the cases above have
+    # at most one round); odd query-block count with Sk > Sq
+    (8, 16, 4, 1024, 1024, 64, 1, None, "bfloat16", None),
+    (8, 16, 4, 800, 1000, 128, 1, None, "float16", None),
 ]
 
 
