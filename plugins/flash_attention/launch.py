@@ -219,9 +219,6 @@ def _config_for(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
                          arch=None if arch is None else int(arch), pattern=pattern, scale=scale)
 
 
-_DTYPE_CODE = CUDA_DTYPE_CODE
-
-
 def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
     """Dynamic shared memory of kernel_sm90.cu (its SMEM_BYTES): the Q tiles, the K/V ring, the
     ones tile (ones_sum), the key bias ring, the mbarriers, and 1024 bytes to align the base."""
@@ -261,9 +258,9 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
     mode = _sm90_bias_mode(pattern)
     scale_log2 = scale * 1.4426950408889634
     defines = {
-        "OPTFUSE_DTYPE": str(_DTYPE_CODE[dtype]), "HEAD_DIM": str(head_dim),
+        "OPTFUSE_DTYPE": str(CUDA_DTYPE_CODE[dtype]), "HEAD_DIM": str(head_dim),
         "CAUSAL": str(int(causal)), "BIAS_MODE": str(mode),
-        "BIAS_BATCH": str(pattern[0] if mode == 2 else 0), "BIAS_DTYPE": str(_DTYPE_CODE[bias_dtype]),
+        "BIAS_BATCH": str(pattern[0] if mode == 2 else 0), "BIAS_DTYPE": str(CUDA_DTYPE_CODE[bias_dtype]),
         "SCALE_LOG2": f"{scale_log2!r}f", "BLOCK_N": str(cfg.block_n),
         "STAGES": str(cfg.num_stages), "PINGPONG": str(int(cfg.pingpong)),
         "Q_BUFFERS": str(cfg.q_buffers), "LAZY_RESCALE": "8" if cfg.lazy_rescale else "0",
