@@ -379,12 +379,17 @@ def model_meta(family: str, config: Any) -> dict[str, Any]:
         "attention_scale": (1.0 / float(head_dim) ** 0.5) if fam.scaled else 1.0,
         "attention_mask": "attention_mask" in fam.inputs,
         "norm": fam.norm,
-        "norm_eps": float(g("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps")),
-        "activation": str(g("hidden_act", "activation_function", "feed_forward_proj")),
-        "intermediate_size": int(g("intermediate_size", "n_inner", "d_ff")),
+        # None where the config has no such field (OPT, DistilBERT: eps fixed in the modeling code)
+        "norm_eps": _float_or_none(g("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps")),
+        "activation": str(g("hidden_act", "activation_function", "feed_forward_proj", "activation")),
+        "intermediate_size": int(g("intermediate_size", "n_inner", "d_ff", "ffn_dim", "hidden_dim")),
         "description": fam.description,
         "notes": fam.notes,
     }
+
+
+def _float_or_none(v: Any) -> float | None:
+    return None if v is None else float(v)
 
 
 def _has(config: Any, key: str) -> bool:
