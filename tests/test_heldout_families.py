@@ -14,7 +14,8 @@ Each is exported with both torch exporters and both attention implementations (S
 fused, and must have one ``FlashAttention`` node per layer, no Softmax left, and match the
 unfused model in onnxruntime on right-padded masks (max abs error <= 1e-4, FP32). The families
 are registered only for this module's tests (a fixture adds and removes them), so nothing else
-parametrized over ``FAMILIES`` sees them.
+parametrized over ``FAMILIES`` sees them. An encoder-decoder model (BART, its own export wrapper)
+adds cross-attention: every encoder, decoder and cross-attention block must fuse as well.
 """
 
 from __future__ import annotations
@@ -110,3 +111,68 @@ def test_heldout_family_attention_fused(heldout_export, family, exporter, attn):
         feeds = make_inputs(em.inputs, {"batch": 3, "sequence": 12}, seed=seed)
         for want, got in zip(_run(model, feeds), _run(fused, feeds)):
             assert float(np.max(np.abs(want.astype(np.float64) - got))) <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# Cross-attention: an encoder-decoder model (BART), exported through its own small wrapper
+# (optfuse.models has no decoder inputs). Per layer pair: encoder self-attention (padding mask),
+# decoder causal self-attention, decoder cross-attention (Sq = target length != Sk = source length,
+# the encoder's padding mask).
+# ------------------------------------------------------------------------------------------------
+def _export_bart(path, exporter, attn):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    missing = _missing(_EXPORT_NEEDS[exporter])
+    if missing:
+        pytest.skip(f"exporting with {exporter} needs {', '.join(missing)} (not installed)")
+    cfg = transformers.BartConfig(vocab_size=1000, max_position_embeddings=64, d_model=64, encoder_layers=2,
+                                  decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                                  encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.0, attention_dropout=0.0,
+                                  use_cache=False)
+    torch.manual_seed(0)
+    bart = transformers.BartModel._from_config(cfg, attn_implementation=attn).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bart = bart
+
+        def forward(self, input_ids, attention_mask, decoder_input_ids):
+            return self.bart(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+                             use_cache=False).last_hidden_state
+
+    ids = torch.randint(3, 1000, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.int64)
+    mask[1, 6:] = 0
+    dec = torch.randint(3, 1000, (2, 7))
+    names = ["input_ids", "attention_mask", "decoder_input_ids"]
+    with torch.no_grad():
+        if exporter == "torchscript":
+            torch.onnx.export(Wrap(), (ids, mask, dec), str(path), input_names=names, output_names=["out"],
+                              dynamic_axes={"input_ids": {0: "batch", 1: "src"}, "attention_mask": {0: "batch", 1: "src"},
+                                            "decoder_input_ids": {0: "batch", 1: "tgt"}},
+                              opset_version=17, dynamo=False)
+        else:
+            from torch.export import Dim
+
+            batch, src, tgt = Dim("batch", min=1, max=8), Dim("src", min=2, max=60), Dim("tgt", min=2, max=60)
+            torch.onnx.export(Wrap(), (ids, mask, dec), dynamo=True, input_names=names, output_names=["out"],
+                              dynamic_shapes=({0: batch, 1: src}, {0: batch, 1: src}, {0: batch, 1: tgt})).save(str(path))
+    return {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "decoder_input_ids": dec.numpy()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_encoder_decoder_cross_attention_fused(tmp_path, exporter, attn):
+    path = tmp_path / f"bart_{exporter}_{attn}.onnx"
+    feeds = _export_bart(path, exporter, attn)
+    model = onnx.load(str(path))
+    fused, res = fuse_model(model, dims={"batch": 2, "src": 12, "tgt": 7})
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("FlashAttention") == 3 * LAYERS, [str(r) for r in res.rejected if r.op == "FlashAttention"]
+    assert "Softmax" not in ops
+    cross = [a for a in res.accepted if a.op == "FlashAttention" and a.rewrite.attrs["causal"] == 0]
+    assert len(cross) == 2 * LAYERS  # encoder self + decoder cross (the decoder self-attention is causal)
+    for want, got in zip(_run(model, feeds), _run(fused, feeds)):
+        assert float(np.max(np.abs(want.astype(np.float64) - got))) <= 1e-4
