@@ -122,6 +122,11 @@ def test_cuda_source_inlines_local_includes(tmp_path):
     key = src(tmp_path / "op" / "k.cu").spec_dict()["source_sha256"]
     head.write_text("#define FROM_HEADER 2\n")
     assert src(tmp_path / "op" / "k.cu").spec_dict()["source_sha256"] != key
+    # a header reached twice through different files is still inlined once (one include guard per
+    # translation unit)
+    (tmp_path / "common" / "b.cuh").write_text('#include "h.cuh"\n')
+    (tmp_path / "op" / "diamond.cu").write_text('#include "../common/b.cuh"\n#include "../common/h.cuh"\n')
+    assert src(tmp_path / "op" / "diamond.cu").source_text().count("#define FROM_HEADER") == 1
     (tmp_path / "op" / "missing.cu").write_text('#include "nope.cuh"\n')
     with pytest.raises(FileNotFoundError, match="nope.cuh"):
         src(tmp_path / "op" / "missing.cu").source_text()

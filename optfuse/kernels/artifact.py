@@ -25,13 +25,14 @@ ABI_VERSION = 1
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*(?://.*)?$', re.M)
 
 
-def _inline_local_includes(path: Path, stack: tuple[Path, ...]) -> str:
+def _inline_local_includes(path: Path, stack: tuple[Path, ...], seen: set[Path] | None = None) -> str:
     """``path``'s text with every ``#include "file"`` (relative to the including file) replaced by
-    that file's text, recursively; each file is inlined once (an include guard for free)."""
+    that file's text, recursively; each file is inlined once per translation unit (``seen``,
+    shared by the whole recursion: an include guard for free)."""
     path = path.resolve()
     if path in stack:
         raise ValueError(f"{path}: #include cycle through {' -> '.join(p.name for p in stack)}")
-    seen: set[Path] = set()
+    seen = set() if seen is None else seen
 
     def expand(m: re.Match) -> str:
         inc = (path.parent / m.group(1)).resolve()
@@ -40,7 +41,8 @@ def _inline_local_includes(path: Path, stack: tuple[Path, ...]) -> str:
         if inc in seen:
             return f"// {m.group(1)}: already included"
         seen.add(inc)
-        return f"// ---- {m.group(1)} ----\n{_inline_local_includes(inc, stack + (path,))}// ---- end {m.group(1)} ----"
+        body = _inline_local_includes(inc, stack + (path,), seen)
+        return f"// ---- {m.group(1)} ----\n{body}// ---- end {m.group(1)} ----"
 
     return _LOCAL_INCLUDE.sub(expand, path.read_text())
 
