@@ -120,45 +120,34 @@ def test_heldout_family_attention_fused(heldout_export, family, exporter, attn):
 # the encoder's padding mask).
 # ------------------------------------------------------------------------------------------------
 def _export_bart(path, exporter, attn):
+    """BART through optfuse.models' own wrapper and exporters (only the inputs are new: the
+    decoder's tokens have a sequence length of their own). Returns the export's feeds."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     missing = _missing(_EXPORT_NEEDS[exporter])
     if missing:
         pytest.skip(f"exporting with {exporter} needs {', '.join(missing)} (not installed)")
+    from optfuse import models
+
     cfg = transformers.BartConfig(vocab_size=1000, max_position_embeddings=64, d_model=64, encoder_layers=2,
                                   decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
                                   encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.0, attention_dropout=0.0,
                                   use_cache=False)
     torch.manual_seed(0)
     bart = transformers.BartModel._from_config(cfg, attn_implementation=attn).eval()
-
-    class Wrap(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bart = bart
-
-        def forward(self, input_ids, attention_mask, decoder_input_ids):
-            return self.bart(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
-                             use_cache=False).last_hidden_state
-
-    ids = torch.randint(3, 1000, (2, 12))
-    mask = torch.ones(2, 12, dtype=torch.int64)
-    mask[1, 6:] = 0
-    dec = torch.randint(3, 1000, (2, 7))
-    names = ["input_ids", "attention_mask", "decoder_input_ids"]
-    with torch.no_grad():
+    inputs = [models.InputInfo("input_ids", "int64", ["batch", "src"], 3, 1000, "tokens"),
+              models.InputInfo("attention_mask", "int64", ["batch", "src"], 0, 2, "mask"),
+              models.InputInfo("decoder_input_ids", "int64", ["batch", "tgt"], 3, 1000, "tokens")]
+    outputs = [models.OutputInfo("last_hidden_state", "float32", ["batch", "tgt", 64])]
+    feeds = models.make_inputs(inputs, {"batch": 2, "src": 12, "tgt": 7})
+    model = models._wrapper_class()(bart, [i.name for i in inputs], {"use_cache": False})
+    args = tuple(torch.from_numpy(feeds[i.name]) for i in inputs)
+    with models._quiet(), torch.no_grad():
         if exporter == "torchscript":
-            torch.onnx.export(Wrap(), (ids, mask, dec), str(path), input_names=names, output_names=["out"],
-                              dynamic_axes={"input_ids": {0: "batch", 1: "src"}, "attention_mask": {0: "batch", 1: "src"},
-                                            "decoder_input_ids": {0: "batch", 1: "tgt"}},
-                              opset_version=17, dynamo=False)
+            models._export_torchscript(model, args, path, inputs, outputs, models.DEFAULT_TORCHSCRIPT_OPSET)
         else:
-            from torch.export import Dim
-
-            batch, src, tgt = Dim("batch", min=1, max=8), Dim("src", min=2, max=60), Dim("tgt", min=2, max=60)
-            torch.onnx.export(Wrap(), (ids, mask, dec), dynamo=True, input_names=names, output_names=["out"],
-                              dynamic_shapes=({0: batch, 1: src}, {0: batch, 1: src}, {0: batch, 1: tgt})).save(str(path))
-    return {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "decoder_input_ids": dec.numpy()}
+            models._export_dynamo(model, args, path, inputs, outputs, None, True, {"src": 60, "tgt": 60})
+    return feeds
 
 
 @pytest.mark.slow

@@ -88,9 +88,9 @@ def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig | 
     SkipLayerNorm 768 1.01-1.14x (Triton 0.99-1.14x), at 1024 the Triton kernel stays (1.09-1.10x
     against 1.03-1.05x at 4096 rows)."""
     if warp_kernel_fits(dtype, hidden) and norm_dtype(dtype) != "float32":
-        vpt = warp_config(dtype, hidden).vpt
-        if vpt == 3 or (vpt == 4 and op == "LayerNorm"):
-            return warp_config(dtype, hidden)
+        cfg = warp_config(dtype, hidden)
+        if cfg.vpt == 3 or (cfg.vpt == 4 and op == "LayerNorm"):
+            return cfg
     return triton_config(dtype, hidden, op)
 
 

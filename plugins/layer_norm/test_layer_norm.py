@@ -253,8 +253,9 @@ GPU_CASES = [(op, dt, h) for op in OPS for dt in DTYPES for h in GPU_HIDDEN]
 def gpu_artifacts(cuda_torch):
     """Compile every GPU case up front (in parallel) with this machine's Triton."""
     srcs = {(op, dt, h): launch.kernel_config(op, dt, {"epsilon": 1e-5}, {"hidden": h}) for op, dt, h in GPU_CASES}
-    for op in OPS:  # the overflow case
-        srcs[(op, "float16", 4096, 1e-6)] = launch.kernel_config(op, "float16", {"epsilon": 1e-6}, {"hidden": 4096})
+    for op in OPS:  # the overflow case: the Triton kernel (4096) and the CUDA warp kernel (768)
+        for h in (4096, 768):
+            srcs[(op, "float16", h, 1e-6)] = launch.kernel_config(op, "float16", {"epsilon": 1e-6}, {"hidden": h})
     arts = KernelCache().build_many(list(srcs.values()))
     return dict(zip(srcs, arts))
 
@@ -309,13 +310,13 @@ def test_gpu_fp16_overflow(cuda_torch, gpu_artifacts, op):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
-def test_gpu_fp16_overflow_warp_kernel(cuda_torch, op):
-    """The same overflow case through the CUDA warp-per-row kernel (hidden 768)."""
+def test_gpu_fp16_overflow_warp_kernel(cuda_torch, gpu_artifacts, op):
+    """The same overflow case through the CUDA warp-per-row kernel (hidden 768's default)."""
+    assert isinstance(launch.choose_config("float16", 768, op), launch.LNWarpConfig)
     seed = _seed()
     rng = np.random.default_rng(seed)
-    cfg = launch.warp_config("float16", 768)
-    (art,) = KernelCache().build_many([launch.kernel_config(op, "float16", {"epsilon": 1e-6}, {"hidden": 768}, config=cfg)])
-    _gpu_case(cuda_torch, art, op, "float16", 300, 768, 1e-6, rng, scale=6e4, config=cfg, what=f"warp seed={seed}")
+    _gpu_case(cuda_torch, gpu_artifacts[(op, "float16", 768, 1e-6)], op, "float16", 300, 768, 1e-6, rng, scale=6e4,
+              what=f"warp seed={seed}")
 
 
 @pytest.mark.gpu
