@@ -42,6 +42,7 @@ HIDDEN = 2048
 SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
+MASK_DTYPE = "bfloat16"  # the mask rows (scalar bias, key padding), at S = 4096
 SWEEP_SEQS = (1024, 4096)
 
 
@@ -135,9 +136,12 @@ def build_sources(sweep: bool = True, tests: bool = True, configs: dict | None =
             for bshape in (None, (), (B, 1, 1, 4096)):  # with arch 90: the CUDA kernel where it applies
                 s, _ = source_for(dtype, 4096, D, causal, cfg, bshape, arch=a)
                 srcs[s.name] = s
-        for _, vcfg in variant_configs(dtype, D, causal, variants):
-            s, _ = source_for(dtype, 4096, D, causal, vcfg, arch=90)
-            srcs[s.name] = s
+        for bshape in (None, (), (B, 1, 1, 4096)):  # variants of the shapes and of the mask rows
+            if bshape is not None and dtype != MASK_DTYPE:
+                continue
+            for _, vcfg in variant_configs(dtype, D, causal, variants, keypad=bool(bshape)):
+                s, _ = source_for(dtype, 4096, D, causal, vcfg, bshape, arch=90)
+                srcs[s.name] = s
     if sweep:
         for dtype, D, causal in combos:
             if dtype not in sweep_dtypes:
@@ -284,10 +288,11 @@ def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, ji
 
     # -- the contenders, timed in interleaved rounds --
     fns = {"ours": lambda: launch(art, params, ins, [out], stream)}
-    if variants and bias_t is None:  # CUDA-kernel variants (--variants), checked like ours
+    if variants:  # CUDA-kernel variants (--variants), checked like ours
         row["variants"] = {}
-        for name, vcfg in variant_configs(dtype, D, causal, variants):
-            vsrc, vparams = source_for(dtype, S, D, causal, vcfg, arch=90)
+        for name, vcfg in variant_configs(dtype, D, causal, variants, keypad=bias == "keypad"):
+            vsrc, vparams = source_for(dtype, S, D, causal, vcfg,
+                                       None if bias_t is None else tuple(bias_t.shape), arch=90)
             vart, _ = runner.artifact(vsrc)
             vout = torch.full_like(q, float("nan"))
             launch(vart, vparams, ins, [vout], stream, sync=True)
@@ -482,9 +487,9 @@ def main(argv=None):
         for bias in ("scalar", "keypad"):  # what a plugin with a mask input costs
             for causal in (0, 1):
                 cfg, runner = pick(D, causal)  # with --arch 90: the CUDA kernel, the Triton one beside it
-                rows.append(run_shape(runner, "bfloat16", 4096, D, causal, cfg, bias=bias, sdpa=False,
+                rows.append(run_shape(runner, MASK_DTYPE, 4096, D, causal, cfg, bias=bias, sdpa=False,
                                       jit=False, arch=args.arch, triton_too=args.arch is not None,
-                                      rounds=args.rounds))
+                                      rounds=args.rounds, variants=variants))
     print("\n== summary (TF/s; ratio = ours / best SDPA backend) ==")
     for (D, causal), (cfg, root, _) in sorted(chosen.items()):
         print(f"config D{D} causal={causal}: {cfg} ({Path(root or 'local').name})")

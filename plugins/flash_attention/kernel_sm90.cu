@@ -10,9 +10,9 @@
 // Why this kernel exists: the Triton kernel (FA2 schedule) keeps the tensor cores idle while the
 // same warps compute exp2/max/sum; at D = 128 the exponentials alone take half the MMA time of a
 // score. Here, as in FlashAttention-3:
-//   * one producer warpgroup streams K/V tiles into shared memory (cp.async, 16-byte, swizzled
-//     for wgmma) through a STAGES-deep ring guarded by mbarriers, so the math warps never wait on
-//     address arithmetic or loads;
+//   * one producer warpgroup streams K/V tiles into shared memory (TMA, or 16-byte cp.async,
+//     swizzled for wgmma) through a STAGES-deep ring guarded by mbarriers, so the math warps never
+//     wait on address arithmetic or loads;
 //   * two (or three: CONSUMERS) consumer warpgroups own 64 query rows each and run wgmma:
 //     S = Q K^T from shared memory, O += P V with P straight from registers (the fp32 accumulator
 //     layout of S, packed to 16 bit, is the A-operand register layout of the next wgmma: no
@@ -21,16 +21,16 @@
 //     S_{j+1} runs, so the exponentials overlap the tensor cores (intra-warpgroup pipelining);
 //   * between the consumer warpgroups (PINGPONG), named barriers let one issue its MMAs while
 //     the others do their softmax.
-// No TMA: tensor maps would have to be built on the host per launch, which a QDP kernel (pointers
-// and int32 scalars only) cannot do; the producer's cp.async keeps up as long as K/V come mostly
-// from L2 (each 128 x 128 block is 128 FLOP per byte: from HBM alone the tensor cores would
-// starve; see the tile order below).
+// TMA without host-encoded tensor maps (a QDP kernel gets pointers and int32 scalars only): each
+// CTA builds its maps on the device and keeps them in output rows it alone writes, last (TMA
+// below); the loads keep up as long as K/V come mostly from L2 (each 128 x 128 block is 128 FLOP
+// per byte: from HBM alone the tensor cores would starve; see the tile order below).
 //
 // Compile-time specialization (-D): OPTFUSE_DTYPE (1 fp16, 2 bf16), HEAD_DIM (64|128), CAUSAL,
 // BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
 // SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES (K/V ring depth), PINGPONG, Q_BUFFERS (1|2),
-// EPI_SMEM (the staged epilogue; default with two Q buffers), LAZY_RESCALE (0 or the stale-max
+// EPI_SMEM (the staged epilogue; default with two Q buffers), TMA, LAZY_RESCALE (0 or the stale-max
 // margin, log2 units; 8 by default in launch.py), ONES_SUM (D = 64: the rows' sums of p from the
 // tensor cores; on by default there), PROFILE (per-phase cycle counters as a second output; for
 // scripts/profile_attention.py only). Needs sm_90a (wgmma, setmaxnreg).
@@ -87,6 +87,16 @@ typedef unsigned short u16;
 #endif
 #if EPI_SMEM && Q_BUFFERS != 2
 #error "EPI_SMEM needs Q_BUFFERS == 2"
+#endif
+// TMA loads (1): the producer's K / V / Q copies are tensor-memory-accelerator transfers, one
+// instruction per 64-column box issued by one thread, instead of 16-byte cp.async by 128 threads
+// (16 per thread and tile at D = 64). The tensor maps they need are built on the device (a QDP
+// kernel gets no host-encoded ones) and kept in global memory that this CTA alone owns until its
+// very end: the first rows of the output tile it writes last ("TMA loads" below). A CTA whose last
+// tile is too short for them, loads nothing (no visible key) or is not 64-byte aligned in the
+// output falls back to cp.async.
+#ifndef TMA
+#define TMA 0
 #endif
 
 #if OPTFUSE_DTYPE == 1
@@ -258,6 +268,57 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_byt
 // Make data that generic-proxy writes (cp.async) put in shared memory visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// ---- TMA loads ----------------------------------------------------------------------------------
+// A 3-D tensor map of a [heads, rows, D] 16-bit tensor (D contiguous) with boxes of 64 columns x
+// box_rows rows x 1 head, landing in the 128-byte swizzle layout wgmma reads (see "Shared memory"
+// below: a 64-column box is one swizzle chunk). Rows past `rows` read as zeros, as the cp.async
+// path's zero fill does. Written by one thread into zeroed shared memory with tensormap.replace
+// (the PTX encodings: rank - 1, elemtype 6 f16 / 10 bf16, swizzle 3 = 128 bytes, fill 0 = zeros).
+__device__ __forceinline__ void tmap_encode(u32 sm, const void* g, u32 rows, u32 heads, u32 box_rows) {
+#define TMAP_SET(field, val) asm volatile("tensormap.replace.tile." field ".shared::cta.b1024.b32 [%0], %1;" ::"r"(sm), "n"(val) : "memory")
+#define TMAP_SET_ORD(field, ord, val) \
+    asm volatile("tensormap.replace.tile." field ".shared::cta.b1024.b32 [%0], %1, %2;" ::"r"(sm), "n"(ord), "r"(val) : "memory")
+    asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;" ::"r"(sm), "l"(g) : "memory");
+    TMAP_SET("rank", 2);  // rank, elemtype and the modes are immediates
+    TMAP_SET_ORD("box_dim", 0, 64u);
+    TMAP_SET_ORD("box_dim", 1, box_rows);
+    TMAP_SET_ORD("box_dim", 2, 1u);
+    TMAP_SET_ORD("global_dim", 0, (u32)D);
+    TMAP_SET_ORD("global_dim", 1, rows);
+    TMAP_SET_ORD("global_dim", 2, heads);
+    asm volatile("tensormap.replace.tile.global_stride.shared::cta.b1024.b64 [%0], 0, %1;" ::"r"(sm), "l"((u64)D * 2) : "memory");
+    asm volatile("tensormap.replace.tile.global_stride.shared::cta.b1024.b64 [%0], 1, %1;" ::"r"(sm), "l"((u64)rows * D * 2) : "memory");
+    TMAP_SET_ORD("element_stride", 0, 1u);
+    TMAP_SET_ORD("element_stride", 1, 1u);
+    TMAP_SET_ORD("element_stride", 2, 1u);
+    TMAP_SET("elemtype", OPTFUSE_DTYPE == 1 ? 6 : 10);
+    TMAP_SET("interleave_layout", 0);
+    TMAP_SET("swizzle_mode", 3);
+    TMAP_SET("fill_mode", 0);
+#undef TMAP_SET
+#undef TMAP_SET_ORD
+}
+
+// The warp's copy of a finished map to global memory, where the TMA unit reads it, ordered before
+// this thread's later TMA use of it (release by the copy, acquire by the fence).
+__device__ __forceinline__ void tmap_publish(void* g, u32 sm) {
+    asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned [%0], [%1], 128;"
+                 ::"l"(g), "r"(sm) : "memory");
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(g) : "memory");
+}
+
+// Box (column c0, row c1, head c2) of a map into shared memory; completes on `bar` by bytes.
+__device__ __forceinline__ void tma_load(u32 dst, const void* tmap, int c0, int c1, int c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+
+// This thread's arrival on `bar`, which also expects `bytes` more from TMA transfers.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -596,14 +657,45 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     // values derived from it -- Q offsets, row limits -- were per-thread, and each branch on them
     // a divergent one: README "Tuning" 18)
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+
+    // TMA loads: this CTA's tensor maps (Q, K, V: 3 x 128 bytes) live in the first rows of the
+    // output tile it writes last (the tile order below). No other CTA writes there (tiles are
+    // disjoint), and that tile's epilogue runs only after every TMA transfer of this CTA has
+    // landed (its consumers waited for all of them), so the maps are dead by then. That tile must
+    // load something: the zeros of a tile with no visible key (causal, Sk < Sq) are written
+    // without waiting for anything, possibly before the maps were even published (a race the
+    // GPU tests caught). Null: cp.async.
+    unsigned char* tmaps = nullptr;
+#if TMA
+    {
+        const u32 grid = gridDim.x, bid = blockIdx.x;
+#if CAUSAL
+        const u32 per = (num_m + 1) / 2;  // pairs per head; a pair ends with its light tile pk
+#else
+        const u32 per = num_m;
+#endif
+        const u32 units = BH * per;
+        if (bid < units && Sk > 0) {
+            const u32 u = (units - 1 - bid) / grid * grid + bid;  // this CTA's last unit
+            const int last_bh = u / per, last_mb = u % per;
+            const int rows = min(bm, Sq - last_mb * bm);
+            const bool loads = !CAUSAL || last_mb * bm + bm + causal_off > 0;  // n_blocks > 0
+            unsigned char* g = reinterpret_cast<unsigned char*>(O + ((long long)last_bh * Sq + (long long)last_mb * bm) * D);
+            if (loads && rows * D * 2 >= 3 * 128 && ((u64)g & 63) == 0) tmaps = g;
+        }
+    }
+#endif
+    const bool use_tma = tmaps != nullptr;
+
     if (threadIdx.x == 0) {
         for (int q = 0; q < Q_BUFFERS; ++q) {
-            mbar_init(BAR_Q_FULL(q), 128);
+            mbar_init(BAR_Q_FULL(q), use_tma ? 1 : 128);  // one expect_tx arrival, or 128 cp.async ones
             mbar_init(BAR_Q_EMPTY(q), 4 * nc);  // consumer barriers: one arrival per consumer warp
         }
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(BAR_FULL_K(s), BIAS_MODE == 2 ? 256 : 128);  // cp.async + (bias) plain arrivals
-            mbar_init(BAR_FULL_V(s), 128);
+            // loads (as for Q) + (BIAS_MODE 2) 128 plain arrivals for the key bias
+            mbar_init(BAR_FULL_K(s), (use_tma ? 1 : 128) + (BIAS_MODE == 2 ? 128 : 0));
+            mbar_init(BAR_FULL_V(s), use_tma ? 1 : 128);
             mbar_init(BAR_EMPTY_K(s), 4 * nc);
             mbar_init(BAR_EMPTY_V(s), 4 * nc);
         }
@@ -660,8 +752,34 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     if (wg == 0) {
         // ================= producer warpgroup: per tile Q, then the K/V ring =================
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-        PROF_DECL
         const int ptid = threadIdx.x;
+#if TMA
+        if (use_tma) {
+            // One thread issues every copy; the other warps have nothing to do unless they load
+            // the key bias.
+            if (BIAS_MODE != 2 && !PROFILE && ptid >= 32) return;
+            if (ptid < 32) {
+                // Build the three maps in Q slot 0 (free until the first Q load, below) and
+                // publish them; then fence: TMA will write that slot (async proxy) after these
+                // generic writes.
+                const u32 stage = Q_SLOT(0);
+                const int B = BH / H;
+                for (int i = 0; i < 3; ++i)
+                    asm volatile("st.shared.u32 [%0], %1;" ::"r"(stage + 128 * i + 4 * ptid), "r"(0u) : "memory");
+                __syncwarp();
+                if (ptid == 0) {
+                    tmap_encode(stage, Q, Sq, BH, 64);  // Q: one 64-row box per consumer warpgroup
+                    tmap_encode(stage + 128, K, Sk, B * Hkv, BLOCK_N);
+                    tmap_encode(stage + 256, V, Sk, B * Hkv, BLOCK_N);
+                }
+                __syncwarp();
+                for (int i = 0; i < 3; ++i) tmap_publish(tmaps + 128 * i, stage + 128 * i);
+                fence_proxy_async();
+                __syncwarp();
+            }
+        }
+#endif
+        PROF_DECL
         int it = 0, tc = 0;  // K/V tiles and Q tiles loaded so far (ring positions and phases)
         TILE_LOOP {
             TILE_COORDS
@@ -672,8 +790,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             PROF(PR_POST)
             mbar_wait(BAR_Q_EMPTY(qs), ((tc / Q_BUFFERS) & 1) ^ 1);
             PROF(PR_WAIT_Q)
-            load_tile<BLOCK_M>(Q_SLOT(qs), Q + ((long long)bh * Sq + m0) * D, min(Sq - m0, bm), ptid);
-            cp_async_arrive(BAR_Q_FULL(qs));
+            if (use_tma) {
+                if (ptid == 0) {
+                    mbar_expect_tx(BAR_Q_FULL(qs), nc * 64 * D * 2);
+                    for (int w = 0; w < nc; ++w)
+#pragma unroll
+                        for (int c = 0; c < D / 64; ++c)
+                            tma_load(Q_SLOT(qs) + c * (BLOCK_M * 128) + w * (64 * 128), tmaps, 64 * c, m0 + 64 * w, bh,
+                                     BAR_Q_FULL(qs));
+                }
+            } else {
+                load_tile<BLOCK_M>(Q_SLOT(qs), Q + ((long long)bh * Sq + m0) * D, min(Sq - m0, bm), ptid);
+                cp_async_arrive(BAR_Q_FULL(qs));
+            }
             ++tc;
             PROF_COUNT(PR_TILES);
             PROF(PR_ISSUE)
@@ -686,8 +815,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 PROF(PR_POST)
                 mbar_wait(BAR_EMPTY_K(s), ph ^ 1);  // a fresh barrier passes parity 1 at once
                 PROF(PR_WAIT_KV)
-                load_tile<BLOCK_N>(base + OFF_K + s * KV_BYTES, k_g + (long long)kv0 * D, Sk - kv0, ptid);
-                cp_async_arrive(BAR_FULL_K(s));
+                if (use_tma) {
+                    if (ptid == 0) {
+                        mbar_expect_tx(BAR_FULL_K(s), KV_BYTES);
+#pragma unroll
+                        for (int c = 0; c < D / 64; ++c)
+                            tma_load(base + OFF_K + s * KV_BYTES + c * (BLOCK_N * 128), tmaps + 128, 64 * c, kv0, kvh,
+                                     BAR_FULL_K(s));
+                    }
+                } else {
+                    load_tile<BLOCK_N>(base + OFF_K + s * KV_BYTES, k_g + (long long)kv0 * D, Sk - kv0, ptid);
+                    cp_async_arrive(BAR_FULL_K(s));
+                }
 #if BIAS_MODE == 2
                 {
                     // key bias of this tile, fp32 in log2 units; finfo.min-like values stay as they
@@ -702,8 +841,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 PROF(PR_ISSUE)
                 mbar_wait(BAR_EMPTY_V(s), ph ^ 1);
                 PROF(PR_WAIT_KV)
-                load_tile<BLOCK_N>(base + OFF_V + s * KV_BYTES, v_g + (long long)kv0 * D, Sk - kv0, ptid);
-                cp_async_arrive(BAR_FULL_V(s));
+                if (use_tma) {
+                    if (ptid == 0) {
+                        mbar_expect_tx(BAR_FULL_V(s), KV_BYTES);
+#pragma unroll
+                        for (int c = 0; c < D / 64; ++c)
+                            tma_load(base + OFF_V + s * KV_BYTES + c * (BLOCK_N * 128), tmaps + 256, 64 * c, kv0, kvh,
+                                     BAR_FULL_V(s));
+                    }
+                } else {
+                    load_tile<BLOCK_N>(base + OFF_V + s * KV_BYTES, v_g + (long long)kv0 * D, Sk - kv0, ptid);
+                    cp_async_arrive(BAR_FULL_V(s));
+                }
                 PROF_COUNT(PR_BLOCKS);
                 PROF(PR_ISSUE)
             }
@@ -753,6 +902,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     const int s0 = it % STAGES;
                     mbar_wait(BAR_FULL_K(s0), (it / STAGES) & 1);
                     PROF(PR_WAIT_KV)
+                    // cp.async writes are generic-proxy ones, so wgmma needs the fence; after TMA
+                    // (async proxy) it is not needed, but branching on the CTA's load mode here
+                    // made ptxas spill in the D = 128 key-padding build, and the fence costs ~0
+                    // (README "Tuning" 34)
                     fence_proxy_async();
                     PROF(PR_FENCE)
 #if PINGPONG
@@ -897,7 +1050,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     if (row_base + rl < Sq)
                         *reinterpret_cast<uint4*>(o_g + (long long)(row_base + rl) * D + ug * 8) = v;
                 }
-                mbar_arrive_warp(BAR_Q_EMPTY(qs));  // the slot may take the tile after next's Q
+                // the slot may take the tile after next's Q; a TMA write (async proxy) after
+                // these generic accesses needs the proxy fence first (harmless before cp.async)
+                fence_proxy_async();
+                mbar_arrive_warp(BAR_Q_EMPTY(qs));
             } else {
 #pragma unroll
                 for (int n = 0; n < D / 8; ++n) {

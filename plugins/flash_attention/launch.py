@@ -57,6 +57,10 @@ class FAConfig:
     #: sm90, D = 64: row sums of p on the tensor cores (P V with 8 extra columns of ones; the
     #: default there, sm90_config)
     ones_sum: bool = False
+    #: sm90: K / V / Q through TMA (tensor maps built on the device, kept in the CTA's last output
+    #: tile; cp.async where that tile is too short; on by default there, sm90_config; not with
+    #: block_m 192 and a key-padding bias, _sm90_tma)
+    tma: bool = False
 
 
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
@@ -68,16 +72,19 @@ class FAConfig:
 #: a third of the diagonal block), so that kernel uses the third warpgroup only from Sq >= 4096
 #: (kernel_sm90.cu SQ_THREE, decided at run time; with per-warpgroup key ranges, three at every S
 #: measured 0.86x at S = 512, README "Tuning" 20). With key padding three warpgroups are not
-#: measured. Two Q buffers also enable the staged (16-byte store) epilogue.
-SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool, int] | None] = {
-    (64, False, False): (192, 3, True, 2),
-    (64, True, False): (192, 3, True, 2),
-    (64, False, True): (128, 3, True, 2),
-    (64, True, True): (128, 3, True, 2),
-    (128, False, False): (128, 2, True, 2),
-    (128, True, False): (128, 2, True, 2),
-    (128, False, True): (128, 2, True, 2),
-    (128, True, True): (128, 2, True, 2),
+#: measured. Two Q buffers also enable the staged (16-byte store) epilogue. TMA loads (last
+#: field): 1.00-1.06x the cp.async ones on all 48 benchmark shapes and 1.01-1.07x on the mask rows
+#: (runs 38-39), except non-causal D = 64 with key padding: 0.93x in two runs (39, 39b), so that
+#: case keeps cp.async (README "Tuning" 34).
+SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool, int, bool] | None] = {
+    (64, False, False): (192, 3, True, 2, True),
+    (64, True, False): (192, 3, True, 2, True),
+    (64, False, True): (128, 3, True, 2, False),
+    (64, True, True): (128, 3, True, 2, True),
+    (128, False, False): (128, 2, True, 2, True),
+    (128, True, False): (128, 2, True, 2, True),
+    (128, False, True): (128, 2, True, 2, True),
+    (128, True, True): (128, 2, True, 2, True),
 }
 
 
@@ -88,20 +95,22 @@ def is_keypad(pattern) -> bool:
 
 def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
                 pingpong: bool | None = None, q_buffers: int | None = None,
-                lazy_rescale: bool = True, *, keypad: bool = False, block_m: int | None = None) -> FAConfig:
+                lazy_rescale: bool = True, *, keypad: bool = False, block_m: int | None = None,
+                tma: bool | None = None) -> FAConfig:
     """The CUDA kernel's config: 128 x 128 tiles with 3 warpgroups (producer + 2 consumers) or, at
     D = 64, 192 x 128 with 4; a K/V ring of ``stages`` (D = 128: 2-3 fit in shared memory; D = 64:
     2-4); unset fields from SM90_DEFAULTS. Lazy rescaling is on by default (README "CUDA kernel",
     runs 14-15: +1-3 % at D = 64 and for causal D = 128, neutral elsewhere), and at D = 64 the row
-    sums come from the tensor cores (``ones_sum``; run 28: 1.00-1.06x, never slower)."""
-    d_bm, d_stages, d_pp, d_qb = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
-                                  or SM90_DEFAULTS.get((head_dim, bool(causal), True))
-                                  or (128, 2 if head_dim > 64 else 3, True, 2))
+    sums come from the tensor cores (``ones_sum``; run 28: 1.00-1.06x, never slower). K / V / Q load
+    through TMA (``tma``; SM90_DEFAULTS, README "Tuning" 34)."""
+    d_bm, d_stages, d_pp, d_qb, d_tma = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
+                                         or SM90_DEFAULTS.get((head_dim, bool(causal), True))
+                                         or (128, 2 if head_dim > 64 else 3, True, 2, True))
     bm = d_bm if block_m is None else block_m
     return FAConfig(bm, 128, 4 * (bm // 64 + 1), d_stages if stages is None else stages, impl="sm90",
                     pingpong=d_pp if pingpong is None else pingpong,
                     q_buffers=d_qb if q_buffers is None else q_buffers, lazy_rescale=lazy_rescale,
-                    ones_sum=head_dim == 64)
+                    ones_sum=head_dim == 64, tma=d_tma if tma is None else tma)
 
 
 # Tuned on the H200 (README "Tuning"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
@@ -236,6 +245,13 @@ def _sm90_bias_mode(pattern) -> int:
     return 1 if not any(pattern) else 2
 
 
+def _sm90_tma(cfg: FAConfig, bias_mode: int) -> bool:
+    """TMA loads as configured, except with three consumer warpgroups and a key-padding bias: that
+    build's producer has 32 registers, and with both load paths (TMA and the cp.async fallback)
+    plus the bias loads ptxas spills (no default config has that combination)."""
+    return cfg.tma and not (cfg.block_m == 192 and bias_mode == 2)
+
+
 def _source_name(dtype: str, head_dim: int, causal: bool, pattern, scale: float, config_tag: str) -> str:
     bias_tag = "nobias" if pattern is None else "bias" + "".join(map(str, pattern))
     return (f"flash_attention/{OP}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{bias_tag}/"
@@ -266,13 +282,15 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         "Q_BUFFERS": str(cfg.q_buffers), "LAZY_RESCALE": "8" if cfg.lazy_rescale else "0",
         "CONSUMERS": str(cfg.block_m // 64),
         **({"ONES_SUM": "1"} if cfg.ones_sum else {}),
+        **({"TMA": "1"} if _sm90_tma(cfg, mode) else {}),
     }
     return KernelSource(
         name=_source_name(dtype, head_dim, causal, pattern, scale,
                           f"sm90{'m192' if cfg.block_m == 192 else ''}s{cfg.num_stages}q{cfg.q_buffers}"
                           f"{'p' if cfg.pingpong else ''}"
                           f"{'l' if cfg.lazy_rescale else ''}"
-                          f"{'o' if cfg.ones_sum else ''}"),
+                          f"{'o' if cfg.ones_sum else ''}"
+                          f"{'t' if _sm90_tma(cfg, mode) else ''}"),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,

@@ -53,6 +53,14 @@ CASES = [
     # at most one round); odd query-block count with Sk > Sq
     (8, 16, 4, 1024, 1024, 64, 1, None, "bfloat16", None),
     (8, 16, 4, 800, 1000, 128, 1, None, "float16", None),
+    # TMA loads keep their tensor maps in the CTA's last output tile: CTAs whose last tile has too
+    # few rows for them (1 or 2 rows at D = 64, 1 at D = 128) load with cp.async, the others with
+    # TMA, in the same launch
+    (3, 5, 5, 130, 257, 64, 0, None, "float16", None),
+    (2, 3, 1, 129, 200, 128, 1, None, "bfloat16", None),
+    # causal with Sk << Sq: most CTAs own only tiles with no visible key (zeros written at once);
+    # such a CTA must not keep tensor maps in its output (it once raced with their publication)
+    (2, 8, 4, 2500, 100, 64, 1, None, "bfloat16", None),  # and (2, 2, 2, 1500, 64, 128, 1) above
 ]
 
 
@@ -106,6 +114,8 @@ SM90_VARIANTS = [
     dict(block_m=192, num_warps=16), dict(block_m=192, num_warps=16, num_stages=4, lazy_rescale=False),
     dict(block_m=128, num_warps=12),
     dict(ones_sum=False), dict(ones_sum=False, block_m=128, num_warps=12),
+    # the cp.async loads (TMA's fallback: a CTA whose last output tile cannot hold the tensor maps)
+    dict(tma=False), dict(tma=False, q_buffers=1, num_stages=3), dict(tma=False, block_m=128, num_warps=12),
 ]
 
 
@@ -134,7 +144,18 @@ def test_sm90_variants(case, variant, seed):
     _check_case(case, seed, arch=90, config=cfg)
 
 
-def _check_case(case, seed, arch=None, config=None):
+@pytest.mark.parametrize("tma", [False, True])
+def test_sm90_output_not_64_byte_aligned(tma, seed):
+    """An output 16 bytes past an allocation's start: no CTA may keep its tensor maps there (they
+    need 64-byte alignment), so every CTA of the TMA build falls back to cp.async."""
+    if not torch.cuda.is_available() or _device_arch() != 90:
+        pytest.skip("needs an sm_90 device")
+    case = (2, 4, 2, 300, 300, 64, 1, None, "bfloat16", None)
+    cfg = dataclasses.replace(L.sm90_config(64, True), tma=tma)
+    _check_case(case, seed, arch=90, config=cfg, out_offset=8)
+
+
+def _check_case(case, seed, arch=None, config=None, out_offset=0):
     from optfuse.kernels import launch
 
     B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, poison = case
@@ -150,7 +171,9 @@ def _check_case(case, seed, arch=None, config=None):
         assert src.lang == "cuda", src.name
     art = T.get_artifact(src)
     dev = [t.cuda() if t is not None else None for t in (q, k, v, bias)]
-    out = torch.full_like(dev[0], float("nan"))
+    # out_offset elements into a larger allocation: the output's alignment is only that offset's
+    out = torch.full((dev[0].numel() + out_offset,), float("nan"), dtype=dev[0].dtype,
+                     device=dev[0].device)[out_offset:].view(dev[0].shape)
     ins = dev[:3] + ([dev[3]] if bias is not None else [])
     for _ in range(2):  # twice: a race or a read of unwritten memory shows as a changing result
         out.fill_(float("nan"))

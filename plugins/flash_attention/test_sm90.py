@@ -102,18 +102,19 @@ def _cuobjdump():
         return None
 
 
-@pytest.mark.parametrize("dtype,D,causal,bias,ones_sum", [
-    ("bfloat16", 128, 0, None, False),
-    ("float16", 128, 1, (-1, 1, 1, -1), False),
-    ("bfloat16", 64, 1, (), True),  # D = 64: row sums on the tensor cores (m64n72 P V), the default
-    ("float16", 64, 0, (1, 1, 1, -1), True),
-    ("bfloat16", 64, 0, None, True),  # three consumer warpgroups (160 registers each): no spills either
-    ("float16", 64, 1, (-1, 1, 1, -1), False),  # the plain row sums, still a variant
-    ("bfloat16", 64, 0, None, False),
+@pytest.mark.parametrize("dtype,D,causal,bias,ones_sum,tma", [
+    ("bfloat16", 128, 0, None, False, True),
+    ("float16", 128, 1, (-1, 1, 1, -1), False, True),
+    ("bfloat16", 64, 1, (), True, True),  # D = 64: row sums on the tensor cores (m64n72 P V), the default
+    ("float16", 64, 0, (1, 1, 1, -1), True, True),
+    ("bfloat16", 64, 0, None, True, True),  # three consumer warpgroups (160 registers each): no spills either
+    ("float16", 64, 1, (-1, 1, 1, -1), False, True),  # the plain row sums, still a variant
+    ("bfloat16", 64, 0, None, False, False),  # cp.async loads only
+    ("float16", 128, 0, (1, 1, 1, -1), False, False),
 ])
-def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum):
+def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum, tma):
     pytest.importorskip("cuda.bindings.nvrtc")
-    cfg = dataclasses.replace(L.sm90_config(D, causal), ones_sum=ones_sum)
+    cfg = dataclasses.replace(L.sm90_config(D, causal), ones_sum=ones_sum, tma=tma)
     src = L.kernel_config(OP, dtype, _attrs(D, causal), {"head_dim": D, "bias_shape": bias, "arch": 90},
                           config=cfg)
     art = KernelCache(tmp_path).build(src, 90)
@@ -126,7 +127,14 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum):
     assert art.n_scratch == 0
     for instr in ("wgmma.mma_async", "setmaxnreg.inc", "setmaxnreg.dec", "cp.async.mbarrier.arrive",
                   "ex2.approx"):
-        assert instr in art.ptx, instr
+        assert instr in art.ptx, instr  # cp.async stays in the TMA build: its fallback
+    # TMA: maps built on the device (no host-encoded map among the parameters), 3-D tile loads
+    # (three consumer warpgroups with a key-padding bias keep cp.async: their 32-register producer
+    # spills with both load paths)
+    tma = tma and not (cfg.block_m == 192 and bias is not None and any(bias))
+    assert ("TMA" in src.defines) == tma
+    for instr in ("tensormap.replace", "tensormap.cp_fenceproxy", "cp.async.bulk.tensor.3d"):
+        assert (instr in art.ptx) == tma, instr
     tool = _cuobjdump()
     if tool:  # registers fit (no spills to local memory) and the tensor-core path is HGMMA
         cubin = tmp_path / "k.cubin"
@@ -137,6 +145,7 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum):
         assert "HGMMA.64x128x16.F32" in sass
         assert ("HGMMA.64x72x16.F32" in sass) == ones_sum
         assert "USETMAXREG" in sass
+        assert ("UTMALDG.3D" in sass) == tma
 
 
 def _script(name):
@@ -163,6 +172,13 @@ def test_bench_variants():
     at64 = dict(bench.variant_configs("bfloat16", 64, True, variants))
     assert at64["block_m=192,num_warps=16"].block_m == 192 and not at64["lazy_rescale=0"].lazy_rescale
     assert bench.variant_configs("float32", 64, True, variants) == []  # no CUDA kernel for fp32
+    # variants are built (and timed) for the mask rows too, over the key-padding default config
+    srcs = bench.build_sources(sweep=False, tests=False, arch=90, variants=bench.parse_variants("tma=0"))
+    keypad = [s for s in srcs if s.lang == "cuda" and s.meta["bias_pattern"] == (1, 0, 0, 1)]
+    cp_async = [s for s in keypad if not s.meta["config"]["tma"]]
+    assert {(s.meta["head_dim"], s.meta["causal"]) for s in cp_async} == {
+        (D, c) for D in (64, 128) for c in (False, True)}
+    assert {s.meta["dtype"] for s in cp_async if s.meta["head_dim"] == 128} == {bench.MASK_DTYPE}
     with pytest.raises(SystemExit) as exc:  # a usage error, before any GPU work
         bench.main(["--causal", "2"])
     assert exc.value.code == 2
@@ -205,7 +221,7 @@ def test_ones_sum_only_at_d64():
     c64 = L.sm90_config(64, True)
     assert c64.ones_sum and not L.sm90_config(128, True).ones_sum  # the D = 64 default
     src = L.kernel_config(OP, "bfloat16", _attrs(64, 1), {"head_dim": 64, "arch": 90})
-    assert src.defines["ONES_SUM"] == "1" and src.name.endswith("o")
+    assert src.defines["ONES_SUM"] == "1" and src.name.endswith("ot")  # ones_sum, then tma
     # the ones tile (128 rows of 128 bytes) counts in the shared memory the launch asks for
     off = dataclasses.replace(c64, ones_sum=False)
     assert L.sm90_shared_mem(64, c64, 0) == L.sm90_shared_mem(64, off, 0) + 128 * 128
