@@ -1,13 +1,18 @@
 """Where the CUDA (sm90) FlashAttention kernel's warps spend their cycles, per phase (H200 only).
 
-    python scripts/profile_attention.py [--shapes S:D:causal,...] [--dtype bfloat16] [--block-m 128]
+    python scripts/profile_attention.py [--shapes S:D:causal,...] [--dtype bfloat16] [--block-m 128] [--tma 0]
 
 Builds the shipped config of each shape with ``PROFILE=1`` (kernel_sm90.cu: every warp adds the
 SM clock cycles of each phase of its loop to counters, written to a second output), launches it
 through optfuse's launcher on the benchmark's shapes (B * S = 16k tokens, H * D = 2048), and prints
 per shape the share of each phase in the consumer and producer warps' cycles, plus the speed of the
 profiled build against the plain one (the clock reads cost a little and constrain scheduling).
-A development tool: it answers "waiting for what?" before a kernel change is designed.
+A development tool: it answers "waiting for what?" before a kernel change is designed. With TMA
+loads (the shipped default) the profiled build spills 12-48 bytes (the counters take registers the
+producer no longer has; nvcc -Xptxas -v, seventh session), so its shares are approximate; ``--tma
+0`` profiles the cp.async loads, whose profiled build does not spill. Note that a per-warp phase
+profile cannot show what the producer's instructions cost the consumers on the same SM
+sub-partitions (README "Tuning" 34).
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="512:64:1,2048:64:1,16384:64:1,512:64:0,16384:64:0,512:128:1,4096:128:0")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--block-m", type=int, default=None, help="128 (two consumer warpgroups) or 192 (three, D = 64)")
+    ap.add_argument("--tma", type=int, choices=(0, 1), default=None,
+                    help="TMA (1) or cp.async (0) loads; default: the shipped config's")
     ap.add_argument("--out", default=None, help="write the shares as JSON here")
     args = ap.parse_args()
     try:
@@ -119,6 +126,8 @@ def main() -> int:
         cfg = L.sm90_config(D, causal)
         if args.block_m:
             cfg = dataclasses.replace(cfg, block_m=args.block_m, num_warps=4 * (args.block_m // 64 + 1))
+        if args.tma is not None:
+            cfg = dataclasses.replace(cfg, tma=bool(args.tma))
         q, k, v, _ = T.random_inputs(B, H, H, S, S, D, args.dtype, device="cuda")
         src, params = BENCH.source_for(args.dtype, S, D, causal, cfg, arch=90)
         plain, prof = T.get_artifact(src, 90), build_kernel(profiled(src), 90)
