@@ -321,6 +321,14 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
+// Key rows [row0, row0 + BLOCK_N) of one kv head from a K or V map into ring slot `dst`: D / 64
+// boxes, counted on `bar`.
+__device__ __forceinline__ void tma_load_kv(u32 dst, const void* tmap, int row0, int head, u32 bar) {
+    mbar_expect_tx(bar, KV_BYTES);
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) tma_load(dst + c * (BLOCK_N * 128), tmap, 64 * c, row0, head, bar);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -816,13 +824,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 mbar_wait(BAR_EMPTY_K(s), ph ^ 1);  // a fresh barrier passes parity 1 at once
                 PROF(PR_WAIT_KV)
                 if (use_tma) {
-                    if (ptid == 0) {
-                        mbar_expect_tx(BAR_FULL_K(s), KV_BYTES);
-#pragma unroll
-                        for (int c = 0; c < D / 64; ++c)
-                            tma_load(base + OFF_K + s * KV_BYTES + c * (BLOCK_N * 128), tmaps + 128, 64 * c, kv0, kvh,
-                                     BAR_FULL_K(s));
-                    }
+                    if (ptid == 0) tma_load_kv(base + OFF_K + s * KV_BYTES, tmaps + 128, kv0, kvh, BAR_FULL_K(s));
                 } else {
                     load_tile<BLOCK_N>(base + OFF_K + s * KV_BYTES, k_g + (long long)kv0 * D, Sk - kv0, ptid);
                     cp_async_arrive(BAR_FULL_K(s));
@@ -842,13 +844,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 mbar_wait(BAR_EMPTY_V(s), ph ^ 1);
                 PROF(PR_WAIT_KV)
                 if (use_tma) {
-                    if (ptid == 0) {
-                        mbar_expect_tx(BAR_FULL_V(s), KV_BYTES);
-#pragma unroll
-                        for (int c = 0; c < D / 64; ++c)
-                            tma_load(base + OFF_V + s * KV_BYTES + c * (BLOCK_N * 128), tmaps + 256, 64 * c, kv0, kvh,
-                                     BAR_FULL_V(s));
-                    }
+                    if (ptid == 0) tma_load_kv(base + OFF_V + s * KV_BYTES, tmaps + 256, kv0, kvh, BAR_FULL_V(s));
                 } else {
                     load_tile<BLOCK_N>(base + OFF_V + s * KV_BYTES, v_g + (long long)kv0 * D, Sk - kv0, ptid);
                     cp_async_arrive(BAR_FULL_V(s));
