@@ -239,7 +239,9 @@ def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
             + 8 * (2 * cfg.q_buffers + 4 * cfg.num_stages) + 1024)
 
 
-def _sm90_bias_mode(pattern) -> int:
+def _bias_mode(pattern) -> int:
+    """0: no bias input; 1: one value broadcast everywhere (the rewrite's 0 or a -inf); 2: a real
+    tensor (key padding and the rest) -- both kernels specialise on it."""
     if pattern is None:
         return 0
     return 1 if not any(pattern) else 2
@@ -271,7 +273,7 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
                          f"head_dim 64, not {head_dim}")
     if cfg.ones_sum and head_dim != 64:
         raise ValueError(f"FlashAttention sm90 kernel: ones_sum only at head_dim 64, not {head_dim}")
-    mode = _sm90_bias_mode(pattern)
+    mode = _bias_mode(pattern)
     scale_log2 = scale * 1.4426950408889634
     defines = {
         "OPTFUSE_DTYPE": str(CUDA_DTYPE_CODE[dtype]), "HEAD_DIM": str(head_dim),
@@ -318,8 +320,7 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     scale = float(attrs["scale"])
     causal = bool(int(attrs.get("causal", 0) or 0))
     pattern = bias_pattern(static_shape.get("bias_shape"))
-    has_bias = is_keypad(pattern)
-    scalar_bias = pattern is not None and not any(pattern)
+    has_bias, scalar_bias = _bias_mode(pattern) == 2, _bias_mode(pattern) == 1
     cfg = config or _config_for(dtype, head_dim, causal, pattern, scale, static_shape)
     if cfg.impl == "sm90":
         return _sm90_source(dtype, head_dim, causal, pattern, scale, cfg,
@@ -383,7 +384,7 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
         return LaunchParams(
             grid=(int((static_shape or {}).get("sm_count") or SM90_GRID), 1, 1),
             block=(32 * cfg.num_warps, 1, 1),
-            shared_mem=sm90_shared_mem(head_dim, cfg, _sm90_bias_mode(pattern)),
+            shared_mem=sm90_shared_mem(head_dim, cfg, _bias_mode(pattern)),
             extra_args=[H, Hkv, Sq, Sk, cdiv(Sq, cfg.block_m) * (B * H)],
         )
     return LaunchParams(
