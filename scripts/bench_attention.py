@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -65,10 +64,7 @@ def source_for(dtype, S, D, causal, config=None, bias_shape=None, arch=None):
 def _gpu_test_sources(arch=None):
     """The GPU tests' KernelSources: each case's Triton kernel and, with ``arch=90``, the CUDA
     kernel of every case it takes, in every variant test_kernel_gpu.py runs."""
-    spec = importlib.util.spec_from_file_location(
-        "_fa_gpu_cases", ROOT / "plugins" / "flash_attention" / "test_kernel_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = plugin_module("flash_attention", "test_kernel_gpu")
     out = []
     for case in mod.CASES:
         B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, _ = case
