@@ -50,6 +50,8 @@ def test_kernel_choice(arch, dtype, D, bias, expect):
         assert src.n_inputs == 3 + (bias is not None) and src.n_extra == 5
         mode = 0 if bias is None else 1 if not any(L.bias_pattern(bias)) else 2
         assert src.defines["BIAS_MODE"] == str(mode)
+        # TMA loads everywhere but non-causal D = 64 with key padding (SM90_DEFAULTS, run 39)
+        assert ("TMA" in src.defines) == (not (D == 64 and not causal and keypad))
     # a negative scale (never exported, but legal) keeps the Triton kernel
     neg = dict(_attrs(D, causal), scale=-0.1)
     assert L.kernel_config(OP, dtype, neg, {"head_dim": D, "bias_shape": bias, "arch": arch}).lang == "triton"
