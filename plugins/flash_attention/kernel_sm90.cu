@@ -321,12 +321,18 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// Key rows [row0, row0 + BLOCK_N) of one kv head from a K or V map into ring slot `dst`: D / 64
-// boxes, counted on `bar`.
+// Rows from row0 of one head, all D columns: D / 64 boxes into the swizzle chunks of a tile whose
+// chunks are chunk_bytes apart (a Q slot: BLOCK_M * 128; a K / V ring slot: BLOCK_N * 128).
+__device__ __forceinline__ void tma_load_rows(u32 dst, u32 chunk_bytes, const void* tmap, int row0, int head, u32 bar) {
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) tma_load(dst + c * chunk_bytes, tmap, 64 * c, row0, head, bar);
+}
+
+// Key rows [row0, row0 + BLOCK_N) of one kv head from a K or V map into ring slot `dst`, counted
+// on `bar`.
 __device__ __forceinline__ void tma_load_kv(u32 dst, const void* tmap, int row0, int head, u32 bar) {
     mbar_expect_tx(bar, KV_BYTES);
-#pragma unroll
-    for (int c = 0; c < D / 64; ++c) tma_load(dst + c * (BLOCK_N * 128), tmap, 64 * c, row0, head, bar);
+    tma_load_rows(dst, BLOCK_N * 128, tmap, row0, head, bar);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -801,11 +807,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             if (use_tma) {
                 if (ptid == 0) {
                     mbar_expect_tx(BAR_Q_FULL(qs), nc * 64 * D * 2);
-                    for (int w = 0; w < nc; ++w)
-#pragma unroll
-                        for (int c = 0; c < D / 64; ++c)
-                            tma_load(Q_SLOT(qs) + c * (BLOCK_M * 128) + w * (64 * 128), tmaps, 64 * c, m0 + 64 * w, bh,
-                                     BAR_Q_FULL(qs));
+                    for (int w = 0; w < nc; ++w)  // one 64-row box per active consumer warpgroup
+                        tma_load_rows(Q_SLOT(qs) + w * (64 * 128), BLOCK_M * 128, tmaps, m0 + 64 * w, bh, BAR_Q_FULL(qs));
                 }
             } else {
                 load_tile<BLOCK_M>(Q_SLOT(qs), Q + ((long long)bh * Sq + m0) * D, min(Sq - m0, bm), ptid);
