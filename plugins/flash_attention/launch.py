@@ -90,7 +90,7 @@ SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool, int, bool] | N
 
 def is_keypad(pattern) -> bool:
     """A bias that is a real input, not one broadcast value (some dim of its pattern is not 1)."""
-    return pattern is not None and any(pattern)
+    return _bias_mode(pattern) == 2
 
 
 def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
@@ -320,7 +320,8 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     scale = float(attrs["scale"])
     causal = bool(int(attrs.get("causal", 0) or 0))
     pattern = bias_pattern(static_shape.get("bias_shape"))
-    has_bias, scalar_bias = _bias_mode(pattern) == 2, _bias_mode(pattern) == 1
+    mode = _bias_mode(pattern)
+    has_bias, scalar_bias = mode == 2, mode == 1
     cfg = config or _config_for(dtype, head_dim, causal, pattern, scale, static_shape)
     if cfg.impl == "sm90":
         return _sm90_source(dtype, head_dim, causal, pattern, scale, cfg,
