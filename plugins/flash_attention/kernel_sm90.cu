@@ -30,10 +30,10 @@
 // BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
 // SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES (K/V ring depth), PINGPONG, Q_BUFFERS (1|2),
-// EPI_SMEM (the staged epilogue; default with two Q buffers), TMA, LAZY_RESCALE (0 or the stale-max
-// margin, log2 units; 8 by default in launch.py), ONES_SUM (D = 64: the rows' sums of p from the
-// tensor cores; on by default there), PROFILE (per-phase cycle counters as a second output; for
-// scripts/profile_attention.py only). Needs sm_90a (wgmma, setmaxnreg).
+// EPI_SMEM (the staged epilogue; default with two Q buffers), TMA, KV_ONE_FULL, LAZY_RESCALE (0 or
+// the stale-max margin, log2 units; 8 by default in launch.py), ONES_SUM (D = 64: the rows' sums of
+// p from the tensor cores; on by default there), PROFILE (per-phase cycle counters as a second
+// output; for scripts/profile_attention.py only). Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -97,6 +97,14 @@ typedef unsigned short u16;
 // output falls back to cp.async.
 #ifndef TMA
 #define TMA 0
+#endif
+// One "full" barrier per K/V ring stage (1): K_j and V_j complete the same barrier, so a consumer
+// waits once per key block (for K_j, with V_j) instead of twice (K_j, then V_{j-1}); the "empty"
+// barriers stay separate (K's slot is refilled before V's). It needs a third ring stage: with two,
+// V_j can only load once P_{j-2} V_{j-2} is done, one block before S_j = Q K_j^T now waits for it
+// (launch.py: on from 3 stages, README "Tuning" 38).
+#ifndef KV_ONE_FULL
+#define KV_ONE_FULL 0
 #endif
 
 #if OPTFUSE_DTYPE == 1
@@ -647,7 +655,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #define BAR_Q_FULL(q) (BARS + 8 * (q))
 #define BAR_Q_EMPTY(q) (BARS + 8 * (Q_BUFFERS + (q)))
 #define BAR_FULL_K(s) (BARS + 8 * (2 * Q_BUFFERS + (s)))
+#if KV_ONE_FULL
+#define BAR_FULL_V(s) BAR_FULL_K(s)
+#else
 #define BAR_FULL_V(s) (BARS + 8 * (2 * Q_BUFFERS + STAGES + (s)))
+#endif
 #define BAR_EMPTY_K(s) (BARS + 8 * (2 * Q_BUFFERS + 2 * STAGES + (s)))
 #define BAR_EMPTY_V(s) (BARS + 8 * (2 * Q_BUFFERS + 3 * STAGES + (s)))
 #define Q_SLOT(q) (base + OFF_Q + (q) * Q_BYTES)
@@ -708,8 +720,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         }
         for (int s = 0; s < STAGES; ++s) {
             // loads (as for Q) + (BIAS_MODE 2) 128 plain arrivals for the key bias
-            mbar_init(BAR_FULL_K(s), (use_tma ? 1 : 128) + (BIAS_MODE == 2 ? 128 : 0));
-            mbar_init(BAR_FULL_V(s), use_tma ? 1 : 128);
+            // (KV_ONE_FULL: the K and the V loads' arrivals on one barrier)
+            mbar_init(BAR_FULL_K(s), (KV_ONE_FULL ? 2 : 1) * (use_tma ? 1 : 128) + (BIAS_MODE == 2 ? 128 : 0));
+            if (!KV_ONE_FULL) mbar_init(BAR_FULL_V(s), use_tma ? 1 : 128);
             mbar_init(BAR_EMPTY_K(s), 4 * nc);
             mbar_init(BAR_EMPTY_V(s), 4 * nc);
         }
@@ -935,7 +948,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 for (int j = 1; j < n_blocks; ++j) {
                     const int sj = (it + j) % STAGES, sp = (it + j - 1) % STAGES;
                     mbar_wait(BAR_FULL_K(sj), ((it + j) / STAGES) & 1);
-                    mbar_wait(BAR_FULL_V(sp), ((it + j - 1) / STAGES) & 1);
+                    if (!KV_ONE_FULL) mbar_wait(BAR_FULL_V(sp), ((it + j - 1) / STAGES) & 1);
                     PROF(PR_WAIT_KV)
                     fence_proxy_async();
                     PROF(PR_FENCE)
@@ -975,7 +988,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 // -- tail: the last block's O += P V --
                 {
                     const int sp = (it + n_blocks - 1) % STAGES;
-                    mbar_wait(BAR_FULL_V(sp), ((it + n_blocks - 1) / STAGES) & 1);
+                    if (!KV_ONE_FULL) mbar_wait(BAR_FULL_V(sp), ((it + n_blocks - 1) / STAGES) & 1);
                     PROF(PR_WAIT_KV)
                     fence_proxy_async();
                     PROF(PR_FENCE)

@@ -61,6 +61,9 @@ class FAConfig:
     #: tile; cp.async where that tile is too short; on by default there, sm90_config; not with
     #: block_m 192 and a key-padding bias, _sm90_tma)
     tma: bool = False
+    #: sm90: one "full" barrier per K/V ring stage (kernel_sm90.cu KV_ONE_FULL: one wait per key
+    #: block instead of two; on by default from 3 stages, sm90_config)
+    kv_one_full: bool = False
 
 
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
@@ -96,21 +99,26 @@ def is_keypad(pattern) -> bool:
 def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
                 pingpong: bool | None = None, q_buffers: int | None = None,
                 lazy_rescale: bool = True, *, keypad: bool = False, block_m: int | None = None,
-                tma: bool | None = None) -> FAConfig:
+                tma: bool | None = None, kv_one_full: bool | None = None) -> FAConfig:
     """The CUDA kernel's config: 128 x 128 tiles with 3 warpgroups (producer + 2 consumers) or, at
     D = 64, 192 x 128 with 4; a K/V ring of ``stages`` (D = 128: 2-3 fit in shared memory; D = 64:
     2-4); unset fields from SM90_DEFAULTS. Lazy rescaling is on by default (README "CUDA kernel",
     runs 14-15: +1-3 % at D = 64 and for causal D = 128, neutral elsewhere), and at D = 64 the row
     sums come from the tensor cores (``ones_sum``; run 28: 1.00-1.06x, never slower). K / V / Q load
-    through TMA (``tma``; SM90_DEFAULTS, README "Tuning" 34)."""
+    through TMA (``tma``; SM90_DEFAULTS, README "Tuning" 34). With a ring of 3+ stages K and V share
+    one "full" barrier per stage (``kv_one_full``; run 42: 1.01x at D = 64, geometric mean of 24
+    shapes; with the 2-stage ring of D = 128 it cost 4-20 %: the next K waits for a V load that
+    could only start one block earlier)."""
     d_bm, d_stages, d_pp, d_qb, d_tma = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
                                          or SM90_DEFAULTS.get((head_dim, bool(causal), True))
                                          or (128, 2 if head_dim > 64 else 3, True, 2, True))
     bm = d_bm if block_m is None else block_m
-    return FAConfig(bm, 128, 4 * (bm // 64 + 1), d_stages if stages is None else stages, impl="sm90",
+    st = d_stages if stages is None else stages
+    return FAConfig(bm, 128, 4 * (bm // 64 + 1), st, impl="sm90",
                     pingpong=d_pp if pingpong is None else pingpong,
                     q_buffers=d_qb if q_buffers is None else q_buffers, lazy_rescale=lazy_rescale,
-                    ones_sum=head_dim == 64, tma=d_tma if tma is None else tma)
+                    ones_sum=head_dim == 64, tma=d_tma if tma is None else tma,
+                    kv_one_full=st >= 3 if kv_one_full is None else kv_one_full)
 
 
 # Tuned on the H200 (README "Tuning"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
@@ -285,6 +293,7 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         "CONSUMERS": str(cfg.block_m // 64),
         **({"ONES_SUM": "1"} if cfg.ones_sum else {}),
         **({"TMA": "1"} if _sm90_tma(cfg, mode) else {}),
+        **({"KV_ONE_FULL": "1"} if cfg.kv_one_full else {}),
     }
     return KernelSource(
         name=_source_name(dtype, head_dim, causal, pattern, scale,
@@ -292,7 +301,8 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
                           f"{'p' if cfg.pingpong else ''}"
                           f"{'l' if cfg.lazy_rescale else ''}"
                           f"{'o' if cfg.ones_sum else ''}"
-                          f"{'t' if _sm90_tma(cfg, mode) else ''}"),
+                          f"{'t' if _sm90_tma(cfg, mode) else ''}"
+                          f"{'k' if cfg.kv_one_full else ''}"),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,

@@ -116,6 +116,9 @@ SM90_VARIANTS = [
     dict(ones_sum=False), dict(ones_sum=False, block_m=128, num_warps=12),
     # the cp.async loads (TMA's fallback: a CTA whose last output tile cannot hold the tensor maps)
     dict(tma=False), dict(tma=False, q_buffers=1, num_stages=3), dict(tma=False, block_m=128, num_warps=12),
+    # K and V on one "full" barrier per ring stage or on one each (the default from 3 / with 2
+    # stages), with both load paths
+    dict(kv_one_full=False), dict(kv_one_full=True), dict(kv_one_full=False, tma=False),
 ]
 
 

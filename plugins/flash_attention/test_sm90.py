@@ -52,6 +52,8 @@ def test_kernel_choice(arch, dtype, D, bias, expect):
         assert src.defines["BIAS_MODE"] == str(mode)
         # TMA loads everywhere but non-causal D = 64 with key padding (SM90_DEFAULTS, run 39)
         assert ("TMA" in src.defines) == (not (D == 64 and not causal and keypad))
+        # K and V share one "full" barrier with the 3-stage ring of D = 64, not with D = 128's 2
+        assert ("KV_ONE_FULL" in src.defines) == (D == 64) == (int(src.defines["STAGES"]) >= 3)
     # a negative scale (never exported, but legal) keeps the Triton kernel
     neg = dict(_attrs(D, causal), scale=-0.1)
     assert L.kernel_config(OP, dtype, neg, {"head_dim": D, "bias_shape": bias, "arch": arch}).lang == "triton"
@@ -223,9 +225,21 @@ def test_ones_sum_only_at_d64():
     c64 = L.sm90_config(64, True)
     assert c64.ones_sum and not L.sm90_config(128, True).ones_sum  # the D = 64 default
     src = L.kernel_config(OP, "bfloat16", _attrs(64, 1), {"head_dim": 64, "arch": 90})
-    assert src.defines["ONES_SUM"] == "1" and src.name.endswith("ot")  # ones_sum, then tma
+    assert src.defines["ONES_SUM"] == "1" and src.name.endswith("otk")  # ones_sum, tma, kv_one_full
     # the ones tile (128 rows of 128 bytes) counts in the shared memory the launch asks for
     off = dataclasses.replace(c64, ones_sum=False)
     assert L.sm90_shared_mem(64, c64, 0) == L.sm90_shared_mem(64, off, 0) + 128 * 128
     assert "ONES_SUM" not in L.kernel_config(OP, "bfloat16", _attrs(64, 1), {"head_dim": 64, "arch": 90},
                                              config=off).defines
+
+
+def test_kv_one_full_follows_the_ring_depth():
+    """One "full" barrier for K and V needs a third ring stage (README "Tuning" 38): the default
+    follows the stages unless set."""
+    assert L.sm90_config(64, True).kv_one_full and not L.sm90_config(128, True).kv_one_full
+    assert not L.sm90_config(64, False, stages=2).kv_one_full
+    assert L.sm90_config(128, False, stages=3, q_buffers=1).kv_one_full
+    assert not L.sm90_config(64, False, kv_one_full=False).kv_one_full
+    off = L.kernel_config(OP, "float16", _attrs(64), {"head_dim": 64, "arch": 90},
+                          config=L.sm90_config(64, False, kv_one_full=False))
+    assert "KV_ONE_FULL" not in off.defines and not off.name.endswith("k")
