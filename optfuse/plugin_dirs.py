@@ -8,11 +8,13 @@ and onnx so kernel code and GPU tests can use it where only numpy/triton/cuda-py
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from pathlib import Path
 
 PLUGINS_DIR = Path(__file__).resolve().parent.parent / "plugins"
+SCRIPTS_DIR = PLUGINS_DIR.parent / "scripts"
 
 
 def _ensure_plugins_package() -> None:
@@ -28,3 +30,23 @@ def plugin_module(folder: str, module: str) -> types.ModuleType:
     """Import ``plugins/<folder>/<module>.py`` (e.g. ``reference``, ``launch``)."""
     _ensure_plugins_package()
     return importlib.import_module(f"optfuse_plugins.{folder}.{module}")
+
+
+def script_module(name: str) -> types.ModuleType:
+    """Import ``scripts/<name>.py`` of a source checkout (benchmark and profiling scripts, used by
+    each other and by tests; the folder is not a package), once per process."""
+    key = f"_optfuse_script_{name}"
+    mod = sys.modules.get(key)
+    if mod is None:
+        path = SCRIPTS_DIR / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        if spec is None or spec.loader is None or not path.is_file():
+            raise ImportError(f"no script {path}")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod  # dataclasses look their module up there
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[key]
+            raise
+    return mod

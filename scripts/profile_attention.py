@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import re
 import sys
@@ -29,21 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from optfuse.kernels.registry import plugin_module  # noqa: E402
+from optfuse.plugin_dirs import script_module  # noqa: E402
 
 L = plugin_module("flash_attention", "launch")
 T = plugin_module("flash_attention", "testing")
 KERNEL = ROOT / "plugins" / "flash_attention" / "kernel_sm90.cu"
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("_bench_attention", ROOT / "scripts" / "bench_attention.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 #: the benchmark's shapes (shape_of, source_for: B * S = 16k tokens, H * D = 2048) and FLOP count
-BENCH = _bench_module()
+BENCH = script_module("bench_attention")
 CONSUMER_PHASES = ("WAIT_Q", "WAIT_KV", "FENCE", "TURN", "ISSUE", "PASS", "WAIT_S", "SOFTMAX", "WAIT_PV", "POST", "EPI")
 PRODUCER_PHASES = ("WAIT_Q", "WAIT_KV", "ISSUE", "POST")
 

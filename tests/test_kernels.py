@@ -101,6 +101,15 @@ def test_registry_lists_norm_kernels():
         assert any(f"/{op}/" in n for n in names)
 
 
+def test_script_module_imports_a_script_once():
+    from optfuse.plugin_dirs import script_module
+
+    bench = script_module("bench_attention")
+    assert script_module("bench_attention") is bench and callable(bench.parse_variants)
+    with pytest.raises(ImportError, match="no script"):
+        script_module("no_such_script")
+
+
 def test_cuda_source_inlines_local_includes(tmp_path):
     """A CUDA source's ``#include "relative"`` files are inlined (once each) into the text the
     compiler gets and the cache key hashes, so editing a shared header rebuilds its kernels."""

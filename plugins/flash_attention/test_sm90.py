@@ -3,7 +3,6 @@ parameters (symbolic too), NVRTC compiles for sm_90a (wgmma, setmaxnreg, no loca
 benchmark's ``--variants`` of it."""
 
 import dataclasses
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 
 from optfuse.kernels import KernelCache
 from optfuse.kernels.registry import plugin_module
+from optfuse.plugin_dirs import script_module
 from optfuse.kernels.testing import SymDim, sym_cdiv
 
 L = plugin_module("flash_attention", "launch")
@@ -152,17 +152,8 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum, tma):
         assert ("UTMALDG.3D" in sass) == tma
 
 
-def _script(name):
-    """scripts/<name>.py as a module (the scripts folder is not a package)."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_variants():
-    bench = _script("bench_attention")
+    bench = script_module("bench_attention")
     variants = bench.parse_variants("lazy_rescale=0;block_m=192,num_warps=16")
     assert variants == [("lazy_rescale=0", {"lazy_rescale": False}),
                         ("block_m=192,num_warps=16", {"block_m": 192, "num_warps": 16})]
@@ -192,7 +183,7 @@ def test_profile_script_phases_and_summary():
     """scripts/profile_attention.py: its phase names are the kernel's PR_* counters, the profiled
     source only adds PROFILE and the second output, and the shares add up per role."""
     np = pytest.importorskip("numpy")
-    prof = _script("profile_attention")
+    prof = script_module("profile_attention")
     names = prof.phase_names()
     assert "N" not in names and {"TOTAL", "TILES", "BLOCKS"} <= set(names)
     assert set(prof.CONSUMER_PHASES) <= set(names) and set(prof.PRODUCER_PHASES) <= set(names)
