@@ -86,6 +86,8 @@ def summarize(counters, names, n_warps):
         row = {p: part[:, idx[p]].sum() / total for p in phases}
         row["other"] = 1.0 - sum(row.values())
         row["blocks_per_tile"] = part[:, idx["BLOCKS"]].sum() / max(1.0, part[:, idx["TILES"]].sum())
+        # consumer K / V waits whose data had not landed yet, per key block (producer: 0)
+        row["kv_late_per_block"] = part[:, idx["KV_LATE"]].sum() / max(1.0, part[:, idx["BLOCKS"]].sum())
         row["cycles_per_warp"] = total / len(part)
         out[role] = row
     return out
@@ -156,7 +158,8 @@ def main() -> int:
         results.append(row)
         c, p = share["consumer"], share["producer"]
         print(f"{args.dtype} S={S} D={D} causal={causal}  {row['tfs']:.0f} TF/s (profiled {row['tfs_profiled']:.0f}), "
-              f"{c['blocks_per_tile']:.1f} blocks/tile, max|err| {err:.3g}")
+              f"{c['blocks_per_tile']:.1f} blocks/tile, K/V not yet there at {100 * c['kv_late_per_block']:.1f}% "
+              f"of the blocks' waits, max|err| {err:.3g}")
         print("  consumer: " + "  ".join(f"{k} {100 * c[k]:.1f}%" for k in (*CONSUMER_PHASES, "other")))
         print("  producer: " + "  ".join(f"{k} {100 * p[k]:.1f}%" for k in (*PRODUCER_PHASES, "other")), flush=True)
     if args.out:

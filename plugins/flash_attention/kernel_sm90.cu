@@ -207,6 +207,7 @@ enum {
     PR_TOTAL,    // cycles from the role split to the end
     PR_TILES,    // tiles (count)
     PR_BLOCKS,   // key blocks (count)
+    PR_KV_LATE,  // consumer: K / V waits whose data had not landed when first probed (count)
     PR_N
 };
 #if PROFILE
@@ -251,6 +252,23 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
             : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
 }
+
+// A consumer's wait for K / V. PROFILE: also counts the waits whose data had not landed when
+// first probed (test_wait, which does not block: try_wait may itself wait a while and then pass).
+#if PROFILE
+__device__ __forceinline__ bool mbar_wait_late(u32 bar, u32 parity) {
+    u32 ready;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ready) : "r"(bar), "r"(parity) : "memory");
+    mbar_wait(bar, parity);
+    return !ready;
+}
+#define KV_WAIT(bar, parity) { if (mbar_wait_late(bar, parity)) PROF_COUNT(PR_KV_LATE); }
+#else
+#define KV_WAIT(bar, parity) mbar_wait(bar, parity)
+#endif
 
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
@@ -912,7 +930,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 // -- block 0: scores and softmax (nothing before it to overlap with) --
                 {
                     const int s0 = it % STAGES;
-                    mbar_wait(BAR_FULL_K(s0), (it / STAGES) & 1);
+                    KV_WAIT(BAR_FULL_K(s0), (it / STAGES) & 1);
                     PROF(PR_WAIT_KV)
                     // cp.async writes are generic-proxy ones, so wgmma needs the fence; after TMA
                     // (async proxy) it is not needed, but branching on the CTA's load mode here
@@ -947,8 +965,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 // -- steady state: issue S_j and O += P_{j-1} V_{j-1}; softmax S_j while PV runs --
                 for (int j = 1; j < n_blocks; ++j) {
                     const int sj = (it + j) % STAGES, sp = (it + j - 1) % STAGES;
-                    mbar_wait(BAR_FULL_K(sj), ((it + j) / STAGES) & 1);
-                    if (!KV_ONE_FULL) mbar_wait(BAR_FULL_V(sp), ((it + j - 1) / STAGES) & 1);
+                    KV_WAIT(BAR_FULL_K(sj), ((it + j) / STAGES) & 1);
+                    if (!KV_ONE_FULL) KV_WAIT(BAR_FULL_V(sp), ((it + j - 1) / STAGES) & 1);
                     PROF(PR_WAIT_KV)
                     fence_proxy_async();
                     PROF(PR_FENCE)
@@ -988,7 +1006,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 // -- tail: the last block's O += P V --
                 {
                     const int sp = (it + n_blocks - 1) % STAGES;
-                    if (!KV_ONE_FULL) mbar_wait(BAR_FULL_V(sp), ((it + n_blocks - 1) / STAGES) & 1);
+                    if (!KV_ONE_FULL) KV_WAIT(BAR_FULL_V(sp), ((it + n_blocks - 1) / STAGES) & 1);
                     PROF(PR_WAIT_KV)
                     fence_proxy_async();
                     PROF(PR_FENCE)

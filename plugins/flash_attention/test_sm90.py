@@ -185,9 +185,9 @@ def test_profile_script_phases_and_summary():
     np = pytest.importorskip("numpy")
     prof = script_module("profile_attention")
     names = prof.phase_names()
-    assert "N" not in names and {"TOTAL", "TILES", "BLOCKS"} <= set(names)
+    assert "N" not in names and {"TOTAL", "TILES", "BLOCKS", "KV_LATE"} <= set(names)
     assert set(prof.CONSUMER_PHASES) <= set(names) and set(prof.PRODUCER_PHASES) <= set(names)
-    assert len(names) == len(set(names)) == 14
+    assert len(names) == len(set(names)) == 15
     src = L.kernel_config(OP, "bfloat16", _attrs(64, 1), {"head_dim": 64, "arch": 90})
     p = prof.profiled(src)
     assert p.defines == {**src.defines, "PROFILE": "1"} and p.n_outputs == 2 and src.n_outputs == 1
@@ -196,12 +196,13 @@ def test_profile_script_phases_and_summary():
     i = {n: k for k, n in enumerate(names)}
     c[:, :4, i["TOTAL"]], c[:, :4, i["WAIT_KV"]], c[:, :4, i["ISSUE"]] = 100, 60, 30
     c[:, 4:, i["TOTAL"]], c[:, 4:, i["SOFTMAX"]], c[:, 4:, i["TURN"]] = 200, 120, 50
-    c[:, 4:, i["TILES"]], c[:, 4:, i["BLOCKS"]] = 2, 5
+    c[:, 4:, i["TILES"]], c[:, 4:, i["BLOCKS"]], c[:, 4:, i["KV_LATE"]] = 2, 5, 1
     c[1, 7, :] = 0
     share = prof.summarize(c, names, 8)
     assert share["producer"]["WAIT_KV"] == pytest.approx(0.6) and share["producer"]["other"] == pytest.approx(0.1)
     assert share["consumer"]["SOFTMAX"] == pytest.approx(0.6) and share["consumer"]["TURN"] == pytest.approx(0.25)
     assert share["consumer"]["blocks_per_tile"] == pytest.approx(2.5)
+    assert share["consumer"]["kv_late_per_block"] == pytest.approx(0.2)
     assert share["consumer"]["cycles_per_warp"] == pytest.approx(200)
     assert prof.parse_shapes("512:64:1,4096:128:0") == [(512, 64, 1), (4096, 128, 0)]
     for bad in ("512:64", "512:96:0", "500:64:0", "512:64:2", "x:64:0"):
