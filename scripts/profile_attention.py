@@ -13,6 +13,13 @@ producer no longer has; nvcc -Xptxas -v, seventh session), so its shares are app
 0`` profiles the cp.async loads, whose profiled build does not spill. Note that a per-warp phase
 profile cannot show what the producer's instructions cost the consumers on the same SM
 sub-partitions (README "Tuning" 34).
+
+``--launch-only`` launches the shipped kernel and SDPA's default backend (cuDNN on these shapes) a
+few times per shape and nothing else: the program to run under Nsight Compute, which sees what the
+phase counters cannot (issue-slot and pipe use, stall reasons per SASS instruction):
+
+    ncu --clock-control none --set full -k regex:'flash_attention_sm90|sdpa|fmha' --launch-skip 2 \
+        --launch-count 2 -o rep python scripts/profile_attention.py --shapes 1024:64:1 --launch-only
 """
 
 from __future__ import annotations
@@ -101,6 +108,9 @@ def main() -> int:
     ap.add_argument("--tma", type=int, choices=(0, 1), default=None,
                     help="TMA (1) or cp.async (0) loads; default: the shipped config's")
     ap.add_argument("--out", default=None, help="write the shares as JSON here")
+    ap.add_argument("--launch-only", action="store_true",
+                    help="launch the shipped kernel and SDPA 4 times each per shape, alternating, and "
+                         "profile nothing (a program for Nsight Compute)")
     args = ap.parse_args()
     try:
         shapes = parse_shapes(args.shapes)
@@ -125,8 +135,8 @@ def main() -> int:
             cfg = dataclasses.replace(cfg, tma=bool(args.tma))
         q, k, v, _ = T.random_inputs(B, H, H, S, S, D, args.dtype, device="cuda")
         src, params = BENCH.source_for(args.dtype, S, D, causal, cfg, arch=90)
-        plain, prof = T.get_artifact(src, 90), build_kernel(profiled(src), 90)
-        n_warps = prof.threads // 32
+        plain = T.get_artifact(src, 90)
+        n_warps = plain.threads // 32
         out = torch.empty_like(q)
         counters = torch.zeros(params.grid[0] * n_warps * len(names), dtype=torch.int32, device="cuda")
         stream = torch.cuda.current_stream().cuda_stream
@@ -145,6 +155,15 @@ def main() -> int:
                 times.append(a.elapsed_time(b) / 10)
             return sorted(times)[len(times) // 2]
 
+        if args.launch_only:
+            # alternate, so --launch-skip 2 --launch-count 2 takes one launch of each, warmed up
+            for _ in range(4):
+                launch(plain, params, [q, k, v], [out], stream)
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+            torch.cuda.synchronize()
+            print(f"{args.dtype} S={S} D={D} causal={causal}: launched {src.name} and SDPA 4 times each", flush=True)
+            continue
+        prof = build_kernel(profiled(src), 90)
         t_plain = timed(plain, [out])
         t_prof = timed(prof, [out, counters])
         counters.zero_()
