@@ -30,10 +30,11 @@
 // BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
 // SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES (K/V ring depth), PINGPONG, Q_BUFFERS (1|2),
-// EPI_SMEM (the staged epilogue; default with two Q buffers), TMA, KV_ONE_FULL, LAZY_RESCALE (0 or
-// the stale-max margin, log2 units; 8 by default in launch.py), ONES_SUM (D = 64: the rows' sums of
-// p from the tensor cores; on by default there), PROFILE (per-phase cycle counters as a second
-// output; for scripts/profile_attention.py only). Needs sm_90a (wgmma, setmaxnreg).
+// EPI_SMEM (the staged epilogue; default with two Q buffers), TMA, KV_ONE_FULL, SOFTMAX_STREAM,
+// LAZY_RESCALE (0 or the stale-max margin, log2 units; 8 by default in launch.py), ONES_SUM (D = 64:
+// the rows' sums of p from the tensor cores; on by default there), PROFILE (per-phase cycle
+// counters as a second output; for scripts/profile_attention.py only). Needs sm_90a (wgmma,
+// setmaxnreg).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -105,6 +106,17 @@ typedef unsigned short u16;
 // (launch.py: on from 3 stages, README "Tuning" 38).
 #ifndef KV_ONE_FULL
 #define KV_ONE_FULL 0
+#endif
+
+// Softmax as one instruction stream (1; launch.py: D = 64, and D = 128 non-causal without a key
+// bias). In the steady-state key loop, the wait for O += P_{j-1} V_{j-1} moves before the
+// exponentials of block j (ptxas hoisted it there anyway), so the P registers are free during them
+// and each group of exponentials is followed by its P packs. A MUFU op takes the unit 8 cycles per
+// warp; interleaved, the FFMA / F2FP work issues in those gaps instead of before and after the 64
+// exponentials, where Nsight Compute found the warps stalled on them (README "Tuning" 41). The row
+// maxima come from four partial chains instead of one.
+#ifndef SOFTMAX_STREAM
+#define SOFTMAX_STREAM 0
 #endif
 
 #if OPTFUSE_DTYPE == 1
@@ -180,7 +192,8 @@ typedef unsigned short u16;
 #define OFF_ONES (OFF_V + STAGES * KV_BYTES)
 #define OFF_BIAS (OFF_ONES + (ONES_SUM ? BLOCK_N * 128 : 0))
 #define OFF_BAR (OFF_BIAS + (BIAS_MODE == 2 ? STAGES * BIAS_STAGE_BYTES : 0))
-#define N_BARS (2 * Q_BUFFERS + 4 * STAGES)
+#define KV_FULL_BARS (KV_ONE_FULL ? 1 : 2)  // "full" barriers per ring stage: K and V, or one for both
+#define N_BARS (2 * Q_BUFFERS + (KV_FULL_BARS + 2) * STAGES)
 // + 1024: the dynamic shared memory base is aligned up to 1024 bytes at run time.
 #define SMEM_BYTES (OFF_BAR + 8 * N_BARS + 1024)
 
@@ -532,12 +545,14 @@ __device__ __forceinline__ void apply_mask(float (&s)[64], int kv0, int lim0, in
         }
 }
 
-// Online softmax of one block, in place: s becomes p = exp2(s * SCALE_LOG2 (+ bias) - m_new).
-// Sets alpha = exp2(m_old - m_new) per row (0 while a row has seen no finite score); returns
-// whether O needs rescaling (false when the warp kept its maxima: alpha = 1, warp-uniform).
+// Part one of the online softmax of a block: the key bias (BIAS_MODE 2, in place), the rows' block
+// maxima and the new running maxima. Sets m (the running maxima), ms (what the exponents subtract:
+// m, or 0 while a row has seen no finite score, so that exp2 gives 0, not NaN) and alpha =
+// exp2(m_old - m_new) per row (0 for the first block); returns whether O needs rescaling (false
+// when the warp kept its maxima: alpha = 1, warp-uniform).
 template <bool FIRST>
-__device__ __forceinline__ bool softmax_block(float (&s)[64], float& m0, float& m1, float& l0, float& l1,
-                                              float& alpha0, float& alpha1, const float* bias_s, int q4) {
+__device__ __forceinline__ bool softmax_max(float (&s)[64], float& m0, float& m1, float& ms0, float& ms1,
+                                            float& alpha0, float& alpha1, const float* bias_s, int q4) {
 #if BIAS_MODE == 2
     // key bias (already in log2 units): t = s * SCALE_LOG2 + b[col]
 #pragma unroll
@@ -550,14 +565,31 @@ __device__ __forceinline__ bool softmax_block(float (&s)[64], float& m0, float& 
     }
     const float sc = 1.0f;
 #else
-    const float sc = SCALE_LOG2;  // folded into the exponent's FFMA below
+    const float sc = SCALE_LOG2;  // folded into the exponent's FFMA
 #endif
+#if SOFTMAX_STREAM
+    // four partial maxima per row: a chain of 8 dependent FMNMX instead of 32
+    float x0[4], x1[4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        x0[n] = fmaxf(s[4 * n + 0], s[4 * n + 1]);
+        x1[n] = fmaxf(s[4 * n + 2], s[4 * n + 3]);
+    }
+#pragma unroll
+    for (int n = 4; n < 16; ++n) {
+        x0[n & 3] = fmaxf(x0[n & 3], fmaxf(s[4 * n + 0], s[4 * n + 1]));
+        x1[n & 3] = fmaxf(x1[n & 3], fmaxf(s[4 * n + 2], s[4 * n + 3]));
+    }
+    float mx0 = fmaxf(fmaxf(x0[0], x0[1]), fmaxf(x0[2], x0[3]));
+    float mx1 = fmaxf(fmaxf(x1[0], x1[1]), fmaxf(x1[2], x1[3]));
+#else
     float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
         mx0 = fmaxf(mx0, fmaxf(s[4 * n + 0], s[4 * n + 1]));
         mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
     }
+#endif
     mx0 = quad_max(mx0) * sc;
     mx1 = quad_max(mx1) * sc;
     bool keep = false;
@@ -567,32 +599,47 @@ __device__ __forceinline__ bool softmax_block(float (&s)[64], float& m0, float& 
 #endif
     const float mn0 = FIRST ? mx0 : keep ? m0 : fmaxf(m0, mx0);
     const float mn1 = FIRST ? mx1 : keep ? m1 : fmaxf(m1, mx1);
-    // A row with no finite score yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-    const float ms0 = mn0 == NEG_INF ? 0.f : mn0;
-    const float ms1 = mn1 == NEG_INF ? 0.f : mn1;
+    ms0 = mn0 == NEG_INF ? 0.f : mn0;
+    ms1 = mn1 == NEG_INF ? 0.f : mn1;
     alpha0 = FIRST ? 0.f : keep ? 1.f : ex2(m0 - ms0);
     alpha1 = FIRST ? 0.f : keep ? 1.f : ex2(m1 - ms1);
     m0 = mn0;
     m1 = mn1;
+    return !keep;
+}
+
+// The exponentials of scores n-block n (in place): p = exp2(s * sc - ms); their per-thread row
+// sums (unless ONES_SUM) added to sum0 / sum1.
+__device__ __forceinline__ void exp_nblock(float (&s)[64], int n, float ms0, float ms1, float& sum0, float& sum1) {
+    const float sc = BIAS_MODE == 2 ? 1.0f : SCALE_LOG2;
+    s[4 * n + 0] = ex2(fmaf(s[4 * n + 0], sc, -ms0));
+    s[4 * n + 1] = ex2(fmaf(s[4 * n + 1], sc, -ms0));
+    s[4 * n + 2] = ex2(fmaf(s[4 * n + 2], sc, -ms1));
+    s[4 * n + 3] = ex2(fmaf(s[4 * n + 3], sc, -ms1));
+    if (!ONES_SUM) {
+        sum0 += s[4 * n + 0] + s[4 * n + 1];
+        sum1 += s[4 * n + 2] + s[4 * n + 3];
+    }
+}
+
+// Online softmax of one block, in place: s becomes p = exp2(s * SCALE_LOG2 (+ bias) - m_new).
+// Sets alpha = exp2(m_old - m_new) per row (0 while a row has seen no finite score); returns
+// whether O needs rescaling (false when the warp kept its maxima: alpha = 1, warp-uniform).
+template <bool FIRST>
+__device__ __forceinline__ bool softmax_block(float (&s)[64], float& m0, float& m1, float& l0, float& l1,
+                                              float& alpha0, float& alpha1, const float* bias_s, int q4) {
+    float ms0, ms1;
+    const bool resc = softmax_max<FIRST>(s, m0, m1, ms0, ms1, alpha0, alpha1, bias_s, q4);
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-        s[4 * n + 0] = ex2(fmaf(s[4 * n + 0], sc, -ms0));
-        s[4 * n + 1] = ex2(fmaf(s[4 * n + 1], sc, -ms0));
-        s[4 * n + 2] = ex2(fmaf(s[4 * n + 2], sc, -ms1));
-        s[4 * n + 3] = ex2(fmaf(s[4 * n + 3], sc, -ms1));
-        if (!ONES_SUM) {
-            sum0 += s[4 * n + 0] + s[4 * n + 1];
-            sum1 += s[4 * n + 2] + s[4 * n + 3];
-        }
-    }
+    for (int n = 0; n < 16; ++n) exp_nblock(s, n, ms0, ms1, sum0, sum1);
     // per-thread partial row sums; the quad reduction happens once, in the epilogue (ONES_SUM:
     // the tensor cores sum, in O's extra columns)
     if (!ONES_SUM) {
         l0 = FIRST ? sum0 : fmaf(l0, alpha0, sum0);
         l1 = FIRST ? sum1 : fmaf(l1, alpha1, sum1);
     }
-    return !keep;
+    return resc;
 }
 
 // p (fp32, S layout) -> 16-bit A fragments of O += P V: k-step kk covers keys 16kk..16kk+15,
@@ -617,6 +664,35 @@ __device__ __forceinline__ void rescale(float (&o)[N], float a0, float a1) {
         o[4 * i + 3] *= a1;
     }
 }
+
+#if SOFTMAX_STREAM
+// Part two of the online softmax with the P registers free (SOFTMAX_STREAM): the exponentials in
+// groups of 8 scores (the 16 keys of one P V k-step), each followed by its P packs.
+template <bool FIRST>
+__device__ __forceinline__ void softmax_exp_pack(float (&s)[64], u32 (&p)[8][4], float ms0, float ms1,
+                                                 float a0, float a1, float& l0, float& l1) {
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        // A data dependency on the previous group's first exponentials (ms + 0 * p = ms): without
+        // it ptxas hoists all 64 FFMAs above the first MUFU op (README "Tuning" 41).
+        if (kk > 0) {
+            ms0 = fmaf(s[8 * kk - 8], 0.f, ms0);
+            ms1 = fmaf(s[8 * kk - 6], 0.f, ms1);
+        }
+        exp_nblock(s, 2 * kk, ms0, ms1, sum0, sum1);
+        exp_nblock(s, 2 * kk + 1, ms0, ms1, sum0, sum1);
+        p[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    if (!ONES_SUM) {
+        l0 = FIRST ? sum0 : fmaf(l0, a0, sum0);
+        l1 = FIRST ? sum1 : fmaf(l1, a1, sum1);
+    }
+}
+#endif
 
 // S = Q K^T for this warpgroup's 64 rows: D / 16 wgmmas over the head dim.
 __device__ __forceinline__ void issue_qk(float (&s)[64], u32 q_s, u32 k_s) {
@@ -666,9 +742,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     extern __shared__ unsigned char smem_raw[];
     const u32 raw = smem_addr(smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
-    // mbarriers: [q_full[Q], q_empty[Q], full_k[S], full_v[S], empty_k[S], empty_v[S]], addressed
-    // from base with constant offsets (a register holding their base was spilled in the D = 128
-    // causal key-padding build once the warpgroup index below became uniform)
+    // mbarriers: [q_full[Q], q_empty[Q], full_k[S], full_v[S] (not with KV_ONE_FULL), empty_k[S],
+    // empty_v[S]], addressed from base with constant offsets (a register holding their base was
+    // spilled in the D = 128 causal key-padding build once the warpgroup index below became uniform)
 #define BARS (base + OFF_BAR)
 #define BAR_Q_FULL(q) (BARS + 8 * (q))
 #define BAR_Q_EMPTY(q) (BARS + 8 * (Q_BUFFERS + (q)))
@@ -678,8 +754,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #else
 #define BAR_FULL_V(s) (BARS + 8 * (2 * Q_BUFFERS + STAGES + (s)))
 #endif
-#define BAR_EMPTY_K(s) (BARS + 8 * (2 * Q_BUFFERS + 2 * STAGES + (s)))
-#define BAR_EMPTY_V(s) (BARS + 8 * (2 * Q_BUFFERS + 3 * STAGES + (s)))
+#define BAR_EMPTY_K(s) (BARS + 8 * (2 * Q_BUFFERS + KV_FULL_BARS * STAGES + (s)))
+#define BAR_EMPTY_V(s) (BARS + 8 * (2 * Q_BUFFERS + (KV_FULL_BARS + 1) * STAGES + (s)))
 #define Q_SLOT(q) (base + OFF_Q + (q) * Q_BYTES)
 #if ONES_SUM
 #define PV_LBO(stage) ((u32)(OFF_ONES - OFF_V - (stage) * KV_BYTES))  // V stage -> the ones tile
@@ -702,6 +778,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     // a divergent one: README "Tuning" 18)
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
 
+    // Tile order (below): CTA i takes units i, i + G, ... of BH * P, P units per head (causal:
+    // pairs of query blocks, a pair ending with its light block; else query blocks).
+    const int G = gridDim.x;
+    const int P = CAUSAL ? (num_m + 1) / 2 : num_m;
+
     // TMA loads: this CTA's tensor maps (Q, K, V: 3 x 128 bytes) live in the first rows of the
     // output tile it writes last (the tile order below). No other CTA writes there (tiles are
     // disjoint), and that tile's epilogue runs only after every TMA transfer of this CTA has
@@ -712,12 +793,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     unsigned char* tmaps = nullptr;
 #if TMA
     {
-        const u32 grid = gridDim.x, bid = blockIdx.x;
-#if CAUSAL
-        const u32 per = (num_m + 1) / 2;  // pairs per head; a pair ends with its light tile pk
-#else
-        const u32 per = num_m;
-#endif
+        const u32 grid = G, bid = blockIdx.x;
+        const u32 per = P;
         const u32 units = BH * per;
         if (bid < units && Sk > 0) {
             const u32 u = (units - 1 - bid) / grid * grid + bid;  // this CTA's last unit
@@ -759,14 +836,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 
     // Tile order: no dynamic scheduler (it would need a global counter, and QDP kernels get no
     // scratch memory); a fixed assignment that keeps K/V reuse in L2 and the CTAs' work even.
-    const int G = gridDim.x;
 #if CAUSAL
     // Causal: head-major pairs. CTA i takes pairs i, i + G, ...; pair q = (head q / P, k = q % P)
     // is query blocks num_m - 1 - k and k of one head, so every pair costs num_m + 1 key blocks
     // (balanced without ordering tiles by cost), and the CTAs running together share a few heads'
     // K/V in L2. (Heaviest-first order over all heads had each of the 132 CTAs read another
     // head's K/V: at B * H = 512 that kernel was bound by HBM traffic, 15-20 % slower.)
-    const int P = (num_m + 1) / 2;
 #define TILE_LOOP for (int r = 0; (r >> 1) * G < BH * P; ++r)
 #define TILE_INDEX                                                                                   \
     const int pair = (r >> 1) * G + (int)blockIdx.x;                                               \
@@ -955,10 +1030,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     PROF(PR_WAIT_S)
                     if (!EPI_SMEM && n_blocks == 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));  // Q no longer read
                     if (0 >= n_clean) apply_mask(s, 0, lim0, lim1, q4);
+#if SOFTMAX_STREAM
+                    {
+                        float ms0, ms1;
+                        softmax_max<true>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
+                        softmax_exp_pack<true>(s, p, ms0, ms1, a0, a1, l0, l1);
+                    }
+                    mbar_arrive_warp(BAR_EMPTY_K(s0));
+                    PROF(PR_SOFTMAX)
+#else
                     softmax_block<true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(s0));
                     PROF(PR_SOFTMAX)
                     pack_p(s, p);
+#endif
                     PROF_COUNT(PR_BLOCKS);
                     PROF(PR_POST)
                 }
@@ -989,6 +1074,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     PROF(PR_WAIT_S)
                     if (!EPI_SMEM && j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));
                     if (j >= n_clean) apply_mask(s, j * BLOCK_N, lim0, lim1, q4);
+#if SOFTMAX_STREAM
+                    float ms0, ms1;
+                    const bool resc =
+                        softmax_max<false>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + sj * BLOCK_N, q4);
+                    PROF(PR_SOFTMAX)
+                    wgmma_wait<0>();  // PV done: O and the P registers are free
+                    fence_regs(o);
+                    fence_regs(p);
+                    PROF(PR_WAIT_PV)
+                    mbar_arrive_warp(BAR_EMPTY_V(sp));
+                    // before the exponentials, not among them: unconditional there (alpha = 1 where
+                    // the warp kept its maxima), it cost 5-8 % at D = 128 ("Tuning" 41)
+                    if (resc) rescale(o, a0, a1);
+                    softmax_exp_pack<false>(s, p, ms0, ms1, a0, a1, l0, l1);
+                    mbar_arrive_warp(BAR_EMPTY_K(sj));
+                    PROF(PR_SOFTMAX)
+#else
                     const bool resc =
                         softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
@@ -1000,6 +1102,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     mbar_arrive_warp(BAR_EMPTY_V(sp));
                     if (resc) rescale(o, a0, a1);
                     pack_p(s, p);
+#endif
                     PROF_COUNT(PR_BLOCKS);
                     PROF(PR_POST)
                 }

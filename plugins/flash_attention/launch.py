@@ -64,6 +64,10 @@ class FAConfig:
     #: sm90: one "full" barrier per K/V ring stage (kernel_sm90.cu KV_ONE_FULL: one wait per key
     #: block instead of two; on by default from 3 stages, sm90_config)
     kv_one_full: bool = False
+    #: sm90: the softmax's exponentials interleaved with their FFMAs and P packs (kernel_sm90.cu
+    #: SOFTMAX_STREAM; on by default at D = 64 and for D = 128 non-causal without a key bias,
+    #: sm90_config)
+    softmax_stream: bool = False
 
 
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
@@ -99,7 +103,8 @@ def is_keypad(pattern) -> bool:
 def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
                 pingpong: bool | None = None, q_buffers: int | None = None,
                 lazy_rescale: bool = True, *, keypad: bool = False, block_m: int | None = None,
-                tma: bool | None = None, kv_one_full: bool | None = None) -> FAConfig:
+                tma: bool | None = None, kv_one_full: bool | None = None,
+                softmax_stream: bool | None = None) -> FAConfig:
     """The CUDA kernel's config: 128 x 128 tiles with 3 warpgroups (producer + 2 consumers) or, at
     D = 64, 192 x 128 with 4; a K/V ring of ``stages`` (D = 128: 2-3 fit in shared memory; D = 64:
     2-4); unset fields from SM90_DEFAULTS. Lazy rescaling is on by default (README "CUDA kernel",
@@ -108,7 +113,10 @@ def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
     through TMA (``tma``; SM90_DEFAULTS, README "Tuning" 34). With a ring of 3+ stages K and V share
     one "full" barrier per stage (``kv_one_full``; run 42: 1.01x at D = 64, geometric mean of 24
     shapes; with the 2-stage ring of D = 128 it cost 4-20 %: the next K waits for a V load that
-    could only start one block earlier)."""
+    could only start one block earlier). The softmax runs as one instruction stream
+    (``softmax_stream``; runs 48-49, geometric means per (causal, S range): 1.01-1.05x at D = 64,
+    1.00-1.03x at D = 128 non-causal, neutral at D = 128 causal, 0.97-0.99x on the D = 128 mask rows
+    in run 48: on for D = 64 and for D = 128 non-causal without a key bias)."""
     d_bm, d_stages, d_pp, d_qb, d_tma = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
                                          or SM90_DEFAULTS.get((head_dim, bool(causal), True))
                                          or (128, 2 if head_dim > 64 else 3, True, 2, True))
@@ -118,7 +126,9 @@ def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
                     pingpong=d_pp if pingpong is None else pingpong,
                     q_buffers=d_qb if q_buffers is None else q_buffers, lazy_rescale=lazy_rescale,
                     ones_sum=head_dim == 64, tma=d_tma if tma is None else tma,
-                    kv_one_full=st >= 3 if kv_one_full is None else kv_one_full)
+                    kv_one_full=st >= 3 if kv_one_full is None else kv_one_full,
+                    softmax_stream=(head_dim == 64 or not (causal or keypad)) if softmax_stream is None
+                    else softmax_stream)
 
 
 # Tuned on the H200 (README "Tuning"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
@@ -243,8 +253,9 @@ def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
     kv = cfg.block_n * head_dim * 2
     bias = cfg.num_stages * cfg.block_n * 4 if bias_mode == 2 else 0
     ones = cfg.block_n * 128 if cfg.ones_sum else 0
+    kv_full_bars = 1 if cfg.kv_one_full else 2  # K and V "full" barriers per stage, or one for both
     return (cfg.q_buffers * q + 2 * cfg.num_stages * kv + bias + ones
-            + 8 * (2 * cfg.q_buffers + 4 * cfg.num_stages) + 1024)
+            + 8 * (2 * cfg.q_buffers + (kv_full_bars + 2) * cfg.num_stages) + 1024)
 
 
 def _bias_mode(pattern) -> int:
@@ -294,6 +305,7 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         **({"ONES_SUM": "1"} if cfg.ones_sum else {}),
         **({"TMA": "1"} if _sm90_tma(cfg, mode) else {}),
         **({"KV_ONE_FULL": "1"} if cfg.kv_one_full else {}),
+        **({"SOFTMAX_STREAM": "1"} if cfg.softmax_stream else {}),
     }
     return KernelSource(
         name=_source_name(dtype, head_dim, causal, pattern, scale,
@@ -302,7 +314,8 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
                           f"{'l' if cfg.lazy_rescale else ''}"
                           f"{'o' if cfg.ones_sum else ''}"
                           f"{'t' if _sm90_tma(cfg, mode) else ''}"
-                          f"{'k' if cfg.kv_one_full else ''}"),
+                          f"{'k' if cfg.kv_one_full else ''}"
+                          f"{'x' if cfg.softmax_stream else ''}"),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,
