@@ -1048,6 +1048,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     PROF(PR_POST)
                 }
                 // -- steady state: issue S_j and O += P_{j-1} V_{j-1}; softmax S_j while PV runs --
+                // (P V done: O and the P registers are free, and V's ring slot)
+#define PV_DONE(stage)                                                                               \
+    {                                                                                                \
+        wgmma_wait<0>();                                                                             \
+        fence_regs(o);                                                                               \
+        fence_regs(p);                                                                               \
+        PROF(PR_WAIT_PV)                                                                             \
+        mbar_arrive_warp(BAR_EMPTY_V(stage));                                                        \
+    }
                 for (int j = 1; j < n_blocks; ++j) {
                     const int sj = (it + j) % STAGES, sp = (it + j - 1) % STAGES;
                     KV_WAIT(BAR_FULL_K(sj), ((it + j) / STAGES) & 1);
@@ -1079,11 +1088,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     const bool resc =
                         softmax_max<false>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + sj * BLOCK_N, q4);
                     PROF(PR_SOFTMAX)
-                    wgmma_wait<0>();  // PV done: O and the P registers are free
-                    fence_regs(o);
-                    fence_regs(p);
-                    PROF(PR_WAIT_PV)
-                    mbar_arrive_warp(BAR_EMPTY_V(sp));
+                    PV_DONE(sp);
                     // before the exponentials, not among them: unconditional there (alpha = 1 where
                     // the warp kept its maxima), it cost 5-8 % at D = 128 ("Tuning" 41)
                     if (resc) rescale(o, a0, a1);
@@ -1095,11 +1100,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                         softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
                     PROF(PR_SOFTMAX)
-                    wgmma_wait<0>();  // PV done: O and the P registers are free
-                    fence_regs(o);
-                    fence_regs(p);
-                    PROF(PR_WAIT_PV)
-                    mbar_arrive_warp(BAR_EMPTY_V(sp));
+                    PV_DONE(sp);
                     if (resc) rescale(o, a0, a1);
                     pack_p(s, p);
 #endif
