@@ -622,6 +622,16 @@ __device__ __forceinline__ void exp_nblock(float (&s)[64], int n, float ms0, flo
     }
 }
 
+// The running row sums take a block's per-thread partial sums: l = l * alpha + sum (the quad
+// reduction happens once, in the epilogue; ONES_SUM: the tensor cores sum, in O's extra columns).
+template <bool FIRST>
+__device__ __forceinline__ void add_row_sums(float& l0, float& l1, float sum0, float sum1, float a0, float a1) {
+    if (!ONES_SUM) {
+        l0 = FIRST ? sum0 : fmaf(l0, a0, sum0);
+        l1 = FIRST ? sum1 : fmaf(l1, a1, sum1);
+    }
+}
+
 // Online softmax of one block, in place: s becomes p = exp2(s * SCALE_LOG2 (+ bias) - m_new).
 // Sets alpha = exp2(m_old - m_new) per row (0 while a row has seen no finite score); returns
 // whether O needs rescaling (false when the warp kept its maxima: alpha = 1, warp-uniform).
@@ -633,12 +643,7 @@ __device__ __forceinline__ bool softmax_block(float (&s)[64], float& m0, float& 
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int n = 0; n < 16; ++n) exp_nblock(s, n, ms0, ms1, sum0, sum1);
-    // per-thread partial row sums; the quad reduction happens once, in the epilogue (ONES_SUM:
-    // the tensor cores sum, in O's extra columns)
-    if (!ONES_SUM) {
-        l0 = FIRST ? sum0 : fmaf(l0, alpha0, sum0);
-        l1 = FIRST ? sum1 : fmaf(l1, alpha1, sum1);
-    }
+    add_row_sums<FIRST>(l0, l1, sum0, sum1, alpha0, alpha1);
     return resc;
 }
 
@@ -687,10 +692,7 @@ __device__ __forceinline__ void softmax_exp_pack(float (&s)[64], u32 (&p)[8][4],
         p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
         p[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
     }
-    if (!ONES_SUM) {
-        l0 = FIRST ? sum0 : fmaf(l0, a0, sum0);
-        l1 = FIRST ? sum1 : fmaf(l1, a1, sum1);
-    }
+    add_row_sums<FIRST>(l0, l1, sum0, sum1, a0, a1);
 }
 #endif
 
