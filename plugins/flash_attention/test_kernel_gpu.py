@@ -101,8 +101,12 @@ def test_artifact_matches_reference(case, impl, seed):
         pytest.skip("the CUDA (sm90) kernel does not take this case / needs an sm_90 device")
     # the CUDA kernel on every case it takes, whether or not launch.py's policy picks it there
     _check_case(case, seed, arch=90 if impl == "sm90" else None,
-                config=L.sm90_config(case[5], case[6], keypad=L.is_keypad(L.bias_pattern(case[7])))
-                if impl == "sm90" else None)
+                config=_sm90_default(case) if impl == "sm90" else None)
+
+
+def _sm90_default(case) -> "L.FAConfig":
+    """The CUDA kernel's default config for a case (its head dim, causality and key padding)."""
+    return L.sm90_config(case[5], case[6], keypad=L.is_keypad(L.bias_pattern(case[7])))
 
 
 #: CUDA kernel variants (any a sweep picks), run on every case the CUDA kernel takes: FAConfig
@@ -148,7 +152,7 @@ def test_sm90_variants(case, variant, seed):
     if cfg is None:
         pytest.skip(f"no such variant at D = {D} (block_m 192 and ones_sum: D = 64 only), or its K/V "
                     f"ring exceeds shared memory")
-    if cfg == L.sm90_config(D, case[6], keypad=L.is_keypad(L.bias_pattern(case[7]))):
+    if cfg == _sm90_default(case):
         pytest.skip("the case's default config (test_artifact_matches_reference[sm90] runs it)")
     _check_case(case, seed, arch=90, config=cfg)
 
