@@ -140,11 +140,12 @@ def graph_problem(graph: onnx.GraphProto) -> str | None:
     return None
 
 
-def _options(recipe: Recipe | None) -> dict:
+def _options(recipe: Recipe | None):
+    from .pattern import FusionOptions
+
     if recipe is None:
-        return {}
-    return {"precision": recipe.precision.mode, "keep_fp32": list(recipe.precision.keep_fp32),
-            "arch": recipe.target.arch, "attention.keep_full_mask": recipe.fusions.attention_full_mask}
+        return FusionOptions()
+    return FusionOptions(attention_full_mask=recipe.fusions.attention_full_mask)
 
 
 # ------------------------------------------------------------------------------------------------

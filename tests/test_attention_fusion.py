@@ -11,6 +11,7 @@ from onnx import TensorProto, helper
 
 import graphs
 from optfuse.fusions import fuse_model
+from optfuse.pattern import FusionOptions
 
 OP = "FlashAttention"
 F32 = TensorProto.FLOAT
@@ -454,7 +455,7 @@ def fused_export(exported_model):
         if key not in memo:
             em = exported_model(family, exporter, attn)
             model = onnx.load(str(em.path))
-            fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16}, options=options)
+            fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16}, options=FusionOptions(**options))
             memo[key] = (em, model, fused, res)
         return memo[key]
 
@@ -498,9 +499,9 @@ def test_hbm_estimate_drops_the_score_traffic(fused_export, family, exporter, at
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_causal_padding_rows_with_no_key(fused_export, family):
     """Left padding / empty mask rows: exact at every real token by default, everywhere with
-    attention.keep_full_mask (which passes the whole mask)."""
+    attention_full_mask (which passes the whole mask)."""
     em, model, fused, _ = fused_export(family, "dynamo", "eager")
-    _, _, full, res_full = fused_export(family, "dynamo", "eager", **{"attention.keep_full_mask": True})
+    _, _, full, res_full = fused_export(family, "dynamo", "eager", attention_full_mask=True)
     assert {a.rewrite.attrs["causal"] for a in _fa(res_full)} == {0}
     from optfuse.models import make_inputs
 

@@ -200,6 +200,6 @@ def test_attention_full_mask_reaches_the_fusion_options(tmp_path):
     from optfuse.pipeline import _options
 
     r = load_recipe(_write(tmp_path, _with(fusions__attention_full_mask=True)))
-    assert _options(r)["attention.keep_full_mask"] is True
+    assert _options(r).attention_full_mask is True
     assert "attention_full_mask" not in r.fusions.enabled()
-    assert _options(load_recipe(_write(tmp_path, GOOD, "g.yaml")))["attention.keep_full_mask"] is False
+    assert _options(load_recipe(_write(tmp_path, GOOD, "g.yaml"))).attention_full_mask is False

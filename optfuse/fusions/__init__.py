@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import onnx_graphsurgeon as gs
 
 from ..ir.query import concrete_shapes, probe_dims
-from ..pattern import Context
+from ..pattern import Context, FusionOptions
 from ..rewrite import FusionResult, apply_plan, plan_family
 
 # family name -> module (in application order)
@@ -81,7 +81,7 @@ def _absorb(earlier, later):
 
 
 def fuse_model(model, dims: dict[str, int] | None = None, families: Iterable[str] | None = None,
-               options: dict | None = None):
+               options: FusionOptions | None = None):
     """sanitize -> match -> rewrite on a ModelProto; returns (fused ModelProto, FusionResult).
 
     The fused model embeds the reference function of each optfuse op it uses (onnxruntime runs it).
@@ -90,7 +90,7 @@ def fuse_model(model, dims: dict[str, int] | None = None, families: Iterable[str
     from ..rewrite import add_functions
 
     graph = sanitize(model)
-    ctx = Context(graph, dims=dict(dims or {}), options=dict(options or {}))
+    ctx = Context(graph, dims=dict(dims or {}), options=options or FusionOptions())
     result = fuse_graph(graph, ctx, families)
     fused = gs.export_onnx(graph)
     return add_functions(fused), result

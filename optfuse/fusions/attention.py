@@ -72,7 +72,7 @@ The one exception is ``causal+padding``: a query row whose every allowed key is 
 padding or an all-zero mask row makes one; such a row is itself a padding position) gets the
 average of its causal keys instead of the average of all keys. Every real token's output is exact,
 and so is every output with right padding (each row keeps key 0). Set
-``options["attention.keep_full_mask"] = True`` to pass such masks whole with causal=0 (exact for
+``FusionOptions(attention_full_mask=True)`` (recipe ``fusions.attention_full_mask``) to pass such masks whole with causal=0 (exact for
 every row, but the kernel then reads an Sq x Sk mask and computes the masked blocks).
 
 Masks are classified in the mask's dtype: values <= -1e30 (fp16: <= -3e4) or -inf mask.
@@ -100,7 +100,6 @@ OP = "FlashAttention"
 INT64_MAX = np.iinfo(np.int64).max
 #: A masked_fill value this low only matters for rows with no kept key.
 WEAK_FILL = -1e4
-KEEP_FULL_MASK = "attention.keep_full_mask"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -773,7 +772,7 @@ def _plan_mask(m: Match, ctx: Context, q: gs.Tensor, heads: dict,
         info["mask_detail"] = dict(cls.detail)
     if where is not None:
         _check_fill(where, cls, masked_below(_np(dt)))
-    mode, causal = _mask_mode(cls, bool(ctx.options.get(KEEP_FULL_MASK)))
+    mode, causal = _mask_mode(cls, ctx.options.attention_full_mask)
     if mode == "none":
         return np.zeros((), dtype=_np(dt)), causal, info
     return _shared(ctx, (mode,) + expr.key, lambda: expr.build(row=mode == "row")), causal, info
@@ -971,7 +970,7 @@ def _plan_onnx(m: Match, ctx: Context) -> _Plan:
             _need(dtype_name(mask) == dt, f"attn_mask has dtype {dtype_name(mask)}, q has {dt}")
             expr = _MaskExpr([mask], None, _np(dt))
         cls = _cache(ctx)["masks"].classify(expr.sources, expr.evaluate, expr.key)
-        mode, mask_causal = _mask_mode(cls, bool(ctx.options.get(KEEP_FULL_MASK)))
+        mode, mask_causal = _mask_mode(cls, ctx.options.attention_full_mask)
         info["mask_class"] = ("causal+" if causal and cls.base != "causal" else "") + cls.name
         if cls.source:
             info["mask_source"] = cls.source

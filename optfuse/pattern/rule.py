@@ -53,13 +53,22 @@ class Rewrite:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FusionOptions:
+    """The recipe's fusion switches that change how a family rewrites (names match the recipe's
+    ``fusions`` section)."""
+
+    #: causal+padding attention masks passed whole with causal=0 (exact for every row)
+    attention_full_mask: bool = False
+
+
 @dataclass
 class Context:
-    """What rules may consult: the graph, symbolic-dim values, op limits, options."""
+    """What rules may consult: the graph, symbolic-dim values, options."""
 
     graph: gs.Graph
     dims: dict[str, int] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)
+    options: FusionOptions = field(default_factory=FusionOptions)
     # Shapes of the original graph's tensors with the inputs' symbolic dims set to distinct
     # primes (see ir.query.probe_dims): equal here means equal for every input size.
     probe_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
