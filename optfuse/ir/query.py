@@ -41,10 +41,6 @@ def dtype_name(t: gs.Tensor) -> str | None:
     return "bfloat16" if "bfloat16" in str(name) else str(name)
 
 
-def onnx_dtype(name: str) -> int:
-    return {v: k for k, v in _ONNX_NAMES.items()}[name]
-
-
 def rank(t: gs.Tensor) -> int | None:
     return None if t.shape is None else len(t.shape)
 
