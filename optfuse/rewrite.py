@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -19,7 +20,10 @@ import onnx_graphsurgeon as gs
 from . import DOMAIN
 from .ir.query import outside_uses
 from .pattern import Context, FusionRule, NewTensor, Rewrite, match
-from .spec import OpSpec, get_spec, plugin_module
+from .spec import get_spec, plugin_module
+
+if TYPE_CHECKING:
+    from .spec import OpSpec
 
 
 @dataclass
