@@ -162,9 +162,8 @@ def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, statu
     """What would fuse and what would not (and why); writes nothing."""
     import tempfile
 
-    from .fusions import fuse_graph
-    from .ir import sanitize
-    from .pattern import Context
+    from .estimate import estimate_traffic
+    from .fusions import fuse_model
     from .report import build_report
 
     with tempfile.TemporaryDirectory(prefix="optfuse-inspect-") as tmp:  # an export lands here, then goes
@@ -177,10 +176,9 @@ def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, statu
     dims, dims_source = analysis_dims(proto, recipe)
     families = enabled_families(recipe)
     status("sanitizing and matching")
-    graph = sanitize(proto)
-    result = fuse_graph(graph, Context(graph, dims=dims, options=_options(recipe)), families)
-    report = build_report(result, model=str(path), recipe=_recipe_label(recipe), dims=dims,
-                          dims_source=dims_source, families=families)
+    fused, result = fuse_model(proto, dims=dims, families=families, options=_options(recipe))
+    report = build_report(result, estimate=estimate_traffic(fused, result), model=str(path),
+                          recipe=_recipe_label(recipe), dims=dims, dims_source=dims_source, families=families)
     return InspectOutcome(path, report, result)
 
 
@@ -205,6 +203,7 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
 
     Nothing is written until the fused model exists in memory, so bad input leaves no file behind.
     """
+    from .estimate import estimate_traffic
     from .fusions import fuse_model
     from .ir import save_model
     from .report import build_report, write_report
@@ -227,8 +226,8 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
     if verify_after:
         status("verifying")
         verification = verify(path, out, recipe, iterations=iterations, seed=seed)
-    report = build_report(result, model=str(path), fused_model=str(out), recipe=_recipe_label(recipe), dims=dims,
-                          dims_source=dims_source, families=families,
+    report = build_report(result, estimate=estimate_traffic(fused, result), model=str(path), fused_model=str(out),
+                          recipe=_recipe_label(recipe), dims=dims, dims_source=dims_source, families=families,
                           verification=verification.to_dict() if verification is not None else None)
     try:
         paths = write_report(report, out.parent)

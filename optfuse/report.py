@@ -18,15 +18,17 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from .estimate import TrafficEstimate
 from .rewrite import FusionResult
 
 REPORT_JSON = "fusion_report.json"
 REPORT_MD = "fusion_report.md"
 
 
-def build_report(result: FusionResult, *, model: str | None = None, fused_model: str | None = None,
-                 recipe: str | None = None, dims: dict[str, int] | None = None, dims_source: str = "",
-                 families: list[str] | None = None, verification: dict | None = None) -> dict[str, Any]:
+def build_report(result: FusionResult, *, estimate: TrafficEstimate | None = None, model: str | None = None,
+                 fused_model: str | None = None, recipe: str | None = None, dims: dict[str, int] | None = None,
+                 dims_source: str = "", families: list[str] | None = None,
+                 verification: dict | None = None) -> dict[str, Any]:
     """A JSON-ready dict describing `result` (see the module doc)."""
     fusions = []
     for acc in result.accepted:
@@ -36,7 +38,7 @@ def build_report(result: FusionResult, *, model: str | None = None, fused_model:
             "op": acc.op,
             "node": acc.node_name,
             "nodes": list(acc.nodes),
-            "hbm_saved_bytes": acc.hbm_saved_bytes,
+            "hbm_saved_bytes": estimate.saved_bytes.get(acc.node_name) if estimate is not None else None,
             "info": _jsonable(info),
         })
     known = [f["hbm_saved_bytes"] for f in fusions if f["hbm_saved_bytes"] is not None]

@@ -1,35 +1,47 @@
 """Stages `match` and `rewrite`: plan the fusions of each family, then apply the plan.
 
 Planning walks the graph for every rule of a family, keeps the first safe match per anchor, and
-records every rejected candidate with its reason. Applying is the only step that mutates: each
-accepted match becomes one node in domain `optfuse` that takes over the match's outputs, and a
-single cleanup/toposort removes what became dead.
+records every rejected candidate with its reason. Applying only mutates: each accepted match
+becomes one node in domain `optfuse` that takes over the match's outputs (checked against the op's
+spec first), and a single cleanup/toposort removes what became dead. Sizing what a fusion saves is
+the estimate stage's (`optfuse.estimate`), from what `Accepted` records.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
 from . import DOMAIN
-from .ir.query import concrete_shapes, outside_uses, tensor_bytes
+from .ir.query import outside_uses
 from .pattern import Context, FusionRule, NewTensor, Rewrite, match
 from .spec import get_spec, plugin_module
+
+if TYPE_CHECKING:
+    from .spec import OpSpec
 
 
 @dataclass
 class Accepted:
+    """One fusion: the rule, the op, the original nodes it replaced and the node it became.
+
+    replaced_io: per replaced node (aligned with `nodes`), the names of the tensors it read and wrote,
+      taken before the graph changed; added_nodes: the standard nodes apply_plan added for it (a node
+      shared by several fusions is listed by the first). The traffic estimate reads both.
+    """
+
     rule: str
     op: str
     nodes: list[str]
     rewrite: Rewrite = field(repr=False)
-    matched: tuple[gs.Node, ...] = field(repr=False, default=())
     node_name: str = ""
-    hbm_saved_bytes: int | None = None
+    replaced_io: list[tuple[str, ...]] = field(default_factory=list, repr=False)
+    added_nodes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -42,8 +54,16 @@ class Rejected:
 
 @dataclass
 class FusionResult:
+    """What one fuse run accepted and rejected.
+
+    original: the sanitized graph before any rewrite (a copy; the estimate sizes replaced tensors in it);
+    dims: the analysis dims the run was given (the estimate's default).
+    """
+
     accepted: list[Accepted] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    original: gs.Graph | None = field(default=None, repr=False)
+    dims: dict[str, int] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -54,6 +74,11 @@ class FusionResult:
 
 def _node_names(nodes: Sequence[gs.Node]) -> list[str]:
     return [n.name or n.op for n in nodes if n.op != "Constant"]
+
+
+def _node_io(nodes: Sequence[gs.Node]) -> list[tuple[str, ...]]:
+    """Per node of `_node_names`, the named tensors it reads and writes (a tensor read twice, twice)."""
+    return [tuple(t.name for t in [*n.inputs, *n.outputs] if t.name) for n in nodes if n.op != "Constant"]
 
 
 def _leak_reason(m_nodes: Sequence[gs.Node], rw: Rewrite, graph: gs.Graph) -> str | None:
@@ -114,9 +139,11 @@ def _try_rule(rule: FusionRule, out: gs.Tensor, ctx: Context, claimed: set[int])
     for m in match(rule.pattern, out):
         if any(id(n) in claimed for n in m.nodes):
             continue  # part of an already planned fusion: not a candidate of its own
-        reason = rule.check(m, ctx)
-        if reason is None:
-            rw = rule.rewrite(m, ctx)
+        checked = rule.check(m, ctx)
+        if isinstance(checked, str):
+            reason = checked
+        else:
+            rw = rule.rewrite(m, checked)
             reason = _leak_reason(m.nodes, rw, ctx.graph)
         if reason is None:
             return m, rw, None
@@ -125,10 +152,9 @@ def _try_rule(rule: FusionRule, out: gs.Tensor, ctx: Context, claimed: set[int])
     return first_reject
 
 
-def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context,
-                claimed: set[int] | None = None) -> FusionResult:
+def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context) -> FusionResult:
     """Match `rules` (in priority order) over `graph` without mutating it."""
-    claimed = set() if claimed is None else claimed
+    claimed: set[int] = set()
     result = FusionResult()
     pending: list[tuple[set[int], Rejected]] = []
     for rule in rules:
@@ -143,7 +169,8 @@ def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context,
                 m, rw, reason = found
                 if reason is None:
                     claimed.update(id(n) for n in m.nodes)
-                    result.accepted.append(Accepted(rule.id, rw.op, _node_names(m.nodes), rw, m.nodes))
+                    result.accepted.append(Accepted(rule.id, rw.op, _node_names(m.nodes), rw,
+                                                    replaced_io=_node_io(m.nodes)))
                     break
                 pending.append(({id(n) for n in m.nodes},
                                 Rejected(rule.id, rule.target, _node_names(m.nodes), reason)))
@@ -156,41 +183,6 @@ def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context,
         reported.append(ids)
         result.rejected.append(rej)
     return result
-
-
-# Ops whose output has the element count and dtype of their first input.
-_SAME_SIZE = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
-
-
-def _bytes(t: gs.Tensor, dims: dict[str, int], shapes: dict[str, tuple[int, ...]] | None = None,
-           depth: int = 8) -> int | None:
-    """Size of `t`: from the concrete shapes inferred for the analysis dims when known, else from its
-    own (symbolic) shape, else that of the tensor a Reshape/Transpose/... made it from (shape
-    inference often names a merged dim, e.g. batch * heads, with a fresh symbol)."""
-    if shapes and t.name in shapes:
-        b = tensor_bytes(t, dims, shape=shapes[t.name])
-    else:
-        b = tensor_bytes(t, dims)
-    if b is None and depth and len(t.inputs) == 1 and t.inputs[0].op in _SAME_SIZE and t.inputs[0].inputs:
-        return _bytes(t.inputs[0].inputs[0], dims, shapes, depth - 1)
-    return b
-
-
-def _traffic(nodes: Sequence[gs.Node], dims: dict[str, int],
-             shapes: dict[str, tuple[int, ...]] | None = None) -> int | None:
-    """Bytes a node sequence moves through memory: each input read once, each output written once."""
-    total = 0
-    for n in nodes:
-        if n.op == "Constant":
-            continue
-        for t in list(n.inputs) + list(n.outputs):
-            if not t.name:
-                continue
-            b = _bytes(t, dims, shapes)
-            if b is None:
-                return None
-            total += b
-    return total
 
 
 def _materialize(x: NewTensor, name: str, graph: gs.Graph, made: dict[int, gs.Tensor],
@@ -217,26 +209,20 @@ def _materialize(x: NewTensor, name: str, graph: gs.Graph, made: dict[int, gs.Te
     return out
 
 
-def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], start_index: int = 0,
-               shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]] | None:
+def apply_plan(graph: gs.Graph, result: FusionResult, start_index: int = 0) -> None:
     """Replace every accepted match by one optfuse node (the only mutating step).
 
-    NewTensor inputs become new standard nodes; their traffic counts against the fusion that first
-    created them. HBM estimates use concrete shapes (the inputs' symbolic dims set to `dims`):
-    `shapes` are those of the graph as it is (inferred here when None), and the shapes of the graph
-    after the rewrite are returned, so a caller applying several plans infers once per plan.
+    Each rewrite is checked against its op's spec first (`check_rewrite`). NewTensor inputs become
+    new standard nodes, recorded in `Accepted.added_nodes` of the first fusion that uses them.
     """
     if not result.accepted:
-        return shapes  # graph unchanged
+        return  # graph unchanged
     made: dict[int, gs.Tensor] = {}
-    if shapes is None:
-        shapes = concrete_shapes(graph, dims)
-    fused_nodes: list[list[gs.Node]] = []
     for i, acc in enumerate(result.accepted, start=start_index):
         rw = acc.rewrite
         spec = get_spec(rw.op)
+        check_rewrite(rw, spec, acc.rule)
         name = f"optfuse/{acc.rule}/{i}"
-        before = _traffic(acc.matched, dims, shapes)
         new_nodes: list[gs.Node] = []
         inputs: list[gs.Tensor] = []
         for j, x in enumerate(rw.inputs):
@@ -264,15 +250,45 @@ def apply_plan(graph: gs.Graph, result: FusionResult, dims: dict[str, int], star
         node = gs.Node(op=rw.op, name=name, domain=DOMAIN, attrs=attrs, inputs=inputs, outputs=outputs)
         graph.nodes.append(node)
         acc.node_name = name
-        acc.hbm_saved_bytes = before  # minus the fused node's traffic, once its shapes are known
-        fused_nodes.append([node, *new_nodes])
+        acc.added_nodes = [n.name for n in new_nodes]
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    # fused nodes produce the tensors they took over, so the shapes from before still hold for them
-    shapes = {**shapes, **concrete_shapes(graph, dims)}
-    for acc, nodes in zip(result.accepted, fused_nodes):
-        after = _traffic(nodes, dims, shapes)
-        acc.hbm_saved_bytes = None if acc.hbm_saved_bytes is None or after is None else acc.hbm_saved_bytes - after
-    return shapes
+
+
+# Python types each spec attribute type accepts (bool is an int to Python, not to the spec).
+_ATTR_TYPES = {"float": (float, np.floating), "int": (int, np.integer), "string": (str,)}
+
+
+def check_rewrite(rw: Rewrite, spec: OpSpec, rule: str) -> None:
+    """A rewrite fits its op's spec: input count within [required, total] with every required input
+    present, at most the spec's outputs, only spec attributes, every attribute without a default
+    given, each value of the spec's type. A violation is a bug in the rule: ValueError naming the
+    op, the rule and the field."""
+
+    def fail(what: str) -> None:
+        raise ValueError(f"rule {rule} writes an invalid {spec.op} node: {what}")
+
+    if len(rw.inputs) > len(spec.inputs):
+        fail(f"{len(rw.inputs)} inputs, the spec has {len(spec.inputs)}")
+    for j, ts in enumerate(spec.inputs):
+        if not ts.optional and (j >= len(rw.inputs) or rw.inputs[j] is None):
+            fail(f"required input {ts.name!r} (#{j}) is missing")
+    if not 1 <= len(rw.outputs) <= len(spec.outputs):
+        fail(f"{len(rw.outputs)} outputs, the spec has {len(spec.outputs)}")
+    names = {a.name for a in spec.attributes}
+    for key, value in rw.attrs.items():
+        if key not in names:
+            fail(f"attribute {key!r} is not in the spec (attributes: {sorted(names)})")
+        if not _fits(value, spec.attr(key).type):
+            fail(f"attribute {key!r} = {value!r} is not of type {spec.attr(key).type}")
+    for a in spec.attributes:
+        if a.default is None and a.name not in rw.attrs:
+            fail(f"attribute {a.name!r} has no default and is missing")
+
+
+def _fits(value, type_: str) -> bool:
+    if type_ in ("floats", "ints"):
+        return isinstance(value, (list, tuple)) and all(_fits(v, type_[:-1]) for v in value)
+    return isinstance(value, _ATTR_TYPES[type_]) and not isinstance(value, (bool, np.bool_))
 
 
 def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -290,3 +306,9 @@ def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     if used and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return model
+
+
+def inferable_model(graph: gs.Graph) -> onnx.ModelProto:
+    """`graph` as a ModelProto shape inference can follow (optfuse nodes through their reference
+    functions); the graph itself is left as it is."""
+    return add_functions(gs.export_onnx(graph.copy(), do_type_check=False))

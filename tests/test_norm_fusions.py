@@ -5,6 +5,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from optfuse.estimate import estimate_traffic
 from optfuse.fusions import fuse_model
 
 import graphs
@@ -146,8 +147,30 @@ def test_exported_models_fuse_every_norm(exported_model, family, exporter):
     left = [n.op_type for n in fused.graph.node]
     assert "LayerNormalization" not in left and "ReduceMean" not in left
     # every fused norm saves traffic except a plain native LayerNormalization (one node to one node)
-    assert all(a.hbm_saved_bytes is not None for a in res.accepted)
+    saved = estimate_traffic(fused, res).saved_bytes
+    assert all(saved[a.node_name] is not None for a in res.accepted)
     feeds = em.make_inputs(seed=3)
     ref, got = _run(model, feeds), _run(fused, feeds)
     for r, g in zip(ref, got):
         assert np.abs(r.astype(np.float64) - g).max() <= 1e-4
+
+
+def test_estimate_is_one_shape_inference_per_run(monkeypatch):
+    """Fusing runs no shape inference at the analysis dims (only the one at probe dims that tells
+    symbolically equal shapes); the estimate runs exactly one, however many families applied."""
+    from optfuse.ir import shapes
+
+    calls = []
+    infer = shapes._infer_static
+    monkeypatch.setattr(shapes, "_infer_static", lambda m: calls.append(m) or infer(m))
+    model = graphs.residual_block(n_layers=2)
+    fused, res = fuse_model(model, dims={"b": 2, "s": 16})
+    assert [a.op for a in res.accepted] == ["SkipLayerNorm"] * 2  # two families applied (LayerNorm, Skip)
+    assert len(calls) == 1  # the probe shapes
+    est = estimate_traffic(fused, res)
+    assert len(calls) == 2
+    assert est.dims == {"b": 2, "s": 16}
+    assert [est.saved_bytes[a.node_name] for a in res.accepted] == [2 * 16 * 64 * 4] * 2
+    # other dims on request: the same run sized for a larger batch
+    assert [estimate_traffic(fused, res, {"b": 4, "s": 16}).saved_bytes[a.node_name] for a in res.accepted] \
+        == [4 * 16 * 64 * 4] * 2

@@ -77,3 +77,47 @@ def test_optional_cast_and_match_does_not_mutate():
     assert ms and ms[0]["x"].name == "x"
     assert [(n.op, n.name) for n in g.nodes] == before
     assert isinstance(ms[0].root, gs.Variable)
+
+
+def test_apply_plan_checks_rewrites_against_the_spec():
+    """A rewrite that does not fit its op's spec is a bug in the rule: caught before any node is made."""
+    import pytest
+
+    from optfuse.pattern import Rewrite
+    from optfuse.rewrite import Accepted, FusionResult, apply_plan, check_rewrite
+    from optfuse.spec import get_spec
+
+    g = _graph(layer_norm())
+    x, y = g.tensors()["x"], _out(g)
+    gamma = beta = np.ones(x.shape[-1], np.float32)
+    spec = get_spec("LayerNorm")
+    check_rewrite(Rewrite("LayerNorm", [x, gamma, beta], [y], {"epsilon": 1e-5}), spec, "layer_norm.t")
+    check_rewrite(Rewrite("LayerNorm", [x, gamma, beta], [y], {}), spec, "layer_norm.t")  # epsilon has a default
+    bad = [
+        (Rewrite("LayerNorm", [x, gamma, beta], [y], {"eps": 1e-5}), "attribute 'eps' is not in the spec (attributes: ['epsilon'])"),
+        (Rewrite("LayerNorm", [x, gamma, beta], [y], {"epsilon": 1}), "attribute 'epsilon' = 1 is not of type float"),
+        (Rewrite("LayerNorm", [x, gamma, beta, beta], [y], {}), "4 inputs, the spec has 3"),
+        (Rewrite("LayerNorm", [x, gamma], [y], {}), "required input 'beta' (#2) is missing"),
+        (Rewrite("LayerNorm", [x, None, beta], [y], {}), "required input 'gamma' (#1) is missing"),
+        (Rewrite("LayerNorm", [x, gamma, beta], [y, y], {}), "2 outputs, the spec has 1"),
+    ]
+    for rw, why in bad:
+        with pytest.raises(ValueError) as e:
+            check_rewrite(rw, spec, "layer_norm.t")
+        assert str(e.value) == f"rule layer_norm.t writes an invalid LayerNorm node: {why}"
+    # FlashAttention: num_heads has no default; bias is optional
+    q = np.zeros((1, 2, 4, 8), np.float32)
+    fa = get_spec("FlashAttention")
+    attrs = {"scale": 0.5, "num_heads": 2, "num_kv_heads": 2}
+    check_rewrite(Rewrite("FlashAttention", [x, x, x], [y], attrs), fa, "attention.t")
+    check_rewrite(Rewrite("FlashAttention", [x, x, x, None], [y], attrs), fa, "attention.t")
+    with pytest.raises(ValueError, match="rule attention.t .* FlashAttention .* 'num_heads' has no default"):
+        check_rewrite(Rewrite("FlashAttention", [x, x, x, q], [y], {"scale": 0.5, "num_kv_heads": 2}), fa, "attention.t")
+    with pytest.raises(ValueError, match="'causal' = True is not of type int"):
+        check_rewrite(Rewrite("FlashAttention", [x, x, x], [y], {**attrs, "causal": True}), fa, "attention.t")
+    # apply_plan runs the check before it touches the graph
+    before = [n.name for n in g.nodes]
+    plan = FusionResult([Accepted("layer_norm.t", "LayerNorm", ["ln"], bad[0][0])])
+    with pytest.raises(ValueError, match="attribute 'eps' is not in the spec"):
+        apply_plan(g, plan)
+    assert [n.name for n in g.nodes] == before

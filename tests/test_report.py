@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 
+from optfuse.estimate import estimate_traffic
 from optfuse.fusions import fuse_model
 from optfuse.report import build_report, format_bytes, render_markdown, write_report
 from optfuse.rewrite import Accepted, FusionResult, Rejected
@@ -12,8 +13,8 @@ import graphs
 
 
 def _report(model, dims=None, **kw):
-    _, result = fuse_model(model, dims=dims)
-    return build_report(result, model="m.onnx", dims=dims, **kw), result
+    fused, result = fuse_model(model, dims=dims)
+    return build_report(result, estimate=estimate_traffic(fused, result), model="m.onnx", dims=dims, **kw), result
 
 
 def test_counts_matches_and_hbm():

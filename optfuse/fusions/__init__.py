@@ -11,9 +11,9 @@ from collections.abc import Iterable
 
 import onnx_graphsurgeon as gs
 
-from ..ir.query import concrete_shapes, probe_dims
+from ..ir.shapes import concrete_shapes, probe_dims
 from ..pattern import Context, FusionOptions
-from ..rewrite import FusionResult, apply_plan, plan_family
+from ..rewrite import FusionResult, apply_plan, inferable_model, plan_family
 
 # family name -> module (in application order)
 FAMILIES: dict[str, str] = {
@@ -41,18 +41,24 @@ def family_rules(name: str):
     return importlib.import_module(FAMILIES[name]).RULES
 
 
-def fuse_graph(graph: gs.Graph, ctx: Context, families: Iterable[str] | None = None) -> FusionResult:
-    """Plan and apply each enabled family in order; returns everything accepted and rejected."""
+def fuse_graph(graph: gs.Graph, families: Iterable[str] | None = None,
+               options: FusionOptions | None = None) -> FusionResult:
+    """Plan and apply each enabled family in order; returns everything accepted and rejected.
+
+    Each family pass gets a fresh Context (its graph facts cache holds for the graph as that pass
+    sees it). The result keeps a copy of the graph as it was before any rewrite.
+    """
     enabled = set(available_families() if families is None else families)
-    total = FusionResult()
-    ctx.probe_shapes = concrete_shapes(graph, probe_dims(graph))
-    shapes = None  # concrete shapes at ctx.dims, inferred when the first plan is applied
+    options = options or FusionOptions()
+    total = FusionResult(original=graph.copy())
+    probe = probe_dims(graph)
+    probe_shapes = concrete_shapes(inferable_model(graph), probe) if probe else {}
     for name in available_families():
         if name not in enabled:
             continue
-        ctx.graph = graph
+        ctx = Context(graph, options=options, probe_shapes=probe_shapes)
         result = plan_family(graph, family_rules(name), ctx)
-        shapes = apply_plan(graph, result, ctx.dims, start_index=len(total.accepted), shapes=shapes)
+        apply_plan(graph, result, start_index=len(total.accepted))
         total.accepted = _absorb(total.accepted, result.accepted) + result.accepted
         total.rejected += result.rejected
     return total
@@ -61,22 +67,24 @@ def fuse_graph(graph: gs.Graph, ctx: Context, families: Iterable[str] | None = N
 def _absorb(earlier, later):
     """Drop earlier fusions that a later family took in (e.g. LayerNorm -> SkipLayerNorm).
 
-    The later record then lists the original nodes and the HBM savings of both steps, so the
-    report describes the final graph.
+    The later record then lists the original nodes of both steps (with the tensors each read and
+    wrote) and the nodes both added, so the report and the estimate describe the final graph.
     """
     by_name = {a.node_name: a for a in earlier}
     gone = set()
     for acc in later:
-        nodes, saved = [], acc.hbm_saved_bytes
-        for n in acc.nodes:
+        nodes, io, added = [], [], list(acc.added_nodes)
+        for n, rw in zip(acc.nodes, acc.replaced_io):
             prev = by_name.get(n)
             if prev is None:
                 nodes.append(n)
+                io.append(rw)
                 continue
             gone.add(n)
             nodes.extend(prev.nodes)
-            saved = None if saved is None or prev.hbm_saved_bytes is None else saved + prev.hbm_saved_bytes
-        acc.nodes, acc.hbm_saved_bytes = nodes, saved
+            io.extend(prev.replaced_io)
+            added.extend(prev.added_nodes)
+        acc.nodes, acc.replaced_io, acc.added_nodes = nodes, io, added
     return [a for a in earlier if a.node_name not in gone]
 
 
@@ -85,12 +93,14 @@ def fuse_model(model, dims: dict[str, int] | None = None, families: Iterable[str
     """sanitize -> match -> rewrite on a ModelProto; returns (fused ModelProto, FusionResult).
 
     The fused model embeds the reference function of each optfuse op it uses (onnxruntime runs it).
+    `dims` (the analysis dims) are recorded in the result for the traffic estimate
+    (`optfuse.estimate.estimate_traffic`); fusing itself does not depend on them.
     """
     from ..ir import sanitize
     from ..rewrite import add_functions
 
     graph = sanitize(model)
-    ctx = Context(graph, dims=dict(dims or {}), options=options or FusionOptions())
-    result = fuse_graph(graph, ctx, families)
+    result = fuse_graph(graph, families, options)
+    result.dims = dict(dims or {})
     fused = gs.export_onnx(graph)
     return add_functions(fused), result

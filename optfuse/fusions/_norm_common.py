@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir.query import dtype_name, rank, static_dim
-from ..pattern import Context, const_value
+from ..ir.query import const_value, dtype_name, rank, static_dim
+from ..pattern import Match, Rewrite
 from ..spec import get_spec
 
 _NP = {"float32": np.float32, "float16": np.float16}
 
 
-def check_input(op: str, x: gs.Tensor, ctx: Context) -> str | None:
+def check_input(op: str, x: gs.Tensor) -> str | None:
     """The fused op can take `x`: known floating dtype the kernel supports, static hidden size within limits."""
     spec = get_spec(op)
     dt = dtype_name(x)
@@ -85,3 +87,37 @@ def _np_dtype(name: str):
 
         return ml_dtypes.bfloat16
     return _NP.get(name, np.float32)
+
+
+@dataclass(frozen=True)
+class NormBindings:
+    """What a norm rule's check hands its rewrite: the normalized input, its affine parameters as
+    [hidden] vectors (gamma, and beta for LayerNorm; a tensor or a new constant each), epsilon."""
+
+    x: gs.Tensor
+    params: tuple[gs.Tensor | np.ndarray, ...]
+    epsilon: float
+
+
+def bind(m: Match, x: gs.Tensor, params: tuple[tuple[str, float], ...], eps) -> str | NormBindings:
+    """The bindings of a norm match, or the reason an affine parameter cannot be a [hidden] vector.
+
+    params: (binding name, fill when absent) per parameter, in the op's input order.
+    """
+    hidden, dt = static_dim(x, -1), dtype_name(x)
+    values = []
+    for key, fill in params:
+        value, why = param(m.get(key), hidden, dt, fill, key)
+        if why:
+            return why
+        values.append(value)
+    return NormBindings(x, tuple(values), float(eps))
+
+
+def norm_rewrite(op: str):
+    """The rewrite of a norm rule: `op(x, *params)` with the match's epsilon, taking over its output."""
+
+    def rewrite(m: Match, b: NormBindings) -> Rewrite:
+        return Rewrite(op, [b.x, *b.params], [m.root], {"epsilon": b.epsilon})
+
+    return rewrite

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir.query import dtype_name, static_dim
-from ..pattern import AnyOf, Capture, Const, FusionRule, Match, Rewrite, Var, maybe_cast, op
-from ._norm_common import check_eps, check_input, check_last_axis, check_same_dtype, param
+from ..pattern import AnyOf, Capture, Const, Context, FusionRule, Match, Var, maybe_cast, op
+from ._norm_common import NormBindings, bind, check_eps, check_input, check_last_axis, check_same_dtype, norm_rewrite
 
 OP = "LayerNorm"
+_AFFINE = (("gamma", 1.0), ("beta", 0.0))
 
 # --- native LayerNormalization ------------------------------------------------------------------
 _native = AnyOf(
@@ -33,37 +33,16 @@ _native = AnyOf(
 )
 
 
-def _check_native(m: Match, ctx) -> str | None:
+def _check_native(m: Match, ctx: Context) -> str | NormBindings:
     ln = m["ln"]
     x = m["x"]
     axis = ln.attrs.get("axis", -1)
     return (
         check_last_axis([axis], x)
-        or check_input(OP, x, ctx)
+        or check_input(OP, x)
         or check_same_dtype(x, m.root)
-        or _affine_reason(m, x)
+        or bind(m, x, _AFFINE, ln.attrs.get("epsilon", 1e-5))
     )
-
-
-def _affine_reason(m: Match, x) -> str | None:
-    hidden = static_dim(x, -1)
-    for key, fill in (("gamma", 1.0), ("beta", 0.0)):
-        _, why = param(m.get(key), hidden, dtype_name(x), fill, key)
-        if why:
-            return why
-    return None
-
-
-def _rewrite(m: Match, ctx, eps: float) -> Rewrite:
-    x = m["x"]
-    hidden, dt = static_dim(x, -1), dtype_name(x)
-    gamma, _ = param(m.get("gamma"), hidden, dt, 1.0, "gamma")
-    beta, _ = param(m.get("beta"), hidden, dt, 0.0, "beta")
-    return Rewrite(OP, [x, gamma, beta], [m.root], {"epsilon": float(eps)})
-
-
-def _rewrite_native(m: Match, ctx) -> Rewrite:
-    return _rewrite(m, ctx, m["ln"].attrs.get("epsilon", 1e-5))
 
 
 # --- decomposed ------------------------------------------------------------------------------------
@@ -81,30 +60,28 @@ def _decomposed(affine: str) -> object:
     return normed
 
 
-def _check_decomposed(m: Match, ctx) -> str | None:
+def _check_decomposed(m: Match, ctx: Context) -> str | NormBindings:
     x = m["x"]
     return (
         check_last_axis(m["axes1"], x)
         or (None if list(np.atleast_1d(m["axes1"])) == list(np.atleast_1d(m["axes2"]))
             else "mean and variance reduce over different axes")
         or check_eps(m["eps"])
-        or check_input(OP, x, ctx)
+        or check_input(OP, x)
         or check_same_dtype(x, m.root)
-        or _affine_reason(m, x)
+        or bind(m, x, _AFFINE, np.asarray(m["eps"]).reshape(()))
     )
 
 
-def _rewrite_decomposed(m: Match, ctx) -> Rewrite:
-    return _rewrite(m, ctx, float(np.asarray(m["eps"]).reshape(())))
-
+_rewrite = norm_rewrite(OP)
 
 RULES = [
-    FusionRule("layer_norm.native", OP, _native, _check_native, _rewrite_native,
+    FusionRule("layer_norm.native", OP, _native, _check_native, _rewrite,
                doc="LayerNormalization (opset 17+)"),
-    FusionRule("layer_norm.decomposed", OP, _decomposed("gamma_beta"), _check_decomposed, _rewrite_decomposed,
+    FusionRule("layer_norm.decomposed", OP, _decomposed("gamma_beta"), _check_decomposed, _rewrite,
                doc="ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div + Mul/Add affine"),
-    FusionRule("layer_norm.decomposed_scale", OP, _decomposed("gamma"), _check_decomposed, _rewrite_decomposed,
+    FusionRule("layer_norm.decomposed_scale", OP, _decomposed("gamma"), _check_decomposed, _rewrite,
                doc="decomposed, scale only"),
-    FusionRule("layer_norm.decomposed_plain", OP, _decomposed("none"), _check_decomposed, _rewrite_decomposed,
+    FusionRule("layer_norm.decomposed_plain", OP, _decomposed("none"), _check_decomposed, _rewrite,
                doc="decomposed, no affine parameters"),
 ]

@@ -19,36 +19,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir.query import dtype_name, static_dim
-from ..pattern import AnyOf, Capture, Const, FusionRule, Match, Rewrite, Var, maybe_cast, op
-from ._norm_common import check_eps, check_input, check_last_axis, check_same_dtype, param
+from ..pattern import AnyOf, Capture, Const, Context, FusionRule, Match, Var, maybe_cast, op
+from ._norm_common import NormBindings, bind, check_eps, check_input, check_last_axis, check_same_dtype, norm_rewrite
 
 OP = "RMSNorm"
+_GAMMA = (("gamma", 1.0),)
 
 _native = AnyOf(
     op.RMSNormalization(Var("x"), Var("gamma"), capture="rms"),
 )
 
 
-def _check_native(m: Match, ctx) -> str | None:
+def _check_native(m: Match, ctx: Context) -> str | NormBindings:
     x = m["x"]
+    rms = m["rms"]
     return (
-        check_last_axis([m["rms"].attrs.get("axis", -1)], x)
-        or check_input(OP, x, ctx)
+        check_last_axis([rms.attrs.get("axis", -1)], x)
+        or check_input(OP, x)
         or check_same_dtype(x, m.root)
-        or _gamma_reason(m, x)
+        or bind(m, x, _GAMMA, rms.attrs.get("epsilon", 1e-5))
     )
-
-
-def _gamma_reason(m: Match, x) -> str | None:
-    _, why = param(m.get("gamma"), static_dim(x, -1), dtype_name(x), 1.0, "gamma")
-    return why
-
-
-def _rewrite(m: Match, eps: float) -> Rewrite:
-    x = m["x"]
-    gamma, _ = param(m.get("gamma"), static_dim(x, -1), dtype_name(x), 1.0, "gamma")
-    return Rewrite(OP, [x, gamma], [m.root], {"epsilon": float(eps)})
 
 
 def _decomposed(with_gamma: bool):
@@ -66,24 +56,23 @@ def _decomposed(with_gamma: bool):
     return op.Mul(y, Var("gamma")) if with_gamma else y
 
 
-def _check_decomposed(m: Match, ctx) -> str | None:
+def _check_decomposed(m: Match, ctx: Context) -> str | NormBindings:
     x = m["x"]
     return (
         check_last_axis(m["axes"], x)
         or check_eps(m["eps"])
-        or check_input(OP, x, ctx)
+        or check_input(OP, x)
         or check_same_dtype(x, m.root)
-        or _gamma_reason(m, x)
+        or bind(m, x, _GAMMA, np.asarray(m["eps"]).reshape(()))
     )
 
 
+_rewrite = norm_rewrite(OP)
+
 RULES = [
-    FusionRule("rms_norm.native", OP, _native, _check_native,
-               lambda m, ctx: _rewrite(m, m["rms"].attrs.get("epsilon", 1e-5)), doc="RMSNormalization (opset 23)"),
-    FusionRule("rms_norm.decomposed", OP, _decomposed(True), _check_decomposed,
-               lambda m, ctx: _rewrite(m, float(np.asarray(m["eps"]).reshape(()))),
+    FusionRule("rms_norm.native", OP, _native, _check_native, _rewrite, doc="RMSNormalization (opset 23)"),
+    FusionRule("rms_norm.decomposed", OP, _decomposed(True), _check_decomposed, _rewrite,
                doc="Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul + gamma"),
-    FusionRule("rms_norm.decomposed_plain", OP, _decomposed(False), _check_decomposed,
-               lambda m, ctx: _rewrite(m, float(np.asarray(m["eps"]).reshape(()))),
+    FusionRule("rms_norm.decomposed_plain", OP, _decomposed(False), _check_decomposed, _rewrite,
                doc="decomposed, no gamma"),
 ]

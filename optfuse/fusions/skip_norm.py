@@ -15,12 +15,26 @@ Targets: ``optfuse::SkipLayerNorm`` v1, ``optfuse::SkipRMSNorm`` v1.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import onnx_graphsurgeon as gs
+
 from .. import DOMAIN
 from ..ir.query import dtype_name
-from ..pattern import FusionRule, Match, Rewrite, Var, op
+from ..pattern import Context, FusionRule, Match, Rewrite, Var, op
 
 
-def _check(m: Match, ctx) -> str | None:
+@dataclass(frozen=True)
+class SkipBindings:
+    """The residual operands, the fused norm's parameters and epsilon."""
+
+    a: gs.Tensor
+    b: gs.Tensor
+    params: tuple[gs.Tensor, ...]
+    epsilon: float
+
+
+def _check(m: Match, ctx: Context) -> str | SkipBindings:
     norm, a, b = m["norm"], m["a"], m["b"]
     if norm.domain != DOMAIN:
         return f"{norm.op} is not an optfuse node"
@@ -28,15 +42,12 @@ def _check(m: Match, ctx) -> str | None:
         return f"residual operands have different dtypes ({dtype_name(a)}, {dtype_name(b)})"
     if not ctx.same_shape(a, b):
         return f"residual Add broadcasts ({a.shape} + {b.shape}); the skip kernel needs equal shapes"
-    return None
+    return SkipBindings(a, b, tuple(norm.inputs[1:]), float(norm.attrs["epsilon"]))
 
 
 def _rewrite(target: str):
-    def rewrite(m: Match, ctx) -> Rewrite:
-        norm = m["norm"]
-        params = list(norm.inputs[1:])
-        return Rewrite(target, [m["a"], m["b"], *params], [m.root, m["s"]],
-                       {"epsilon": float(norm.attrs["epsilon"])})
+    def rewrite(m: Match, sb: SkipBindings) -> Rewrite:
+        return Rewrite(target, [sb.a, sb.b, *sb.params], [m.root, m["s"]], {"epsilon": sb.epsilon})
 
     return rewrite
 

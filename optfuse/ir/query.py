@@ -1,8 +1,10 @@
-"""Read-only questions about tensors: dtype names, static dims, sizes, outside uses."""
+"""Read-only questions about tensors and nodes: dtype names, constant values, attributes, static dims,
+sizes, outside uses."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -37,10 +39,6 @@ def dtype_name(t: gs.Tensor) -> str | None:
         pass
     name = np.dtype(dt).name if not isinstance(dt, str) else dt
     return "bfloat16" if "bfloat16" in str(name) else str(name)
-
-
-def onnx_dtype(name: str) -> int:
-    return {v: k for k, v in _ONNX_NAMES.items()}[name]
 
 
 def rank(t: gs.Tensor) -> int | None:
@@ -90,62 +88,41 @@ def outside_uses(t: gs.Tensor, inside: Iterable[gs.Node], graph: gs.Graph) -> li
     return uses
 
 
-def concrete_shapes(graph: gs.Graph, dims: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape when the graph inputs' symbolic dims take the values in `dims`.
-
-    Shape inference on the symbolic graph names many intermediate dims with fresh symbols
-    (`unk__3` after a broadcasting Add, `batch*heads` after a Reshape); with static inputs
-    onnxruntime's symbolic shape inference resolves them to numbers (ONNX's own inference stops
-    at mask-building chains). Tensors that stay unresolved are left out.
-    """
-    if not dims:
-        return {}
-    from ..rewrite import add_functions  # optfuse nodes are inferred through their reference functions
-
-    model = add_functions(gs.export_onnx(graph.copy(), do_type_check=False))
-    for vi in model.graph.input:
-        for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_param") and d.dim_param in dims:
-                d.dim_value = int(dims[d.dim_param])
-    del model.graph.value_info[:]
-    model = _infer_static(model)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for vi in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input):
-        tt = vi.type.tensor_type
-        if not tt.HasField("shape"):
-            continue
-        dims_ = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
-        if all(d is not None for d in dims_):
-            shapes[vi.name] = tuple(dims_)
-    return shapes
+# Attributes that later opsets moved to inputs: op -> {attr: input index}.
+ATTR_INPUTS = {
+    "ReduceMean": {"axes": 1},
+    "ReduceSum": {"axes": 1},
+    "ReduceMax": {"axes": 1},
+    "ReduceL2": {"axes": 1},
+    "Unsqueeze": {"axes": 1},
+    "Squeeze": {"axes": 1},
+    "Split": {"split": 1},
+}
 
 
-def probe_dims(graph: gs.Graph) -> dict[str, int]:
-    """Distinct primes for the graph inputs' symbolic dims: shapes equal under this assignment are
-    equal symbolically (a broadcast dim of 1 never coincides with a probed dim)."""
-    primes = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47]
-    names: list[str] = []
-    for t in graph.inputs:
-        for d in t.shape or []:
-            if isinstance(d, str) and d not in names:
-                names.append(d)
-    return {n: primes[i % len(primes)] + 48 * (i // len(primes)) for i, n in enumerate(names)}
+def const_value(tensor: gs.Tensor) -> np.ndarray | None:
+    """The value of a constant tensor (initializer or Constant node output), else None."""
+    if isinstance(tensor, gs.Constant):
+        return np.asarray(tensor.values)
+    if len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
+        node = tensor.inputs[0]
+        val = node.attrs.get("value")
+        if isinstance(val, gs.Constant):
+            return np.asarray(val.values)
+        for key in ("value_float", "value_int", "value_floats", "value_ints"):
+            if key in node.attrs:
+                return np.asarray(node.attrs[key])
+    return None
 
 
-def _infer_static(model: onnx.ModelProto) -> onnx.ModelProto:
-    from .sanitize import infer_shapes
-
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        # The loop of SymbolicShapeInference.infer_shapes, minus its last step: when some shape
-        # stays unknown, that dumps the model into the current directory and raises, whereas a
-        # partial result is what we want (unknown tensors just stay out of the estimate).
-        sym = SymbolicShapeInference(2**31 - 1, True, False, 0)
-        sym._preprocess(model)
-        while sym.run_:
-            sym._infer_impl()
-        sym._update_output_from_vi()
-        return sym.out_mp_
-    except Exception:  # unsupported op or a model it cannot follow: ONNX's inference is the fallback
-        return infer_shapes(model)
+def node_attr(node: gs.Node, name: str) -> Any:
+    """An attribute's value, wherever the opset put it (attribute or constant input)."""
+    if name in node.attrs:
+        val = node.attrs[name]
+        return val.values if isinstance(val, gs.Constant) else val
+    idx = ATTR_INPUTS.get(node.op, {}).get(name)
+    if idx is not None and idx < len(node.inputs) and node.inputs[idx].name:
+        val = const_value(node.inputs[idx])
+        if val is not None:
+            return val.tolist()
+    return None

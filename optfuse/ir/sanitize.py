@@ -6,29 +6,14 @@ tensors carry dtypes and shapes, and node order is topological.
 
 from __future__ import annotations
 
-import logging
-
 import onnx
 import onnx_graphsurgeon as gs
 
-from .load import _PROTO_LIMIT, model_bytes
-
-log = logging.getLogger(__name__)
+from .query import dtype_name
+from .shapes import infer_shapes
 
 # Folding a constant bigger than this would duplicate weights (e.g. a transposed copy).
 FOLD_SIZE_THRESHOLD = 64 << 20
-
-
-def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """ONNX shape inference with data propagation; models past the protobuf limit are left as they are."""
-    if model_bytes(model) > _PROTO_LIMIT:
-        log.warning("model over 2 GiB: skipping in-memory shape inference")
-        return model
-    try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception as exc:  # inference is best effort: a model onnxruntime runs is still valid input
-        log.warning("shape inference failed: %s", str(exc).splitlines()[0])
-        return model
 
 
 def sanitize(model: onnx.ModelProto, fold_constants: bool = True) -> gs.Graph:
@@ -47,8 +32,6 @@ def sanitize(model: onnx.ModelProto, fold_constants: bool = True) -> gs.Graph:
 def remove_noop_casts(graph: gs.Graph) -> int:
     """Bypass Casts to the dtype their input already has (TorchScript writes them for `.float()`
     on fp32 tensors); they would otherwise sit between a residual Add and its norm."""
-    from .query import dtype_name
-
     removed = 0
     outputs = {id(t) for t in graph.outputs}
     for node in graph.nodes:

@@ -31,19 +31,9 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..ir.query import ATTR_INPUTS, const_value, node_attr  # noqa: F401  (part of the pattern API)
+
 COMMUTATIVE = {"Add", "Mul", "Max", "Min", "Sum", "Equal", "And", "Or"}
-
-# Attributes that later opsets moved to inputs: op -> {attr: input index}.
-ATTR_INPUTS = {
-    "ReduceMean": {"axes": 1},
-    "ReduceSum": {"axes": 1},
-    "ReduceMax": {"axes": 1},
-    "ReduceL2": {"axes": 1},
-    "Unsqueeze": {"axes": 1},
-    "Squeeze": {"axes": 1},
-    "Split": {"split": 1},
-}
-
 
 # --------------------------------------------------------------------------------------------
 # Match state
@@ -114,21 +104,6 @@ class Capture:
     """Binds an attribute value by name (used inside op attribute patterns)."""
 
     name: str
-
-
-def const_value(tensor: gs.Tensor) -> np.ndarray | None:
-    """The value of a constant tensor (initializer or Constant node output), else None."""
-    if isinstance(tensor, gs.Constant):
-        return np.asarray(tensor.values)
-    if len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
-        node = tensor.inputs[0]
-        val = node.attrs.get("value")
-        if isinstance(val, gs.Constant):
-            return np.asarray(val.values)
-        for key in ("value_float", "value_int", "value_floats", "value_ints"):
-            if key in node.attrs:
-                return np.asarray(node.attrs[key])
-    return None
 
 
 @dataclass(frozen=True)
@@ -246,19 +221,6 @@ def _data_inputs(node: gs.Node) -> list[gs.Tensor]:
     moved = ATTR_INPUTS.get(node.op, {})
     skip = set(moved.values())
     return [t for i, t in enumerate(node.inputs) if i not in skip]
-
-
-def node_attr(node: gs.Node, name: str) -> Any:
-    """An attribute's value, wherever the opset put it (attribute or constant input)."""
-    if name in node.attrs:
-        val = node.attrs[name]
-        return val.values if isinstance(val, gs.Constant) else val
-    idx = ATTR_INPUTS.get(node.op, {}).get(name)
-    if idx is not None and idx < len(node.inputs) and node.inputs[idx].name:
-        val = const_value(node.inputs[idx])
-        if val is not None:
-            return val.tolist()
-    return None
 
 
 def _equal(have: Any, want: Any) -> bool:

@@ -1,19 +1,26 @@
-"""Fusion rules: pattern -> check (a reason when unsafe) -> rewrite (what to emit).
+"""Fusion rules: pattern -> check (a reason when unsafe, else the bindings) -> rewrite (what to emit).
 
-A rule never mutates the graph. `optfuse.rewrite` plans matches for a family of rules and then
-applies the accepted ones in one batch.
+Rules are stateless: `check` returns either the reason a match may not be fused or a typed
+bindings object (what the rewrite needs: tensors, attribute values, the attention plan), and
+`rewrite` builds the fused node from the match and those bindings alone. A rule never mutates the
+graph. `optfuse.rewrite` plans matches for a family of rules and then applies the accepted ones in
+one batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..ir.static import StaticEval
 from .core import Match, Pattern
+
+B = TypeVar("B")  # a family's bindings type
+F = TypeVar("F")  # a family's graph analysis type
 
 
 @dataclass(eq=False)
@@ -62,16 +69,41 @@ class FusionOptions:
     attention_full_mask: bool = False
 
 
+class GraphFacts:
+    """A cache of facts about the graph one family pass plans over, each a pure function of that graph:
+    static values and dims (`static`) and per-family analyses (`of`), such as attention's mask
+    classes and the one mask-row tensor all its layers share (so one Slice node serves every fused
+    node). It is not check-to-rewrite state: nothing in it is keyed by a match.
+
+    Each Context makes its own (`fuse_graph` makes one Context per family pass); the graph must not
+    change while it is in use.
+    """
+
+    def __init__(self, graph: gs.Graph) -> None:
+        self.graph = graph
+        self.static = StaticEval()
+        self._analyses: dict[type, Any] = {}
+
+    def of(self, kind: Callable[[gs.Graph], F]) -> F:
+        """The analysis `kind(graph)` (a class taking the graph), made on first use."""
+        if kind not in self._analyses:
+            self._analyses[kind] = kind(self.graph)
+        return self._analyses[kind]
+
+
 @dataclass
 class Context:
-    """What rules may consult: the graph, symbolic-dim values, options."""
+    """What rules may consult: the graph, the fusion options, probe shapes and the graph facts cache."""
 
     graph: gs.Graph
-    dims: dict[str, int] = field(default_factory=dict)
     options: FusionOptions = field(default_factory=FusionOptions)
     # Shapes of the original graph's tensors with the inputs' symbolic dims set to distinct
-    # primes (see ir.query.probe_dims): equal here means equal for every input size.
+    # primes (see ir.shapes.probe_dims): equal here means equal for every input size.
     probe_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    facts: GraphFacts = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.facts = GraphFacts(self.graph)
 
     def same_shape(self, a: gs.Tensor, b: gs.Tensor) -> bool:
         """Whether two tensors always have the same shape (symbolically, else by probe shapes)."""
@@ -80,27 +112,22 @@ class Context:
         pa, pb = self.probe_shapes.get(a.name), self.probe_shapes.get(b.name)
         return pa is not None and pa == pb
 
-    def limits(self, op: str) -> dict[str, Any]:
-        from ..spec import get_spec
-
-        return get_spec(op).limits
-
 
 @dataclass(frozen=True)
-class FusionRule:
+class FusionRule(Generic[B]):
     """One exporter variant of a fusion family.
 
     id: `<family>.<variant>`, stable: used in recipes, reports and node names.
     target: the optfuse op it produces (a spec name).
-    check: returns None when the match may be fused, else the reason it may not.
-    rewrite: builds the fused node from the bindings (called only after check passed).
+    check: the reason (str) the match may not be fused, else the bindings its rewrite needs.
+    rewrite: builds the fused node from the match and the bindings check returned (called only then).
     """
 
     id: str
     target: str
     pattern: Pattern
-    check: Callable[[Match, Context], str | None]
-    rewrite: Callable[[Match, Context], Rewrite]
+    check: Callable[[Match, Context], str | B]
+    rewrite: Callable[[Match, B], Rewrite]
     doc: str = ""
 
     @property

@@ -39,8 +39,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .. import DOMAIN
-from ..pattern import const_value
+from ... import DOMAIN
+from ...ir.query import const_value
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def _probe_model(graph: gs.Graph, region: _Region, outputs: Sequence[gs.Tensor])
     model = onnx.helper.make_model(g, opset_imports=opsets)
     model.ir_version = 9
     if any(n.domain == DOMAIN for n in model.graph.node):
-        from ..rewrite import add_functions
+        from ...rewrite import add_functions
 
         add_functions(model)
     return model

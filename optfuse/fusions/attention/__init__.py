@@ -1,0 +1,91 @@
+"""Attention: o = softmax(scale * q @ k^T + bias) @ v, per head  ->  optfuse::FlashAttention.
+
+The rules match the math, not one model's template: a Softmax over the last axis between two
+MatMuls, with every step the torch exporters (TorchScript and dynamo; transformers' eager and SDPA
+attention) write around it as an alternative::
+
+    q ─► [Mul(√s) | Div(c)] ─────────────────────────────────────────────┐
+                                                                          MatMul ─► [Mul(s) | Div(c)] ─┐
+    k ─► [repeat_kv] ─► Transpose(0,1,3,2) ─┐                            │                            │
+    k_bshd ─► Transpose(0,2,3,1) ───────────┼─► [Mul(√s) | Div(c)] ──────┘                            │
+    k ─► [repeat_kv] ─► Reshape(-1,S,D) ─► Transpose(0,2,1) ─► Reshape(B,H,D,S)   (dynamo SDPA)     │
+    any kᵀ [B,H,D,Sk] ─┘                                                                              │
+                                                                                                      ▼
+        ┌─ attention.additive:    [+ bias] [+ bias2]                       (padding / causal / position bias)
+        └─ attention.masked_fill: Where(cond, ., fill) | Where(cond, fill, .) [+ bias]
+                                                                                                      │
+             [Cast] ─► Softmax(axis=-1) ─► [Cast] ─► [Where(IsNaN(p), 0, p)] [Dropout(eval)] ─► MatMul ─► o
+                                                                                                 ▲
+    v ─► [repeat_kv] ────────────────────────────────────────────────────────────────────────────┘
+
+    repeat_kv (GQA):  Reshape(Expand(Unsqueeze(x, axes=[2]), [B,Hkv,G,S,D]), [B,Hkv*G,S,D])
+
+- ``attention.batched``: 3-D attention over heads merged into the batch (BLOOM's baddbmm + ALiBi,
+  DeBERTa-v2)::
+
+      q, k, v [B,H,S,D] ─► Reshape [B*H,S,D] ─► MatMul(q3, Transpose(k3)) [scale] [+ bias3 (ALiBi)]
+        ─► Reshape [B,H,S,S] ─► [+ mask | Where(cond, ., fill)] ─► Softmax ─► Reshape [B*H,S,S]
+        ─► MatMul(., v3) ─► Reshape [B,H,S,D] = o
+
+  the fused node reads the 4-D q, k, v and writes the final 4-D output; a 3-D bias term is split
+  back into heads (new Unsqueeze + Reshape [-1, H, 0, 0]).
+- ``attention.onnx``: ONNX's own ``Attention`` op (opset 23+) with 4-D q/k/v, an optional bool or
+  additive ``attn_mask``, ``is_causal``, ``scale`` (no cache inputs, no softcap, only output Y used).
+- ``attention.unrecognized``: never fuses; reports a Softmax -> MatMul that no rule above took,
+  with the ops that produced its scores (e.g. BLOOM's 3-D baddbmm scores), so the report says why.
+
+What the fused node gets:
+
+- q as matched (after rotary embeddings, which stay outside; a scalar Mul/Div on q, on kᵀ and on
+  the scores is folded into ``scale`` when it is a constant or computed from static dims, such as
+  TorchScript's ``1 / sqrt(q.size(-1))``; any other scale on the scores is rejected);
+- k in [B, Hkv, Sk, D]: the tensor before the transpose; when the head split wrote kᵀ directly
+  (``Transpose(perm=[0,2,3,1])`` of [B, S, H, D]) a new ``Transpose(perm=[0,2,1,3])`` of the same
+  input gives k (an existing one is reused); for any other kᵀ a new ``Transpose(perm=[0,1,3,2])``;
+- k and v before ``repeat_kv`` when both are repeated that way (``num_kv_heads`` = their heads);
+  otherwise the repeated tensors (``num_kv_heads = num_heads``, always exact);
+- the mask, by what it computes (see ``mask_class``), recorded as ``info["mask_class"]``:
+
+    none                 no bias (a scalar 0: the reference function needs 4 inputs)
+    causal               causal=1, no bias
+    padding              the key-padding row of the mask, [B, 1, 1, Sk] (one ``Slice`` of the
+                         mask's last query row, shared by all layers)
+    causal+padding       causal=1 and that row
+    sliding_window       the mask as it is, and causal=1 (the kernel skips blocks above the diagonal)
+    sliding_window+padding  the mask as it is (causal=0: right padding leaves padded queries whose
+                         window holds no real key, and causal=1 would change those rows)
+    anything else        the mask as it is (block, bias, dynamic, unknown, ...)
+
+  ``Where(cond, scores, fill)`` becomes the bias ``Where(cond, 0, fill)`` (a new node) when that
+  cannot change a result: fill <= -1e30 or -inf (it absorbs the score), or a constant cond whose
+  every row keeps a key and fill <= -1e4; otherwise the match is rejected.
+
+Head counts and head dims must be static: they come from shapes, or through Reshape/Transpose/
+elementwise producers when shape inference left them symbolic (TorchScript's ``view(b, s, -1, d)``).
+
+Not fused (with the reason): attention probabilities that are a graph output (``output_attentions``)
+or read by anything else, live dropout, a non-constant scale, unknown head counts, a head dim outside
+the kernel's ``head_dims``, a mask that does not broadcast to [B, H, Sq, Sk].
+
+Exactness. Masks are passed with their own values, so the fused op computes what the graph did.
+The one exception is ``causal+padding``: a query row whose every allowed key is padding (only left
+padding or an all-zero mask row makes one; such a row is itself a padding position) gets the
+average of its causal keys instead of the average of all keys. Every real token's output is exact,
+and so is every output with right padding (each row keeps key 0). Set
+``FusionOptions(attention_full_mask=True)`` (recipe ``fusions.attention_full_mask``) to pass such masks whole with causal=0 (exact for
+every row, but the kernel then reads an Sq x Sk mask and computes the masked blocks).
+
+Masks are classified in the mask's dtype: values <= -1e30 (fp16: <= -3e4) or -inf mask.
+
+Target: ``optfuse::FlashAttention`` v1 (plugins/flash_attention).
+
+Modules, by role: ``patterns`` (what the rules match), ``plan`` (one match of the decomposed and
+batched rules -> the fused node's inputs and attributes), ``mask_class`` (what a mask computes),
+``mask_bias`` (a classified mask -> the fused node's bias input and causal flag), ``onnx_op``
+(ONNX's ``Attention``), ``rules`` (the RULES list: check returns the plan, rewrite emits it).
+"""
+
+
+from .rules import RULES
+
+__all__ = ["RULES"]

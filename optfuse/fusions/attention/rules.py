@@ -1,0 +1,69 @@
+"""The attention rules: each check plans the match (the plan is its bindings) and each rewrite emits it."""
+
+from __future__ import annotations
+
+from ...ir.query import const_value, dtype_name, rank
+from ...pattern import Context, FusionRule, Match, Rewrite
+from . import patterns
+from .common import OP, AttentionPlan, Reject
+from .onnx_op import plan_onnx
+from .plan import plan_batched, plan_decomposed
+
+
+def _check(m: Match, ctx: Context) -> str | AttentionPlan:
+    try:
+        if "o_unflat" in m:
+            return plan_batched(m, ctx)
+        if "softmax" in m:
+            return plan_decomposed(m, ctx)
+        return plan_onnx(m, ctx)
+    except Reject as r:
+        return str(r)
+
+
+def _rewrite(m: Match, p: AttentionPlan) -> Rewrite:
+    out = m["attn"].outputs[0] if "attn" in m else m.root
+    return Rewrite(OP, list(p.inputs), [out], dict(p.attrs), dict(p.info))
+
+
+# ------------------------------------------------------------------------------------------------
+# Diagnostics: an attention-like Softmax -> MatMul no rule above recognised
+# ------------------------------------------------------------------------------------------------
+def _explain(m: Match, ctx: Context) -> str:
+    """Why a Softmax -> MatMul stayed unfused: the ops that produce its scores."""
+    chain, t = [], m["logits"]
+    for _ in range(8):
+        if len(t.inputs) != 1:
+            break
+        node = t.inputs[0]
+        chain.append(node.op)
+        if node.op in ("MatMul", "Gemm", "Einsum"):
+            break
+        live = [x for x in node.inputs if x.name and const_value(x) is None and dtype_name(x) != "bool"]
+        if not live:
+            break
+        t = max(live, key=lambda x: rank(x) or 0)  # the scores, not a broadcast mask or scale
+    why = "the scores are not MatMul(q, k^T) [* scale] [+ bias | masked_fill]"
+    if "Reshape" in chain:
+        why = "the scores are reshaped between MatMul(q, k^T) and Softmax (3-D [B*H, S, D] batched heads)"
+    elif chain and chain[-1] == "Einsum":
+        why = "the scores come from an Einsum"
+    return f"Softmax -> MatMul not recognised as attention: {why}; scores <- {' <- '.join(chain) or 'graph input'}"
+
+
+def _no_rewrite(m: Match, bindings: object) -> Rewrite:  # pragma: no cover - _explain always rejects
+    raise AssertionError("attention.unrecognized never rewrites")
+
+
+RULES = [
+    FusionRule("attention.additive", OP, patterns.ADDITIVE, _check, _rewrite,
+               doc="MatMul(q, k^T) [* scale] [+ bias] -> Softmax -> MatMul(., v) (eager and SDPA, both exporters)"),
+    FusionRule("attention.masked_fill", OP, patterns.MASKED_FILL, _check, _rewrite,
+               doc="MatMul(q, k^T) [* scale] -> Where(cond, ., fill) [+ bias] -> Softmax -> MatMul(., v)"),
+    FusionRule("attention.batched", OP, patterns.BATCHED, _check, _rewrite,
+               doc="3-D bmm attention over [B*H, S, D] with 4-D Softmax (BLOOM's baddbmm + ALiBi)"),
+    FusionRule("attention.onnx", OP, patterns.ONNX_ATTENTION, _check, _rewrite,
+               doc="ONNX Attention (opset 23+), 4-D inputs"),
+    FusionRule("attention.unrecognized", OP, patterns.UNRECOGNIZED, _explain, _no_rewrite,
+               doc="reports Softmax -> MatMul candidates no rule above recognised (never fuses)"),
+]
