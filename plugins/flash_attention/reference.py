@@ -28,6 +28,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from optfuse.functions import plugin_function
+from optfuse.spec import plugin_specs
+
+(SPEC,) = plugin_specs(__file__).values()  # the folder's one op
+OP = SPEC.op
+#: What the fused node carries for an absent optional input (the function needs every input, see
+#: above): a scalar of q's dtype with this value.
+ABSENT_INPUTS = {"bias": 0.0}
 # The body uses ops whose semantics are the same from opset 15 on (CastLike: 15, Trilu: 14, Shape
 # start/end: 15); it runs under the model's own default-domain opset.
 FUNCTION_OPSET = 17
@@ -35,7 +43,7 @@ FUNCTION_OPSET = 17
 
 def _attrs(op, attrs: dict) -> tuple[float, bool, int, int]:
     scale = float(attrs["scale"])
-    causal = bool(int(attrs.get("causal", 0)))
+    causal = bool(int(attrs.get("causal", SPEC.attr("causal").default)))
     return scale, causal, int(attrs["num_heads"]), int(attrs["num_kv_heads"])
 
 
@@ -168,11 +176,6 @@ def onnx_function(op=None, opset: int = FUNCTION_OPSET) -> onnx.FunctionProto:
         mk("Where", ["row_live", "p0", "zero_t"], ["p"]),
         mk("MatMul", ["p", "vr"], ["o"]),
     ]
-    fn = helper.make_function(
-        "optfuse", "FlashAttention", ["q", "k", "v", "bias"], ["o"], nodes,
-        [helper.make_opsetid("", opset)],
-        attributes=["scale", "num_heads", "num_kv_heads", "plugin_namespace", "plugin_version"],
-        attribute_protos=[helper.make_attribute("causal", 0)],
-        doc_string="softmax(scale * q @ k^T + bias [+ causal mask]) @ v; GQA by repeating kv "
-                   "heads; bias is required (a scalar 0 when the fused graph has none).")
-    return fn
+    return plugin_function(SPEC, nodes, opset,
+                           doc="softmax(scale * q @ k^T + bias [+ causal mask]) @ v; GQA by repeating kv "
+                               "heads; bias is required (a scalar 0 when the fused graph has none).")
