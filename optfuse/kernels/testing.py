@@ -61,16 +61,16 @@ def check_ulps(out: Any, ref: Any, dtype: str, ulps: float = 1.0, what: str = ""
 
 def run_onnx_function(function, inputs: Sequence[np.ndarray], attrs: dict, opset: int = 17) -> list[np.ndarray]:
     """Run a one-node model whose node is ``function`` (carried in ``model.functions``) in
-    onnxruntime (CPU)."""
+    onnxruntime (CPU); ``inputs`` and ``attrs`` are the node's (plugin namespace / version from the
+    function's defaults unless ``attrs`` sets them)."""
     import onnx
     import onnxruntime as ort
     from onnx import helper
 
     names = list(function.input)
-    node = helper.make_node(
-        function.name, names, list(function.output), domain=function.domain,
-        plugin_namespace="optfuse", plugin_version="1", **attrs,
-    )
+    # what a fused node carries: the plugin namespace / version the function declares (its spec's)
+    plugin = {a.name: a.s.decode() for a in function.attribute_proto if a.name in ("plugin_namespace", "plugin_version")}
+    node = helper.make_node(function.name, names, list(function.output), domain=function.domain, **{**plugin, **attrs})
     def vi(name, arr):
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), list(arr.shape))
 
