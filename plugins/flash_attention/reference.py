@@ -47,6 +47,17 @@ def _attrs(op, attrs: dict) -> tuple[float, bool, int, int]:
     return scale, causal, int(attrs["num_heads"]), int(attrs["num_kv_heads"])
 
 
+def sample_inputs(op, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    """Random float32 inputs in spec order (q, k, v and a full [B, H, Sq, Sk] bias; grouped-query
+    heads, Sk != Sq) and the attributes without a default: what the contract test runs through the
+    ONNX function and this reference."""
+    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 5, 7, SPEC.limits["head_dims"][0]
+    q = rng.standard_normal((B, H, Sq, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32) for _ in range(2))
+    bias = rng.standard_normal((B, H, Sq, Sk)).astype(np.float32)
+    return [q, k, v, bias], {"scale": D ** -0.5, "num_heads": H, "num_kv_heads": Hkv}
+
+
 def reference(op, inputs: list, attrs: dict) -> list[np.ndarray]:
     """NumPy FlashAttention in float64; returns o in q's dtype.
 

@@ -26,6 +26,16 @@ def layer_norm64(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, epsilon: fl
     return xc / np.sqrt(var + float(epsilon)) * np.asarray(gamma, np.float64) + np.asarray(beta, np.float64)
 
 
+def sample_inputs(op: str, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    """Random float32 inputs of ``op`` in spec order, and its attributes without a default (none):
+    what the contract test runs through the ONNX function and this reference. Rows of a small
+    variance, so that the epsilon default shows in the result."""
+    x = (0.01 * rng.standard_normal((2, 3, 32)) + 0.5).astype(np.float32)
+    skip = [(0.01 * rng.standard_normal(x.shape)).astype(np.float32)] if op == "SkipLayerNorm" else []
+    gamma, beta = (rng.standard_normal(32).astype(np.float32) for _ in range(2))
+    return [x, *skip, gamma, beta], {}
+
+
 def reference(op: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     eps = float(attrs.get("epsilon", DEFAULT_EPSILON))
     if op == "LayerNorm":

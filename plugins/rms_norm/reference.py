@@ -23,6 +23,15 @@ def rms_norm64(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> np.ndarray:
     return x / np.sqrt(ms + float(epsilon)) * np.asarray(gamma, np.float64)
 
 
+def sample_inputs(op: str, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    """Random float32 inputs of ``op`` in spec order, and its attributes without a default (none):
+    what the contract test runs through the ONNX function and this reference. Rows of a small
+    mean square, so that the epsilon default shows in the result."""
+    x = (0.003 * rng.standard_normal((2, 3, 32))).astype(np.float32)
+    skip = [(0.003 * rng.standard_normal(x.shape)).astype(np.float32)] if op == "SkipRMSNorm" else []
+    return [x, *skip, rng.standard_normal(32).astype(np.float32)], {}
+
+
 def reference(op: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     eps = float(attrs.get("epsilon", DEFAULT_EPSILON))
     if op == "RMSNorm":
