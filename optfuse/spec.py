@@ -29,6 +29,7 @@ from . import DOMAIN
 from .plugin_dirs import PLUGINS_DIR, plugin_module  # noqa: F401  (re-exported)
 
 DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "bool")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 ATTR_TYPES = ("float", "int", "string", "floats", "ints")
 
 

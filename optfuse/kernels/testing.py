@@ -162,10 +162,13 @@ def run_interpreted(src, params, inputs: Sequence[np.ndarray], outputs: Sequence
 def check_onnx_function(reference, op: str, inputs, dtype: str, opset: int, attrs: dict | None = None) -> None:
     """A plugin's ONNX function (what onnxruntime runs in fused models) agrees with its NumPy
     reference: same outputs, same dtypes, within fp32 / fp16 rounding."""
-    attrs = {"epsilon": 1e-4} if attrs is None else attrs
+    from ..spec import get_spec
+
+    spec = get_spec(op)
+    attrs = {"epsilon": 1e-4} if attrs is None else attrs  # not the default: the node's value must reach the body
     fn = reference.onnx_function(op, opset=opset, dtype=dtype)
-    assert fn.domain == "optfuse" and fn.name == op
-    assert {a.name for a in fn.attribute_proto} >= {"epsilon", "plugin_namespace", "plugin_version"}
+    assert fn.domain == spec.domain and fn.name == op
+    assert {a.name for a in fn.attribute_proto} >= {*spec.defaults(), "plugin_namespace", "plugin_version"}
     got = run_onnx_function(fn, inputs, attrs, opset=opset)
     want = reference.reference(op, inputs, attrs)
     assert len(got) == len(want)
