@@ -17,8 +17,8 @@ Parametrized over ``load_specs()``, so a new op is covered as soon as its spec e
   with the spec's attribute defaults.
 
 Each check raises :class:`ContractError`; ``test_contract_checks_catch_a_broken_spec`` shows each
-one failing on a deliberately broken copy of the spec (renamed input, wrong default, wrong
-version, changed limit, dropped dtype). A spec limit with no check here fails the launch check:
+one failing on a deliberately broken copy of the spec (renamed input, output or attribute, wrong
+default, wrong version, changed limit, dropped dtype). A spec limit with no check here fails the launch check:
 add its check to ``LIMIT_CHECKS``.
 """
 
@@ -252,6 +252,16 @@ def _renamed_input(spec: OpSpec) -> OpSpec:
     return dataclasses.replace(spec, inputs=spec.inputs[:-1] + (dataclasses.replace(t, name=t.name + "_renamed"),))
 
 
+def _renamed_output(spec: OpSpec) -> OpSpec:
+    t = spec.outputs[-1]
+    return dataclasses.replace(spec, outputs=spec.outputs[:-1] + (dataclasses.replace(t, name=t.name + "_renamed"),))
+
+
+def _renamed_attribute(spec: OpSpec) -> OpSpec:
+    a = spec.attributes[-1]
+    return dataclasses.replace(spec, attributes=spec.attributes[:-1] + (dataclasses.replace(a, name=a.name + "_renamed"),))
+
+
 def _wrong_default(spec: OpSpec) -> OpSpec:
     i, a = next((i, a) for i, a in enumerate(spec.attributes) if a.default is not None)
     wrong = a.default * 10 if a.type == "float" else (1 - a.default if a.type == "int" else None)
@@ -284,6 +294,9 @@ _CHECKS = {
 
 def _breakages(spec: OpSpec):
     yield "renamed input", _renamed_input, ("function",)
+    yield "renamed output", _renamed_output, ("function",)
+    if spec.attributes:
+        yield "renamed attribute", _renamed_attribute, ("function",)
     yield "wrong version", lambda s: dataclasses.replace(s, version=s.version + 1), ("function",)
     if any(a.default is not None for a in spec.attributes):
         yield "wrong default", _wrong_default, ("function", "launch", "numerics")
