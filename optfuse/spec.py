@@ -271,6 +271,19 @@ def plugin_specs(file: str | Path) -> dict[str, OpSpec]:
     return specs
 
 
+def plugin_spec(file: str | Path, op: str | None = None) -> OpSpec:
+    """The spec of op ``op`` of the plugin folder holding ``file`` (``__file__``), or, without
+    ``op``, of the folder's one op."""
+    specs = plugin_specs(file)
+    if op is None:
+        if len(specs) != 1:
+            raise KeyError(f"plugins/{Path(file).resolve().parent.name} holds {', '.join(specs)}: name the op")
+        return next(iter(specs.values()))
+    if op not in specs:
+        raise KeyError(f"plugins/{Path(file).resolve().parent.name} has no op {op!r} (ops: {', '.join(specs)})")
+    return specs[op]
+
+
 def shared(specs: dict[str, OpSpec], fact: Callable[[OpSpec], Any], what: str) -> Any:
     """The one value of ``fact`` that every spec of a folder shares (e.g. the dtypes or the
     max_hidden a launch.py serves for a whole op family); a folder whose ops differ is an error

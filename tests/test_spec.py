@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from optfuse.spec import PLUGINS_DIR, SpecError, get_spec, load_specs, plugin_specs, read_specs, shared
+from optfuse.spec import PLUGINS_DIR, SpecError, get_spec, load_specs, plugin_spec, plugin_specs, read_specs, shared
 
 LAYER_NORM = (PLUGINS_DIR / "layer_norm" / "spec.yaml").read_text()
 ONE_OP = LAYER_NORM.split("---")[0]
@@ -93,6 +93,12 @@ def test_plugin_specs_and_shared():
     assert shared(specs, lambda s: s.limits["max_hidden"], "max_hidden") == 16384
     with pytest.raises(SpecError, match="differ in inputs"):
         shared(specs, lambda s: len(s.inputs), "inputs")
+    assert plugin_spec(PLUGINS_DIR / "flash_attention" / "launch.py") is get_spec("FlashAttention")
+    assert plugin_spec(PLUGINS_DIR / "layer_norm" / "x.py", "SkipLayerNorm") is get_spec("SkipLayerNorm")
+    with pytest.raises(KeyError, match="holds LayerNorm, SkipLayerNorm: name the op"):
+        plugin_spec(PLUGINS_DIR / "layer_norm" / "launch.py")
+    with pytest.raises(KeyError, match="no op 'RMSNorm'"):
+        plugin_spec(PLUGINS_DIR / "layer_norm" / "launch.py", "RMSNorm")
     with pytest.raises(KeyError, match="no spec.yaml"):
         plugin_specs(PLUGINS_DIR / "common" / "io_dtype.cuh")
 

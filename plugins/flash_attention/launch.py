@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
 from optfuse.kernels.util import CUDA_DTYPE_CODE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, static_int
-from optfuse.spec import plugin_specs
+from optfuse.spec import plugin_spec
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
 ENTRY = "_flash_attention_fwd_kernel"
@@ -35,7 +35,7 @@ SM90_HEAD_DIMS = (64, 128)
 #: surplus CTAs as a short second wave.
 SM90_GRID = 132
 SM90_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
-(SPEC,) = plugin_specs(__file__).values()  # the folder's one op
+SPEC = plugin_spec(__file__)
 OP = SPEC.op
 DTYPES = SPEC.inputs[0].dtypes
 HEAD_DIMS = tuple(SPEC.limits["head_dims"])

@@ -29,9 +29,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from optfuse.functions import plugin_function
-from optfuse.spec import plugin_specs
+from optfuse.spec import plugin_spec
 
-(SPEC,) = plugin_specs(__file__).values()  # the folder's one op
+SPEC = plugin_spec(__file__)
 OP = SPEC.op
 #: What the fused node carries for an absent optional input (the function needs every input, see
 #: above): a scalar of q's dtype with this value.
