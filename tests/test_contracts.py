@@ -7,7 +7,8 @@ Parametrized over ``load_specs()``, so a new op is covered as soon as its spec e
   set by the node) plus ``plugin_namespace`` / ``plugin_version`` with the spec's domain and
   version;
 * spec vs launch (``launch.py``): it serves the spec's op and every spec dtype and rejects other
-  ops; attributes left out take the spec's defaults; every limit holds exactly (``max_hidden``:
+  ops; with every input present its kernel takes the spec's input and output counts; attributes
+  left out take the spec's defaults; every limit holds exactly (``max_hidden``:
   ``max_hidden`` builds, one more does not; ``head_dims``: exactly those build); a launch constant
   named after a limit (``MAX_HIDDEN``, ``HEAD_DIMS``) equals it, and a kernel's own narrower one
   (``<KERNEL>_HEAD_DIMS``, ``<KERNEL>_MAX_HIDDEN``) lies within it;
@@ -17,9 +18,9 @@ Parametrized over ``load_specs()``, so a new op is covered as soon as its spec e
   with the spec's attribute defaults.
 
 Each check raises :class:`ContractError`; ``test_contract_checks_catch_a_broken_spec`` shows each
-one failing on a deliberately broken copy of the spec (renamed input, output or attribute, wrong
-default, wrong version, changed limit, dropped dtype). A spec limit with no check here fails the launch check:
-add its check to ``LIMIT_CHECKS``.
+one failing on a deliberately broken copy of the spec (renamed input, output or attribute, dropped
+output, wrong default, wrong version, changed limit, dropped dtype). A spec limit with no check
+here fails the launch check: add its check to ``LIMIT_CHECKS``.
 """
 
 from __future__ import annotations
@@ -95,9 +96,11 @@ def check_function(spec: OpSpec, fn: onnx.FunctionProto) -> None:
 def _sample(spec: OpSpec, seed: int = 0) -> tuple[list[np.ndarray], dict]:
     reference = plugin_module(spec.folder, "reference")
     inputs, attrs = reference.sample_inputs(spec.op, np.random.default_rng(seed))
-    _expect(len(inputs) == len(spec.inputs), spec, f"sample_inputs gives {len(inputs)} inputs, the spec has {len(spec.inputs)}")
+    _expect(len(inputs) == len(spec.inputs), spec,
+            f"sample_inputs gives {len(inputs)} inputs, the spec has {len(spec.inputs)}")
     required = {a.name for a in spec.attributes if a.default is None}
-    _expect(set(attrs) == required, spec, f"sample_inputs sets attributes {sorted(attrs)}, the spec's without a default are {sorted(required)}")
+    _expect(set(attrs) == required, spec,
+            f"sample_inputs sets attributes {sorted(attrs)}, the spec's without a default are {sorted(required)}")
     return inputs, attrs
 
 
@@ -156,7 +159,8 @@ LIMIT_CHECKS = {"min_hidden": _check_hidden_limit("min_hidden"), "max_hidden": _
 def check_launch(spec: OpSpec, launch) -> None:
     folder_ops = {op for op, s in SPECS.items() if s.folder == spec.folder}
     served = set(getattr(launch, "OPS", None) or (launch.OP,))
-    _expect(spec.op in served and served <= folder_ops, spec, f"launch serves {sorted(served)}, the folder's specs {sorted(folder_ops)}")
+    _expect(spec.op in served and served <= folder_ops, spec,
+            f"launch serves {sorted(served)}, the folder's specs {sorted(folder_ops)}")
     with pytest.raises(ValueError):
         launch.kernel_config(spec.op + "Unknown", "float32", {}, {})
     dtypes = spec.inputs[0].dtypes
@@ -169,6 +173,10 @@ def check_launch(spec: OpSpec, launch) -> None:
         _expect(_builds(launch, spec, dt, attrs, static), spec, f"dtype {dt} does not build")
         _expect(_kernel(launch, spec, dt, required, static) == _kernel(launch, spec, dt, attrs, static), spec,
                 f"{dt}: kernel without the defaulted attributes differs from the one with the spec defaults {spec.defaults()}")
+    src = launch.kernel_config(spec.op, dtypes[0], attrs, _static(spec, inputs, dtypes[0]))
+    _expect((src.n_inputs, src.n_outputs) == (len(spec.inputs), len(spec.outputs)), spec,
+            f"kernel {src.name} takes {src.n_inputs} inputs / {src.n_outputs} outputs, the spec has "
+            f"{len(spec.inputs)} / {len(spec.outputs)} (every input present)")
     for key, value in spec.limits.items():
         _expect(key in LIMIT_CHECKS, spec, f"limit {key!r} has no contract check (add one to LIMIT_CHECKS)")
         LIMIT_CHECKS[key](spec, launch, dtypes[-1], attrs, inputs, value)
@@ -295,6 +303,7 @@ _CHECKS = {
 def _breakages(spec: OpSpec):
     yield "renamed input", _renamed_input, ("function",)
     yield "renamed output", _renamed_output, ("function",)
+    yield "dropped output", lambda s: dataclasses.replace(s, outputs=s.outputs[:-1]), ("function", "launch")
     if spec.attributes:
         yield "renamed attribute", _renamed_attribute, ("function",)
     yield "wrong version", lambda s: dataclasses.replace(s, version=s.version + 1), ("function",)

@@ -52,7 +52,8 @@ def test_specs_load_as_before():
         (lambda t: t.replace("{name: beta,", "{name: gamma,"), r"inputs\[2\]\.name: duplicate name 'gamma'"),
         (lambda t: t.replace("doc: \"y = ", "docs: \"y = "), r"unknown key 'docs'"),
         (lambda t: t.replace("op: LayerNorm\n", ""), r"missing required key 'op'"),
-        (lambda t: t.replace("limits: {min_hidden: 1,", "limits: {min_hidden: one,"), r"limits\.min_hidden: expected int or float"),
+        (lambda t: t.replace("limits: {min_hidden: 1,", "limits: {min_hidden: one,"),
+         r"limits\.min_hidden: expected int or float"),
         (lambda t: t.replace("{name: epsilon,", "{name: plugin_version,"), r"'plugin_version' is set by optfuse"),
     ],
 )

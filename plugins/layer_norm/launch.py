@@ -36,8 +36,8 @@ DTYPES = shared(SPECS, lambda s: s.inputs[0].dtypes, "the dtypes of x")
 
 _ENTRY = {"LayerNorm": "layer_norm_fwd", "SkipLayerNorm": "skip_layer_norm_fwd"}
 _WARP_ENTRY = {"LayerNorm": "layer_norm_warp_fwd", "SkipLayerNorm": "skip_layer_norm_warp_fwd"}
-_INPUTS = {"LayerNorm": ("x", "gamma", "beta"), "SkipLayerNorm": ("x", "skip", "gamma", "beta")}
-_OUTPUTS = {"LayerNorm": ("y",), "SkipLayerNorm": ("y", "sum")}
+_INPUTS = {op: tuple(t.name for t in s.inputs) for op, s in SPECS.items()}
+_OUTPUTS = {op: tuple(t.name for t in s.outputs) for op, s in SPECS.items()}
 _EVICT_SUFFIX = {"": "", "evict_first": "e", "evict_last": "l"}
 
 

@@ -33,7 +33,7 @@ MAX_HIDDEN = shared(SPECS, lambda s: s.limits["max_hidden"], "max_hidden")
 DTYPES = shared(SPECS, lambda s: s.inputs[0].dtypes, "the dtypes of x")
 
 _ENTRY = {"RMSNorm": "rms_norm_fwd", "SkipRMSNorm": "skip_rms_norm_fwd"}
-_N_IO = {"RMSNorm": (2, 1), "SkipRMSNorm": (3, 2)}
+_N_IO = {op: (len(s.inputs), len(s.outputs)) for op, s in SPECS.items()}
 
 
 @dataclass(frozen=True)
