@@ -115,3 +115,12 @@ def test_spec_and_plugin_code_import_without_pydantic():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_every_schema_dtype_maps_to_tensorrt():
+    """Both plugin forms name every dtype a spec may list (classic V3: DataType, QDP: its strings)."""
+    from optfuse.spec import DTYPES, FLOAT_DTYPES
+    from optfuse.trt import glue, qdp
+
+    assert set(FLOAT_DTYPES) <= set(DTYPES)
+    assert set(glue.TRT_DTYPE.values()) == set(DTYPES) and set(qdp.TRTP_DTYPE) == set(DTYPES)
