@@ -3,8 +3,14 @@
 A spec says everything the rest of optfuse needs to know about an op, once:
 its name and version, ordered inputs/outputs with their dtypes, typed attributes,
 shape rules and limits. The rewrite stage writes nodes from it, the TensorRT stage
-generates plugins from it, and verify runs its reference (an ONNX function for
-onnxruntime, a NumPy function for tests).
+generates plugins from it, the plugin's launch and reference code read their op names,
+dtypes, limits and attribute defaults from it, and ``tests/test_contracts.py`` checks the
+code against it.
+
+The reader needs only pyyaml (plugin launch/reference code and the GPU tests import it where
+pydantic is not installed); validation is strict all the same: unknown keys, wrong types,
+unknown dtype or attribute type names, duplicate names or ops, an output ``like`` naming no
+input and a default of the wrong type are a :class:`SpecError` naming the file and the field.
 
 Plugin folders are imported as the package ``optfuse_plugins.<folder>`` (see
 :mod:`optfuse.plugin_dirs`), so kernels, references and launch code live next to the spec.
@@ -13,50 +19,55 @@ Plugin folders are imported as the package ``optfuse_plugins.<folder>`` (see
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
 
 from . import DOMAIN
 from .plugin_dirs import PLUGINS_DIR, plugin_module  # noqa: F401  (re-exported)
 
-
-DType = Literal["float32", "float16", "bfloat16", "int32", "int64", "bool"]
-AttrType = Literal["float", "int", "string", "floats", "ints"]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "bool")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+ATTR_TYPES = ("float", "int", "string", "floats", "ints")
 
 
-class TensorSpec(_Strict):
+class SpecError(ValueError):
+    """A spec.yaml that does not follow the schema (the message names the file and the field)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
     name: str
-    dtypes: list[DType] = Field(min_length=1)
+    dtypes: tuple[str, ...]
     optional: bool = False
     # Output shape/dtype rule: the output has the shape and dtype of this input.
     like: str | None = None
     doc: str = ""
 
 
-class AttrSpec(_Strict):
+@dataclass(frozen=True)
+class AttrSpec:
     name: str
-    type: AttrType
+    type: str
     default: Any = None
     doc: str = ""
 
 
-class OpSpec(_Strict):
+@dataclass(frozen=True)
+class OpSpec:
     op: str
     folder: str
+    doc: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    attributes: tuple[AttrSpec, ...] = ()
     domain: str = DOMAIN
     version: int = 1
-    doc: str
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    attributes: list[AttrSpec] = []
-    # Limits of the kernel contract (e.g. max_hidden); fusions consult them before matching.
-    limits: dict[str, Any] = {}
+    # Limits of the kernel contract (e.g. max_hidden, head_dims); fusions consult them before
+    # matching, launch code enforces them.
+    limits: dict[str, Any] = field(default_factory=dict)
 
     @property
     def plugin_version(self) -> str:
@@ -71,18 +82,176 @@ class OpSpec(_Strict):
     def input_index(self, name: str) -> int:
         return [t.name for t in self.inputs].index(name)
 
+    def defaults(self) -> dict[str, Any]:
+        """The attributes that have a default, with it (spec order)."""
+        return {a.name: a.default for a in self.attributes if a.default is not None}
+
+
+# -- validation --------------------------------------------------------------------------------
+_OP_KEYS = {"op": True, "doc": True, "inputs": True, "outputs": True, "attributes": False, "domain": False,
+            "version": False, "limits": False}
+_TENSOR_KEYS = {"name": True, "dtypes": True, "optional": False, "like": False, "doc": False}
+_ATTR_KEYS = {"name": True, "type": True, "default": False, "doc": False}
+
+
+def _fail(where: str, what: str) -> None:
+    raise SpecError(f"{where}: {what}")
+
+
+def _mapping(raw: Any, keys: dict[str, bool], where: str) -> dict:
+    if not isinstance(raw, dict):
+        _fail(where, f"expected a mapping, got {type(raw).__name__}")
+    unknown = [k for k in raw if k not in keys]
+    if unknown:
+        _fail(where, f"unknown key {unknown[0]!r} (allowed: {', '.join(keys)})")
+    missing = [k for k, required in keys.items() if required and k not in raw]
+    if missing:
+        _fail(where, f"missing required key {missing[0]!r}")
+    return raw
+
+
+def _typed(value: Any, types: type | tuple[type, ...], where: str) -> Any:
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        _fail(where, f"expected {_type_names(types)}, got bool")
+    if not isinstance(value, types):
+        _fail(where, f"expected {_type_names(types)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _type_names(types) -> str:
+    return " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+
+
+def _names_unique(items, where: str) -> None:
+    seen: set[str] = set()
+    for i, it in enumerate(items):
+        if it.name in seen:
+            _fail(f"{where}[{i}].name", f"duplicate name {it.name!r}")
+        seen.add(it.name)
+
+
+def _tensor(raw: Any, where: str) -> TensorSpec:
+    raw = _mapping(raw, _TENSOR_KEYS, where)
+    dtypes = _typed(raw["dtypes"], list, f"{where}.dtypes")
+    if not dtypes:
+        _fail(f"{where}.dtypes", "needs at least one dtype")
+    for j, d in enumerate(dtypes):
+        if d not in DTYPES:
+            _fail(f"{where}.dtypes[{j}]", f"unknown dtype {d!r} (known: {', '.join(DTYPES)})")
+    like = raw.get("like")
+    return TensorSpec(
+        name=_typed(raw["name"], str, f"{where}.name"),
+        dtypes=tuple(dtypes),
+        optional=_typed(raw.get("optional", False), bool, f"{where}.optional"),
+        like=None if like is None else _typed(like, str, f"{where}.like"),
+        doc=_typed(raw.get("doc", ""), str, f"{where}.doc"),
+    )
+
+
+def _default(kind: str, value: Any, where: str) -> Any:
+    if value is None:
+        return None
+    if kind == "float":
+        return float(_typed(value, (float, int), where))
+    if kind == "int":
+        return _typed(value, int, where)
+    if kind == "string":
+        return _typed(value, str, where)
+    items = _typed(value, list, where)
+    scalar = (float, int) if kind == "floats" else int
+    return tuple((float if kind == "floats" else int)(_typed(v, scalar, f"{where}[{j}]")) for j, v in enumerate(items))
+
+
+def _attr(raw: Any, where: str) -> AttrSpec:
+    raw = _mapping(raw, _ATTR_KEYS, where)
+    kind = _typed(raw["type"], str, f"{where}.type")
+    if kind not in ATTR_TYPES:
+        _fail(f"{where}.type", f"unknown attribute type {kind!r} (known: {', '.join(ATTR_TYPES)})")
+    return AttrSpec(
+        name=_typed(raw["name"], str, f"{where}.name"),
+        type=kind,
+        default=_default(kind, raw.get("default"), f"{where}.default"),
+        doc=_typed(raw.get("doc", ""), str, f"{where}.doc"),
+    )
+
+
+def _limits(raw: Any, where: str) -> dict[str, Any]:
+    raw = _typed(raw, dict, where)
+    for k, v in raw.items():
+        _typed(k, str, f"{where} key")
+        for j, item in enumerate(v if isinstance(v, list) else [v]):
+            _typed(item, (int, float), f"{where}.{k}" + (f"[{j}]" if isinstance(v, list) else ""))
+    return dict(raw)
+
+
+def parse_spec(raw: Any, folder: str, where: str) -> OpSpec:
+    """One spec document (a YAML mapping) as an :class:`OpSpec`; ``where`` prefixes every error
+    (e.g. ``plugins/layer_norm/spec.yaml, document 2``)."""
+    if isinstance(raw, dict) and isinstance(raw.get("op"), str):
+        where = f"{where} (op {raw['op']})"
+    raw = _mapping(raw, _OP_KEYS, where)
+    op = _typed(raw["op"], str, f"{where}: op")
+    inputs = tuple(_tensor(t, f"{where}: inputs[{i}]") for i, t in enumerate(_typed(raw["inputs"], list, f"{where}: inputs")))
+    outputs = tuple(_tensor(t, f"{where}: outputs[{i}]")
+                    for i, t in enumerate(_typed(raw["outputs"], list, f"{where}: outputs")))
+    attributes = tuple(_attr(a, f"{where}: attributes[{i}]")
+                       for i, a in enumerate(_typed(raw.get("attributes", []), list, f"{where}: attributes")))
+    if not inputs:
+        _fail(f"{where}: inputs", "an op needs at least one input")
+    if not outputs:
+        _fail(f"{where}: outputs", "an op needs at least one output")
+    _names_unique(inputs, f"{where}: inputs")
+    _names_unique(outputs, f"{where}: outputs")
+    _names_unique(attributes, f"{where}: attributes")
+    in_names = [t.name for t in inputs]
+    for i, t in enumerate(inputs):
+        if t.like is not None:
+            _fail(f"{where}: inputs[{i}].like", "only outputs take a 'like' rule")
+    for i, t in enumerate(outputs):
+        if t.like is not None and t.like not in in_names:
+            _fail(f"{where}: outputs[{i}].like", f"{t.like!r} names no input (inputs: {', '.join(in_names)})")
+    reserved = [a.name for a in attributes if a.name in ("plugin_namespace", "plugin_version")]
+    if reserved:
+        _fail(f"{where}: attributes", f"{reserved[0]!r} is set by optfuse on every node, not declared")
+    version = _typed(raw.get("version", 1), int, f"{where}: version")
+    if version < 1:
+        _fail(f"{where}: version", f"must be >= 1, got {version}")
+    return OpSpec(
+        op=op, folder=folder, doc=_typed(raw["doc"], str, f"{where}: doc"), inputs=inputs, outputs=outputs,
+        attributes=attributes, domain=_typed(raw.get("domain", DOMAIN), str, f"{where}: domain"), version=version,
+        limits=_limits(raw.get("limits", {}), f"{where}: limits"),
+    )
+
+
+def read_specs(paths) -> dict[str, OpSpec]:
+    """The specs of the given spec.yaml files, keyed by op (an op defined twice is an error)."""
+    specs: dict[str, OpSpec] = {}
+    for path in paths:
+        path = Path(path)
+        label = _label(path)
+        try:
+            docs = list(yaml.safe_load_all(path.read_text()))
+        except yaml.YAMLError as exc:
+            raise SpecError(f"{label}: not valid YAML: {exc}") from None
+        for n, raw in enumerate(docs, 1):
+            spec = parse_spec(raw, path.parent.name, f"{label}, document {n}" if len(docs) > 1 else label)
+            if spec.op in specs:
+                raise SpecError(f"{label}: op {spec.op} defined twice (also in plugins/{specs[spec.op].folder})")
+            specs[spec.op] = spec
+    return specs
+
+
+def _label(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(PLUGINS_DIR.parent))
+    except ValueError:
+        return str(path)
+
 
 @functools.cache
 def load_specs() -> dict[str, OpSpec]:
     """All op specs, keyed by op name (discovered from plugins/*/spec.yaml)."""
-    specs: dict[str, OpSpec] = {}
-    for path in sorted(PLUGINS_DIR.glob("*/spec.yaml")):
-        for raw in yaml.safe_load_all(path.read_text()):
-            spec = OpSpec(folder=path.parent.name, **raw)
-            if spec.op in specs:
-                raise ValueError(f"op {spec.op} defined twice ({path})")
-            specs[spec.op] = spec
-    return specs
+    return read_specs(sorted(PLUGINS_DIR.glob("*/spec.yaml")))
 
 
 def get_spec(op: str) -> OpSpec:
@@ -90,3 +259,37 @@ def get_spec(op: str) -> OpSpec:
         return load_specs()[op]
     except KeyError:
         raise KeyError(f"unknown optfuse op {op!r}; known: {sorted(load_specs())}") from None
+
+
+def plugin_specs(file: str | Path) -> dict[str, OpSpec]:
+    """The specs of the plugin folder holding ``file`` (call it with ``__file__`` from a plugin's
+    launch.py or reference.py), keyed by op in spec order."""
+    folder = Path(file).resolve().parent.name
+    specs = {op: s for op, s in load_specs().items() if s.folder == folder}
+    if not specs:
+        raise KeyError(f"plugins/{folder} has no spec.yaml")
+    return specs
+
+
+def plugin_spec(file: str | Path, op: str | None = None) -> OpSpec:
+    """The spec of op ``op`` of the plugin folder holding ``file`` (``__file__``), or, without
+    ``op``, of the folder's one op."""
+    specs = plugin_specs(file)
+    if op is None:
+        if len(specs) != 1:
+            raise KeyError(f"plugins/{Path(file).resolve().parent.name} holds {', '.join(specs)}: name the op")
+        return next(iter(specs.values()))
+    if op not in specs:
+        raise KeyError(f"plugins/{Path(file).resolve().parent.name} has no op {op!r} (ops: {', '.join(specs)})")
+    return specs[op]
+
+
+def shared(specs: dict[str, OpSpec], fact: Callable[[OpSpec], Any], what: str) -> Any:
+    """The one value of ``fact`` that every spec of a folder shares (e.g. the dtypes or the
+    max_hidden a launch.py serves for a whole op family); a folder whose ops differ is an error
+    naming them, so module-level constants never hide a per-op difference."""
+    values = {op: fact(s) for op, s in specs.items()}
+    first = next(iter(values.values()))
+    if any(v != first for v in values.values()):
+        raise SpecError(f"ops {', '.join(values)} differ in {what} ({values}); read it per op")
+    return first

@@ -61,16 +61,16 @@ def check_ulps(out: Any, ref: Any, dtype: str, ulps: float = 1.0, what: str = ""
 
 def run_onnx_function(function, inputs: Sequence[np.ndarray], attrs: dict, opset: int = 17) -> list[np.ndarray]:
     """Run a one-node model whose node is ``function`` (carried in ``model.functions``) in
-    onnxruntime (CPU)."""
+    onnxruntime (CPU); ``inputs`` and ``attrs`` are the node's (plugin namespace / version from the
+    function's defaults unless ``attrs`` sets them)."""
     import onnx
     import onnxruntime as ort
     from onnx import helper
 
     names = list(function.input)
-    node = helper.make_node(
-        function.name, names, list(function.output), domain=function.domain,
-        plugin_namespace="optfuse", plugin_version="1", **attrs,
-    )
+    # what a fused node carries: the plugin namespace / version the function declares (its spec's)
+    plugin = {a.name: a.s.decode() for a in function.attribute_proto if a.name in ("plugin_namespace", "plugin_version")}
+    node = helper.make_node(function.name, names, list(function.output), domain=function.domain, **{**plugin, **attrs})
     def vi(name, arr):
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), list(arr.shape))
 
@@ -162,10 +162,11 @@ def run_interpreted(src, params, inputs: Sequence[np.ndarray], outputs: Sequence
 def check_onnx_function(reference, op: str, inputs, dtype: str, opset: int, attrs: dict | None = None) -> None:
     """A plugin's ONNX function (what onnxruntime runs in fused models) agrees with its NumPy
     reference: same outputs, same dtypes, within fp32 / fp16 rounding."""
-    attrs = {"epsilon": 1e-4} if attrs is None else attrs
+    spec = reference.SPECS[op]  # the plugin's own specs (no import of optfuse.spec from the kernel layer)
+    attrs = {"epsilon": 1e-4} if attrs is None else attrs  # not the default: the node's value must reach the body
     fn = reference.onnx_function(op, opset=opset, dtype=dtype)
-    assert fn.domain == "optfuse" and fn.name == op
-    assert {a.name for a in fn.attribute_proto} >= {"epsilon", "plugin_namespace", "plugin_version"}
+    assert fn.domain == spec.domain and fn.name == op
+    assert {a.name for a in fn.attribute_proto} >= {*spec.defaults(), "plugin_namespace", "plugin_version"}
     got = run_onnx_function(fn, inputs, attrs, opset=opset)
     want = reference.reference(op, inputs, attrs)
     assert len(got) == len(want)

@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..spec import OpSpec, get_spec, plugin_module
-
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+from ..spec import FLOAT_DTYPES, OpSpec, get_spec, plugin_module
 
 #: TensorRT DataType member name -> spec dtype name.
 TRT_DTYPE = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}

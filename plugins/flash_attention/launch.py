@@ -21,11 +21,13 @@ from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
 from optfuse.kernels.util import CUDA_DTYPE_CODE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, static_int
+from optfuse.spec import plugin_spec
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
 ENTRY = "_flash_attention_fwd_kernel"
 SM90_PATH = str(Path(__file__).resolve().parent / "kernel_sm90.cu")
 SM90_ENTRY = "flash_attention_sm90"
+#: The CUDA kernel's own head dims (wgmma tiles), a subset of the spec's head_dims.
 SM90_HEAD_DIMS = (64, 128)
 #: Persistent grid of the sm90 kernel: one CTA per SM of an H100 SXM / H200 (132 SMs); the
 #: static shape's ``sm_count`` overrides it. A fixed number, because QDP launch parameters may
@@ -33,9 +35,11 @@ SM90_HEAD_DIMS = (64, 128)
 #: surplus CTAs as a short second wave.
 SM90_GRID = 132
 SM90_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
-OP = "FlashAttention"
-DTYPES = ("float32", "float16", "bfloat16")
-HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+SPEC = plugin_spec(__file__)
+OP = SPEC.op
+DTYPES = SPEC.inputs[0].dtypes
+HEAD_DIMS = tuple(SPEC.limits["head_dims"])
+DEFAULT_CAUSAL = SPEC.attr("causal").default
 
 
 @dataclass(frozen=True)
@@ -341,7 +345,7 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     dtype = norm_dtype(dtype)
     head_dim = _head_dim(static_shape)
     scale = float(attrs["scale"])
-    causal = bool(int(attrs.get("causal", 0) or 0))
+    causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
     pattern = bias_pattern(static_shape.get("bias_shape"))
     mode = _bias_mode(pattern)
     has_bias, scalar_bias = mode == 2, mode == 1
@@ -399,7 +403,7 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     B, H, Sq = q[0], q[1], q[2]
     Hkv, Sk = k[1], k[2]
     head_dim = _head_dim(static_shape) if static_shape else static_int(q[3], "head_dim")
-    causal = bool(int(attrs.get("causal", 0) or 0))
+    causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
     bias_shape = (static_shape or {}).get("bias_shape", shapes[3] if len(shapes) > 3 else None)
     pattern = bias_pattern(bias_shape)
     cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), static_shape)

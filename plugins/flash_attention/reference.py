@@ -28,6 +28,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from optfuse.functions import plugin_function
+from optfuse.spec import plugin_spec
+
+SPEC = plugin_spec(__file__)
+OP = SPEC.op
+#: What the fused node carries for an absent optional input (the function needs every input, see
+#: above): a scalar of q's dtype with this value.
+ABSENT_INPUTS = {"bias": 0.0}
 # The body uses ops whose semantics are the same from opset 15 on (CastLike: 15, Trilu: 14, Shape
 # start/end: 15); it runs under the model's own default-domain opset.
 FUNCTION_OPSET = 17
@@ -35,8 +43,19 @@ FUNCTION_OPSET = 17
 
 def _attrs(op, attrs: dict) -> tuple[float, bool, int, int]:
     scale = float(attrs["scale"])
-    causal = bool(int(attrs.get("causal", 0)))
+    causal = bool(int(attrs.get("causal", SPEC.attr("causal").default)))
     return scale, causal, int(attrs["num_heads"]), int(attrs["num_kv_heads"])
+
+
+def sample_inputs(op, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    """Random float32 inputs in spec order (q, k, v and a full [B, H, Sq, Sk] bias; grouped-query
+    heads, Sk != Sq) and the attributes without a default: what the contract test runs through the
+    ONNX function and this reference."""
+    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 5, 7, SPEC.limits["head_dims"][0]
+    q = rng.standard_normal((B, H, Sq, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32) for _ in range(2))
+    bias = rng.standard_normal((B, H, Sq, Sk)).astype(np.float32)
+    return [q, k, v, bias], {"scale": D ** -0.5, "num_heads": H, "num_kv_heads": Hkv}
 
 
 def reference(op, inputs: list, attrs: dict) -> list[np.ndarray]:
@@ -168,11 +187,6 @@ def onnx_function(op=None, opset: int = FUNCTION_OPSET) -> onnx.FunctionProto:
         mk("Where", ["row_live", "p0", "zero_t"], ["p"]),
         mk("MatMul", ["p", "vr"], ["o"]),
     ]
-    fn = helper.make_function(
-        "optfuse", "FlashAttention", ["q", "k", "v", "bias"], ["o"], nodes,
-        [helper.make_opsetid("", opset)],
-        attributes=["scale", "num_heads", "num_kv_heads", "plugin_namespace", "plugin_version"],
-        attribute_protos=[helper.make_attribute("causal", 0)],
-        doc_string="softmax(scale * q @ k^T + bias [+ causal mask]) @ v; GQA by repeating kv "
-                   "heads; bias is required (a scalar 0 when the fused graph has none).")
-    return fn
+    return plugin_function(SPEC, nodes, opset,
+                           doc="softmax(scale * q @ k^T + bias [+ causal mask]) @ v; GQA by repeating kv "
+                               "heads; bias is required (a scalar 0 when the fused graph has none).")

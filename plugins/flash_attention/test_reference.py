@@ -84,7 +84,7 @@ def test_gqa_equals_repeated_heads():
 
 def _one_node_model(B, H, Hkv, Sq, Sk, D, bias_shape, attrs, opset):
     node = helper.make_node("FlashAttention", ["q", "k", "v", "bias"], ["o"], domain="optfuse",
-                            plugin_namespace="optfuse", plugin_version="1", **attrs)
+                            plugin_namespace="optfuse", plugin_version=R.SPEC.plugin_version, **attrs)
     f = TensorProto.FLOAT
     graph = helper.make_graph(
         [node], "fa",
@@ -171,7 +171,7 @@ def test_fp16_function_runs_below_opset_20(opset):
 
     fn = R.onnx_function("FlashAttention", opset=opset)
     node = helper.make_node("FlashAttention", ["q", "k", "v", "b"], ["o"], domain="optfuse", scale=0.25, causal=1,
-                            num_heads=4, num_kv_heads=2, plugin_namespace="optfuse", plugin_version="1")
+                            num_heads=4, num_kv_heads=2, plugin_namespace="optfuse", plugin_version=R.SPEC.plugin_version)
     vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in "qkvb"]
     g = helper.make_graph([node], "g", vi, [helper.make_tensor_value_info("o", TensorProto.FLOAT16, None)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("optfuse", 1)],

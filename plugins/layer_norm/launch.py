@@ -23,18 +23,21 @@ from optfuse.kernels.artifact import KernelSource, LaunchParams
 from optfuse.kernels.util import (
     ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_cuda_defines, norm_dtype, rows_of, static_int,
 )
+from optfuse.spec import plugin_specs, shared
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
 WARP_KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel_warp.cu")
-OPS = ("LayerNorm", "SkipLayerNorm")
-DEFAULT_EPSILON = 1e-5
-MAX_HIDDEN = 16384
-DTYPES = ("float32", "float16", "bfloat16")
+SPECS = plugin_specs(__file__)
+OPS = tuple(SPECS)
+DEFAULT_EPSILON = shared(SPECS, lambda s: s.attr("epsilon").default, "the epsilon default")
+MIN_HIDDEN = shared(SPECS, lambda s: s.limits["min_hidden"], "min_hidden")
+MAX_HIDDEN = shared(SPECS, lambda s: s.limits["max_hidden"], "max_hidden")
+DTYPES = shared(SPECS, lambda s: s.inputs[0].dtypes, "the dtypes of x")
 
 _ENTRY = {"LayerNorm": "layer_norm_fwd", "SkipLayerNorm": "skip_layer_norm_fwd"}
 _WARP_ENTRY = {"LayerNorm": "layer_norm_warp_fwd", "SkipLayerNorm": "skip_layer_norm_warp_fwd"}
-_INPUTS = {"LayerNorm": ("x", "gamma", "beta"), "SkipLayerNorm": ("x", "skip", "gamma", "beta")}
-_OUTPUTS = {"LayerNorm": ("y",), "SkipLayerNorm": ("y", "sum")}
+_INPUTS = {op: tuple(t.name for t in s.inputs) for op, s in SPECS.items()}
+_OUTPUTS = {op: tuple(t.name for t in s.outputs) for op, s in SPECS.items()}
 _EVICT_SUFFIX = {"": "", "evict_first": "e", "evict_last": "l"}
 
 
@@ -104,8 +107,8 @@ def triton_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig:
     priority evict_last on the x / skip loads of SkipLayerNorm rows over 1024 elements (+3-5 %),
     no hint elsewhere."""
     norm_dtype(dtype)
-    if not 1 <= hidden <= MAX_HIDDEN:
-        raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
+    if not MIN_HIDDEN <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden {hidden} outside [{MIN_HIDDEN}, {MAX_HIDDEN}]")
     block_n = next_pow2(hidden)
     if op == "LayerNorm" and block_n == 1024 and hidden <= 768:
         return LNConfig(1, block_n, 1)

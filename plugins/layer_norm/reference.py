@@ -10,9 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 from optfuse.functions import plugin_function
+from optfuse.spec import plugin_specs, shared
 
-OPS = ("LayerNorm", "SkipLayerNorm")
-DEFAULT_EPSILON = 1e-5
+SPECS = plugin_specs(__file__)
+OPS = tuple(SPECS)
+DEFAULT_EPSILON = shared(SPECS, lambda s: s.attr("epsilon").default, "the epsilon default")
 
 
 def layer_norm64(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, epsilon: float) -> np.ndarray:
@@ -22,6 +24,16 @@ def layer_norm64(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, epsilon: fl
     xc = x - mean
     var = (xc * xc).mean(axis=-1, keepdims=True)
     return xc / np.sqrt(var + float(epsilon)) * np.asarray(gamma, np.float64) + np.asarray(beta, np.float64)
+
+
+def sample_inputs(op: str, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    """Random float32 inputs of ``op`` in spec order, and its attributes without a default (none):
+    what the contract test runs through the ONNX function and this reference. Rows of a small
+    variance, so that the epsilon default shows in the result."""
+    x = (0.01 * rng.standard_normal((2, 3, 32)) + 0.5).astype(np.float32)
+    skip = [(0.01 * rng.standard_normal(x.shape)).astype(np.float32)] if op == "SkipLayerNorm" else []
+    gamma, beta = (rng.standard_normal(32).astype(np.float32) for _ in range(2))
+    return [x, *skip, gamma, beta], {}
 
 
 def reference(op: str, inputs: list, attrs: dict) -> list[np.ndarray]:
@@ -52,9 +64,9 @@ def onnx_function(op: str, opset: int = 17, dtype: str = "float32"):
     if opset < 13:
         raise ValueError("optfuse ONNX functions need default-domain opset >= 13")
     if op == "LayerNorm":
-        inputs, outputs, ln_in, nodes = ["x", "gamma", "beta"], ["y"], "x", []
+        ln_in, nodes = "x", []
     elif op == "SkipLayerNorm":
-        inputs, outputs, ln_in = ["x", "skip", "gamma", "beta"], ["y", "sum"], "sum"
+        ln_in = "sum"
         nodes = [helper.make_node("Add", ["x", "skip"], ["sum"])]
     else:
         raise ValueError(f"layer_norm plugin has no op {op!r}")
@@ -64,7 +76,7 @@ def onnx_function(op: str, opset: int = 17, dtype: str = "float32"):
         nodes.append(ln)
     else:
         nodes += _decomposed(ln_in, opset, dtype)
-    return plugin_function(op, inputs, outputs, nodes, opset, {"epsilon": DEFAULT_EPSILON})
+    return plugin_function(SPECS[op], nodes, opset)
 
 
 def _decomposed(x: str, opset: int, dtype: str) -> list:

@@ -22,15 +22,18 @@ from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
 from optfuse.kernels.util import ITEMSIZE, cdiv as _cdiv, next_pow2, norm_cuda_defines, norm_dtype, rows_of, static_int
+from optfuse.spec import plugin_specs, shared
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.cu")
-OPS = ("RMSNorm", "SkipRMSNorm")
-DEFAULT_EPSILON = 1e-6
-MAX_HIDDEN = 16384
-DTYPES = ("float32", "float16", "bfloat16")
+SPECS = plugin_specs(__file__)
+OPS = tuple(SPECS)
+DEFAULT_EPSILON = shared(SPECS, lambda s: s.attr("epsilon").default, "the epsilon default")
+MIN_HIDDEN = shared(SPECS, lambda s: s.limits["min_hidden"], "min_hidden")
+MAX_HIDDEN = shared(SPECS, lambda s: s.limits["max_hidden"], "max_hidden")
+DTYPES = shared(SPECS, lambda s: s.inputs[0].dtypes, "the dtypes of x")
 
 _ENTRY = {"RMSNorm": "rms_norm_fwd", "SkipRMSNorm": "skip_rms_norm_fwd"}
-_N_IO = {"RMSNorm": (2, 1), "SkipRMSNorm": (3, 2)}
+_N_IO = {op: (len(s.inputs), len(s.outputs)) for op, s in SPECS.items()}
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,8 @@ def make_config(
     row group per block: ``iters`` > 1 would spill). ``full``: registers capped so that 2048
     threads (the SM's limit) stay resident (``minb`` = 2048 / threads)."""
     dtype = norm_dtype(dtype)
-    if not 1 <= hidden <= MAX_HIDDEN:
-        raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
+    if not MIN_HIDDEN <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden {hidden} outside [{MIN_HIDDEN}, {MAX_HIDDEN}]")
     vec, nv = _vec_nv(dtype, hidden)
     need = -(-nv // vpt)
     if need <= 32:
@@ -103,8 +106,8 @@ def choose_config(dtype: Any, hidden: int, op: str = "RMSNorm") -> RMSConfig:
     (fp16/bf16): x read again after the reduction (RELOAD 1, Inductor's second read), 2-3 %
     faster than holding it in registers (README "Tuning" 6)."""
     dtype = norm_dtype(dtype)
-    if not 1 <= hidden <= MAX_HIDDEN:
-        raise ValueError(f"hidden {hidden} outside [1, {MAX_HIDDEN}]")
+    if not MIN_HIDDEN <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden {hidden} outside [{MIN_HIDDEN}, {MAX_HIDDEN}]")
     _, nv = _vec_nv(dtype, hidden)
     if nv <= 32:
         return make_config(dtype, hidden, 1, 256, xpol=2)

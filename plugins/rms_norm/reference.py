@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from optfuse.functions import plugin_function
+from optfuse.spec import plugin_specs, shared
 
-OPS = ("RMSNorm", "SkipRMSNorm")
-DEFAULT_EPSILON = 1e-6
+SPECS = plugin_specs(__file__)
+OPS = tuple(SPECS)
+DEFAULT_EPSILON = shared(SPECS, lambda s: s.attr("epsilon").default, "the epsilon default")
 
 
 def rms_norm64(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> np.ndarray:
@@ -19,6 +21,15 @@ def rms_norm64(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     ms = (x * x).mean(axis=-1, keepdims=True)
     return x / np.sqrt(ms + float(epsilon)) * np.asarray(gamma, np.float64)
+
+
+def sample_inputs(op: str, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    """Random float32 inputs of ``op`` in spec order, and its attributes without a default (none):
+    what the contract test runs through the ONNX function and this reference. Rows of a small
+    mean square, so that the epsilon default shows in the result."""
+    x = (0.003 * rng.standard_normal((2, 3, 32))).astype(np.float32)
+    skip = [(0.003 * rng.standard_normal(x.shape)).astype(np.float32)] if op == "SkipRMSNorm" else []
+    return [x, *skip, rng.standard_normal(32).astype(np.float32)], {}
 
 
 def reference(op: str, inputs: list, attrs: dict) -> list[np.ndarray]:
@@ -45,10 +56,8 @@ def onnx_function(op: str, opset: int = 17, dtype: str = "float32"):
     if opset < 13:
         raise ValueError("optfuse ONNX functions need default-domain opset >= 13")
     if op == "RMSNorm":
-        inputs, outputs = ["x", "gamma"], ["y"]
         nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT)]
     elif op == "SkipRMSNorm":
-        inputs, outputs = ["x", "skip", "gamma"], ["y", "sum"]
         nodes = [
             helper.make_node("Add", ["x", "skip"], ["sum"]),
             helper.make_node("Cast", ["sum"], ["xf"], to=TensorProto.FLOAT),
@@ -78,4 +87,4 @@ def onnx_function(op: str, opset: int = 17, dtype: str = "float32"):
     else:
         to = TensorProto.BFLOAT16 if dtype == "bfloat16" else helper.np_dtype_to_tensor_dtype(__import__("numpy").dtype(dtype))
         nodes.append(helper.make_node("Cast", ["yf"], ["y"], to=to))
-    return plugin_function(op, inputs, outputs, nodes, opset, {"epsilon": DEFAULT_EPSILON})
+    return plugin_function(SPECS[op], nodes, opset)

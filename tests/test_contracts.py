@@ -1,0 +1,327 @@
+"""Contract tests: every op's spec.yaml against the code of its plugin folder (CPU only).
+
+Parametrized over ``load_specs()``, so a new op is covered as soon as its spec exists. Per op:
+
+* spec vs ONNX function (``reference.onnx_function(op, opset)``): domain and name, input and
+  output names in order, the spec's attributes (those with a default carry it, the others are
+  set by the node) plus ``plugin_namespace`` / ``plugin_version`` with the spec's domain and
+  version;
+* spec vs launch (``launch.py``): it serves the spec's op and every spec dtype and rejects other
+  ops; with every input present its kernel takes the spec's input and output counts; attributes
+  left out take the spec's defaults; every limit holds exactly (``max_hidden``:
+  ``max_hidden`` builds, one more does not; ``head_dims``: exactly those build); a launch constant
+  named after a limit (``MAX_HIDDEN``, ``HEAD_DIMS``) equals it, and a kernel's own narrower one
+  (``<KERNEL>_HEAD_DIMS``, ``<KERNEL>_MAX_HIDDEN``) lies within it;
+* spec vs NumPy reference: the ONNX function on a one-node model in onnxruntime matches
+  ``reference.reference`` in fp32 on ``reference.sample_inputs`` (optional inputs present and
+  absent; an absent one is what the fused node carries, ``reference.ABSENT_INPUTS``, or no input),
+  with the spec's attribute defaults.
+
+Each check raises :class:`ContractError`; ``test_contract_checks_catch_a_broken_spec`` shows each
+one failing on a deliberately broken copy of the spec (renamed input, output or attribute, dropped
+output, wrong default, wrong version, changed limit, dropped dtype). A spec limit with no check
+here fails the launch check: add its check to ``LIMIT_CHECKS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from optfuse.functions import PLUGIN_ATTRIBUTES
+from optfuse.spec import OpSpec, load_specs, plugin_module
+from optfuse.trt import glue
+
+SPECS = load_specs()
+OPS = sorted(SPECS)
+OPSETS = (17, 18)  # ReduceMean's axes move from attribute to input at 18
+RTOL, ATOL = 1e-5, 1e-5  # fp32 onnxruntime vs the float64 NumPy reference rounded to fp32
+
+
+class ContractError(AssertionError):
+    """A spec field and the code disagree."""
+
+
+def _expect(ok: bool, spec: OpSpec, what: str) -> None:
+    if not ok:
+        raise ContractError(f"{spec.op} (plugins/{spec.folder}): {what}")
+
+
+# -- spec vs ONNX function ----------------------------------------------------------------------
+_ONNX_ATTR_TYPE = {"float": onnx.AttributeProto.FLOAT, "int": onnx.AttributeProto.INT,
+                   "string": onnx.AttributeProto.STRING, "floats": onnx.AttributeProto.FLOATS,
+                   "ints": onnx.AttributeProto.INTS}
+
+
+def _same_value(kind: str, got, want) -> bool:
+    if kind == "float":
+        return np.float32(got) == np.float32(want)
+    if kind == "floats":
+        return list(np.float32(got)) == list(np.float32(want))
+    if kind == "string":
+        return got == (want.encode() if isinstance(want, str) else want)
+    return list(got) == list(want) if kind == "ints" else got == want
+
+
+def check_function(spec: OpSpec, fn: onnx.FunctionProto) -> None:
+    _expect((fn.domain, fn.name) == (spec.domain, spec.op), spec, f"function is {fn.domain}::{fn.name}")
+    want_in, want_out = [t.name for t in spec.inputs], [t.name for t in spec.outputs]
+    _expect(list(fn.input) == want_in, spec, f"function inputs {list(fn.input)} != spec inputs {want_in}")
+    _expect(list(fn.output) == want_out, spec, f"function outputs {list(fn.output)} != spec outputs {want_out}")
+    protos = {a.name: a for a in fn.attribute_proto}
+    names = set(fn.attribute) | set(protos)
+    want = {a.name for a in spec.attributes} | set(PLUGIN_ATTRIBUTES)
+    _expect(names == want, spec, f"function attributes {sorted(names)} != spec attributes + plugin ones {sorted(want)}")
+    for a in spec.attributes:
+        if a.default is None:
+            _expect(a.name in fn.attribute, spec, f"attribute {a.name!r} has no spec default, but the function gives one")
+            continue
+        p = protos.get(a.name)
+        _expect(p is not None, spec, f"attribute {a.name!r}: the function has no default (spec: {a.default!r})")
+        _expect(p.type == _ONNX_ATTR_TYPE[a.type], spec, f"attribute {a.name!r}: function type {p.type}, spec {a.type}")
+        got = helper.get_attribute_value(p)
+        _expect(_same_value(a.type, got, a.default), spec,
+                f"attribute {a.name!r}: function default {got!r} != spec default {a.default!r}")
+    for name, value in (("plugin_namespace", spec.domain), ("plugin_version", spec.plugin_version)):
+        p = protos.get(name)
+        got = None if p is None else p.s.decode()
+        _expect(got == value, spec, f"function {name} default {got!r} != the spec's {value!r}")
+
+
+# -- spec vs launch -----------------------------------------------------------------------------
+def _sample(spec: OpSpec, seed: int = 0) -> tuple[list[np.ndarray], dict]:
+    reference = plugin_module(spec.folder, "reference")
+    inputs, attrs = reference.sample_inputs(spec.op, np.random.default_rng(seed))
+    _expect(len(inputs) == len(spec.inputs), spec,
+            f"sample_inputs gives {len(inputs)} inputs, the spec has {len(spec.inputs)}")
+    required = {a.name for a in spec.attributes if a.default is None}
+    _expect(set(attrs) == required, spec,
+            f"sample_inputs sets attributes {sorted(attrs)}, the spec's without a default are {sorted(required)}")
+    return inputs, attrs
+
+
+def _static(spec: OpSpec, inputs, dtype: str, **override) -> dict:
+    static = glue.static_shape(spec, [list(x.shape) for x in inputs], [dtype] * len(inputs))
+    static.update(override)
+    return static
+
+
+def _kernel(launch, spec: OpSpec, dtype: str, attrs: dict, static: dict):
+    src = launch.kernel_config(spec.op, dtype, attrs, static)
+    return (src.name, src.lang, src.entry, dict(src.defines or {}), dict(src.constexprs or {}))
+
+
+def _builds(launch, spec, dtype, attrs, static) -> bool:
+    try:
+        launch.kernel_config(spec.op, dtype, attrs, static)
+        return True
+    except ValueError:
+        return False
+
+
+def _limit_values(launch, key: str) -> dict[str, object]:
+    """Launch constants for limit ``key``: ``KEY`` itself and kernel-own ``<KERNEL>_KEY`` ones."""
+    return {n: getattr(launch, n) for n in dir(launch) if n == key.upper() or n.endswith("_" + key.upper())}
+
+
+def _check_hidden_limit(key: str):
+    def check(spec, launch, dtype, attrs, inputs, value):
+        inside, outside = (value, value + 1) if key == "max_hidden" else (value, value - 1)
+        for h, ok in ((inside, True), (outside, False)):
+            built = _builds(launch, spec, dtype, attrs, _static(spec, inputs, dtype, hidden=h))
+            _expect(built == ok, spec, f"{key} {value}: hidden {h} {'does not build' if ok else 'builds'}")
+        for name, v in _limit_values(launch, key).items():
+            exact = name == key.upper()
+            fits = v == value if exact else (v <= value if key == "max_hidden" else v >= value)
+            _expect(fits, spec, f"launch.{name} = {v} {'!=' if exact else 'is outside'} the spec's {key} {value}")
+    return check
+
+
+def _check_head_dims(spec, launch, dtype, attrs, inputs, value):
+    value = tuple(value)
+    probe = sorted(set(value) | set(range(8, 2 * max(value) + 1, 8)))
+    built = tuple(d for d in probe if _builds(launch, spec, dtype, attrs, _static(spec, inputs, dtype, head_dim=d)))
+    _expect(built == value, spec, f"head dims that build {built} != the spec's head_dims {value}")
+    for name, v in _limit_values(launch, "head_dims").items():
+        exact = name == "HEAD_DIMS"
+        fits = tuple(v) == value if exact else set(v) <= set(value)
+        _expect(fits, spec, f"launch.{name} = {tuple(v)} {'!=' if exact else 'is not within'} the spec's head_dims {value}")
+
+
+LIMIT_CHECKS = {"min_hidden": _check_hidden_limit("min_hidden"), "max_hidden": _check_hidden_limit("max_hidden"),
+                "head_dims": _check_head_dims}
+
+
+def check_launch(spec: OpSpec, launch) -> None:
+    folder_ops = {op for op, s in SPECS.items() if s.folder == spec.folder}
+    served = set(getattr(launch, "OPS", None) or (launch.OP,))
+    _expect(spec.op in served and served <= folder_ops, spec,
+            f"launch serves {sorted(served)}, the folder's specs {sorted(folder_ops)}")
+    with pytest.raises(ValueError):
+        launch.kernel_config(spec.op + "Unknown", "float32", {}, {})
+    dtypes = spec.inputs[0].dtypes
+    if hasattr(launch, "DTYPES"):
+        _expect(tuple(launch.DTYPES) == tuple(dtypes), spec, f"launch.DTYPES {tuple(launch.DTYPES)} != spec dtypes {dtypes}")
+    inputs, required = _sample(spec)
+    attrs = {**spec.defaults(), **required}
+    for dt in dtypes:  # every spec dtype builds, and a left-out attribute takes the spec default
+        static = _static(spec, inputs, dt)
+        _expect(_builds(launch, spec, dt, attrs, static), spec, f"dtype {dt} does not build")
+        _expect(_kernel(launch, spec, dt, required, static) == _kernel(launch, spec, dt, attrs, static), spec,
+                f"{dt}: kernel without the defaulted attributes differs from the one with the spec defaults {spec.defaults()}")
+    src = launch.kernel_config(spec.op, dtypes[0], attrs, _static(spec, inputs, dtypes[0]))
+    _expect((src.n_inputs, src.n_outputs) == (len(spec.inputs), len(spec.outputs)), spec,
+            f"kernel {src.name} takes {src.n_inputs} inputs / {src.n_outputs} outputs, the spec has "
+            f"{len(spec.inputs)} / {len(spec.outputs)} (every input present)")
+    for key, value in spec.limits.items():
+        _expect(key in LIMIT_CHECKS, spec, f"limit {key!r} has no contract check (add one to LIMIT_CHECKS)")
+        LIMIT_CHECKS[key](spec, launch, dtypes[-1], attrs, inputs, value)
+
+
+# -- spec vs NumPy reference --------------------------------------------------------------------
+def _run_function(spec: OpSpec, fn, inputs: list, attrs: dict, opset: int, absent: dict) -> list[np.ndarray]:
+    """One fused node (only the attributes without a default set) in onnxruntime (CPU)."""
+    import onnxruntime as ort
+
+    feeds, names, vis = {}, [], []
+    for t, x in zip(spec.inputs, inputs):
+        if x is None and t.name not in absent:
+            names.append("")
+            continue
+        x = np.full((), absent[t.name], inputs[0].dtype) if x is None else x
+        feeds[t.name] = x
+        names.append(t.name)
+        vis.append(helper.make_tensor_value_info(t.name, helper.np_dtype_to_tensor_dtype(x.dtype), list(x.shape)))
+    while names and names[-1] == "":
+        names.pop()
+    node = helper.make_node(spec.op, names, [t.name for t in spec.outputs], domain=spec.domain,
+                            plugin_namespace=spec.domain, plugin_version=spec.plugin_version, **attrs)
+    outs = [helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(inputs[spec.input_index(t.like)].shape))
+            for t in spec.outputs]  # fp32 like the sample inputs, shaped like the input the spec names
+    model = helper.make_model(helper.make_graph([node], "contract", vis, outs), functions=[fn],
+                              opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(spec.domain, 1)])
+    model.ir_version = min(model.ir_version, 10)
+    onnx.checker.check_model(model, full_check=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def _absent_variants(spec: OpSpec, inputs: list) -> list[tuple[str, list]]:
+    out = [("all inputs", list(inputs))]
+    for i, t in enumerate(spec.inputs):
+        if t.optional:
+            out.append((f"{t.name} absent", [None if j == i else x for j, x in enumerate(inputs)]))
+    return out
+
+
+def check_numerics(spec: OpSpec, reference, opset: int) -> None:
+    fn = reference.onnx_function(spec.op, opset=opset)
+    inputs, required = _sample(spec)
+    absent = getattr(reference, "ABSENT_INPUTS", {})
+    for what, ins in _absent_variants(spec, inputs):
+        got = _run_function(spec, fn, ins, required, opset, absent)
+        for attrs, whose in (({**spec.defaults(), **required}, "spec defaults"), (required, "reference's own defaults")):
+            want = reference.reference(spec.op, ins, attrs)
+            _expect(len(got) == len(want) == len(spec.outputs), spec, f"{what}: {len(got)} / {len(want)} outputs")
+            for t, g, w in zip(spec.outputs, got, want):
+                ok = g.shape == w.shape and np.allclose(g, w, rtol=RTOL, atol=ATOL)
+                err = float(np.abs(g.astype(np.float64) - w).max()) if g.shape == w.shape else float("inf")
+                _expect(ok, spec, f"{what}, opset {opset}, NumPy with the {whose}: output {t.name!r} "
+                                  f"max abs error {err:.3g} (rtol {RTOL}, atol {ATOL})")
+
+
+# -- the tests ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("opset", OPSETS)
+@pytest.mark.parametrize("op", OPS)
+def test_spec_matches_onnx_function(op, opset):
+    spec = SPECS[op]
+    check_function(spec, plugin_module(spec.folder, "reference").onnx_function(op, opset=opset))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_spec_matches_launch(op):
+    spec = SPECS[op]
+    check_launch(spec, plugin_module(spec.folder, "launch"))
+
+
+@pytest.mark.parametrize("opset", OPSETS)
+@pytest.mark.parametrize("op", OPS)
+def test_onnx_function_matches_numpy_reference(op, opset):
+    spec = SPECS[op]
+    check_numerics(spec, plugin_module(spec.folder, "reference"), opset)
+
+
+def _renamed_input(spec: OpSpec) -> OpSpec:
+    t = spec.inputs[-1]
+    return dataclasses.replace(spec, inputs=spec.inputs[:-1] + (dataclasses.replace(t, name=t.name + "_renamed"),))
+
+
+def _renamed_output(spec: OpSpec) -> OpSpec:
+    t = spec.outputs[-1]
+    return dataclasses.replace(spec, outputs=spec.outputs[:-1] + (dataclasses.replace(t, name=t.name + "_renamed"),))
+
+
+def _renamed_attribute(spec: OpSpec) -> OpSpec:
+    a = spec.attributes[-1]
+    return dataclasses.replace(spec, attributes=spec.attributes[:-1] + (dataclasses.replace(a, name=a.name + "_renamed"),))
+
+
+def _wrong_default(spec: OpSpec) -> OpSpec:
+    i, a = next((i, a) for i, a in enumerate(spec.attributes) if a.default is not None)
+    wrong = a.default * 10 if a.type == "float" else (1 - a.default if a.type == "int" else None)
+    assert wrong is not None, f"no wrong default for a {a.type} attribute"
+    attrs = list(spec.attributes)
+    attrs[i] = dataclasses.replace(a, default=wrong)
+    return dataclasses.replace(spec, attributes=tuple(attrs))
+
+
+def _changed_limit(key: str):
+    def breaks(spec: OpSpec) -> OpSpec:
+        v = spec.limits[key]
+        changed = v[:-1] if isinstance(v, list) else (v // 2 if key.startswith("max") else v + 1)
+        return dataclasses.replace(spec, limits={**spec.limits, key: changed})
+    return breaks
+
+
+def _dropped_dtype(spec: OpSpec) -> OpSpec:
+    def drop(t):
+        return dataclasses.replace(t, dtypes=t.dtypes[:-1])
+    return dataclasses.replace(spec, inputs=tuple(map(drop, spec.inputs)), outputs=tuple(map(drop, spec.outputs)))
+
+
+_CHECKS = {
+    "function": lambda spec: check_function(spec, plugin_module(spec.folder, "reference").onnx_function(spec.op)),
+    "launch": lambda spec: check_launch(spec, plugin_module(spec.folder, "launch")),
+    "numerics": lambda spec: check_numerics(spec, plugin_module(spec.folder, "reference"), OPSETS[0]),
+}
+
+
+def _breakages(spec: OpSpec):
+    yield "renamed input", _renamed_input, ("function",)
+    yield "renamed output", _renamed_output, ("function",)
+    yield "dropped output", lambda s: dataclasses.replace(s, outputs=s.outputs[:-1]), ("function", "launch")
+    if spec.attributes:
+        yield "renamed attribute", _renamed_attribute, ("function",)
+    yield "wrong version", lambda s: dataclasses.replace(s, version=s.version + 1), ("function",)
+    if any(a.default is not None for a in spec.attributes):
+        yield "wrong default", _wrong_default, ("function", "launch", "numerics")
+    for key in spec.limits:
+        yield f"changed {key}", _changed_limit(key), ("launch",)
+    yield "dropped dtype", _dropped_dtype, ("launch",)
+
+
+BROKEN = [(op, what, breaks, checks) for op in OPS for what, breaks, checks in _breakages(SPECS[op])]
+
+
+@pytest.mark.parametrize(("op", "what", "breaks", "checks"), BROKEN, ids=[f"{op}-{what}" for op, what, _, _ in BROKEN])
+def test_contract_checks_catch_a_broken_spec(op, what, breaks, checks):
+    """The same checks as above, on a copy of the spec with one field wrong: each must fail."""
+    broken = breaks(SPECS[op])
+    assert broken != SPECS[op]
+    for name in checks:
+        with pytest.raises(ContractError):
+            _CHECKS[name](broken)
