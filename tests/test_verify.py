@@ -7,6 +7,7 @@ from onnx import TensorProto
 
 from optfuse.errors import InputError, VerificationError
 from optfuse.fusions import fuse_model
+from optfuse.pipeline import verify_options
 from optfuse.recipe import recipe_from_dict
 from optfuse.verify import compare_arrays, gather_table_rows, plan_inputs, right_padded_mask, verify
 
@@ -58,7 +59,7 @@ def test_recipe_shapes_and_ranges_win():
     })
     model = bert_like()
     # the model names its dims batch/seq; the recipe's shapes decide the input_ids shape
-    plans = {p.name: p for p in plan_inputs(model, recipe)}
+    plans = {p.name: p for p in plan_inputs(model, verify_options(recipe))}
     assert plans["input_ids"].shape == [3, 5] and (plans["input_ids"].low, plans["input_ids"].high) == (3, 7)
 
 
@@ -68,11 +69,11 @@ def test_npz_inputs(tmp_path):
     recipe = recipe_from_dict({"name": "t", "model": {"path": "m.onnx"},
                                "inputs": {"x": {"dtype": "float32", "shape": [2, 4, 64], "npz": "x.npz"}}},
                               base_dir=tmp_path)
-    (plan,) = plan_inputs(graphs.layer_norm(), recipe)
+    (plan,) = plan_inputs(graphs.layer_norm(), verify_options(recipe))
     assert plan.kind == "npz" and np.array_equal(plan.npz, x)
     recipe.inputs["x"].npz = tmp_path / "missing.npz"
     with pytest.raises(InputError, match="npz file not found"):
-        plan_inputs(graphs.layer_norm(), recipe)
+        plan_inputs(graphs.layer_norm(), verify_options(recipe))
 
 
 @pytest.mark.parametrize("shape", [(2, 16), (1, 8), (4, 1, 5), (3, 2)])
@@ -112,7 +113,7 @@ def test_perturbed_candidate_fails(tmp_path):
 def test_tolerance_per_output_from_recipe(tmp_path):
     recipe = recipe_from_dict({"name": "t", "model": {"path": "a.onnx"},
                                "tolerances": {"outputs": {"y": {"atol": 5e-3}}}})
-    assert verify(bert_like(), bert_like(perturb=1e-3), recipe).passed
+    assert verify(bert_like(), bert_like(perturb=1e-3), verify_options(recipe)).passed
 
 
 def test_missing_output_and_bad_candidate(tmp_path):
@@ -154,7 +155,7 @@ def test_compare_arrays_edge_cases():
 def test_recipe_must_match_the_model(inputs, fragment):
     recipe = recipe_from_dict({"name": "t", "model": {"path": "m.onnx"}, "inputs": inputs})
     with pytest.raises(InputError) as exc:
-        plan_inputs(graphs.layer_norm(), recipe)
+        plan_inputs(graphs.layer_norm(), verify_options(recipe))
     assert fragment in str(exc.value)
 
 
