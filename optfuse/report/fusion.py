@@ -3,8 +3,8 @@
 The report lists what was fused (rule, op, fused node, the original nodes it replaced, extra facts
 the rule recorded such as the attention mask class), what was not and why, and an estimate of the
 HBM traffic each fusion saves: bytes the original nodes read and wrote minus what the fused node
-reads and writes, with symbolic dims resolved from the recipe's opt shapes (or verify's defaults).
-An estimate that depends on a dim nobody resolved is ``null`` in JSON and ``unknown`` in Markdown.
+reads and writes, with symbolic dims resolved from the recipe's opt shapes (or the defaults of
+:mod:`optfuse.defaults`). An estimate that depends on a dim nobody resolved is ``null`` in JSON and ``unknown`` in Markdown.
 """
 
 from __future__ import annotations

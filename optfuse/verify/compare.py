@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import onnx
@@ -73,12 +73,13 @@ def compare_arrays(name: str, ref: list[np.ndarray], got: list[np.ndarray], atol
     return OutputResult(name, passed, max_abs, max_rel, mean_abs, atol, rtol, shape, note)
 
 
+ModelSource = Union[str, os.PathLike, onnx.ModelProto]
 Feeds = list[dict[str, np.ndarray]]
 #: Runs a candidate on every feed dict and returns its outputs (name -> array) per feed.
 CandidateRunner = Callable[[Feeds], Feeds]
 
 
-def verify(original: str | os.PathLike | onnx.ModelProto, candidate: str | os.PathLike | onnx.ModelProto,
+def verify(original: ModelSource, candidate: ModelSource,
            options: VerifyOptions | None = None, iterations: int = DEFAULT_ITERATIONS, seed: int = 0,
            atol: float | None = None, rtol: float | None = None,
            feeds: Feeds | None = None,
@@ -143,7 +144,7 @@ def _plans_and_feeds(ref_model: onnx.ModelProto, options: VerifyOptions | None, 
     return plans, feeds
 
 
-def _session(label: str, src: Any, model: onnx.ModelProto, err: type[Exception]):
+def _session(label: str, src: ModelSource, model: onnx.ModelProto, err: type[Exception]):
     from polygraphy.backend.onnxrt import SessionFromOnnx
 
     try:
@@ -207,12 +208,12 @@ def _check_candidate_inputs(plans: list[InputPlan], cand: onnx.ModelProto) -> No
         raise InputError(f"the candidate needs inputs the original does not have: {', '.join(sorted(want - have))}")
 
 
-def _bytes_or_path(src: Any, model: onnx.ModelProto) -> Any:
+def _bytes_or_path(src: ModelSource, model: onnx.ModelProto) -> str | bytes:
     # a path keeps external data readable by onnxruntime; in-memory models go as bytes
     return str(src) if isinstance(src, (str, os.PathLike)) else model.SerializeToString()
 
 
-def _label(src: Any) -> str:
+def _label(src: ModelSource) -> str:
     return str(src) if isinstance(src, (str, os.PathLike)) else "<in memory>"
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -38,7 +37,7 @@ class InputPlan:
     """How to make one input: dtype, concrete shape and a generator kind with its parameters."""
 
     name: str
-    dtype: Any
+    dtype: np.dtype
     shape: list[int]
     kind: str  # tokens | mask | float | int | bool | npz
     low: float = 0.0
