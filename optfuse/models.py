@@ -47,6 +47,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
+from .model_families import EXPORT_FAMILIES
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
@@ -273,6 +275,10 @@ FAMILIES: dict[str, Family] = {
         ),
     )
 }
+
+if tuple(FAMILIES) != EXPORT_FAMILIES:  # the recipe schema validates family names against that list
+    raise ImportError(f"optfuse.models defines the families {tuple(FAMILIES)}, but optfuse.model_families "
+                      f"lists {EXPORT_FAMILIES}: keep the two in step")
 
 #: (family, exporter, attn) -> why that export is known to fail with the pinned torch/transformers.
 #: Tests and the fixtures skip these with the reason instead of exporting.

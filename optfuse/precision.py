@@ -14,6 +14,8 @@ initializers re-rounded from their FP32 originals (BF16 keeps FP32's range, so n
 clamped twice). onnxruntime's CPU provider runs FP16 models (it inserts FP32 fallbacks where it
 lacks FP16 kernels) but almost no BF16 kernels, so BF16 models are for TensorRT.
 
+The result (:class:`PrecisionResult`) is plain data; :mod:`optfuse.report` renders it.
+
 ModelOpt AutoCast was not used: ``nvidia-modelopt`` pulls a large dependency set (and an
 onnxruntime-gpu requirement) for a conversion onnxconverter-common already does here.
 """
@@ -51,6 +53,15 @@ DEFAULT_KEEP_FP32: tuple[str, ...] = (
 LOW = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 
 
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """What the precision stage needs from a recipe's ``precision`` section."""
+
+    mode: str = "fp32"  # fp32 | fp16 | bf16
+    keep_fp32: tuple[str, ...] = ()  # op types, node names or globs over node names
+    io_dtype: str = "keep"  # keep | fp16
+
+
 @dataclass
 class PrecisionResult:
     mode: str
@@ -65,23 +76,6 @@ class PrecisionResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def to_markdown(self) -> str:
-        if self.mode == "fp32":
-            return "## Precision\n\n- mode: fp32 (model unchanged)\n"
-        lines = [
-            "## Precision",
-            "",
-            f"- mode: {self.mode} (strongly typed; converter: {self.converter})",
-            f"- graph inputs/outputs: {'kept as exported' if self.io_dtype == 'keep' else self.mode}",
-            f"- initializers converted: {self.initializers_converted}; Cast nodes added: {self.casts_added}",
-            f"- optfuse nodes: {self.optfuse_nodes} (all in {self.mode} unless listed below)",
-            f"- kept in FP32, by op type: {', '.join(self.keep_fp32_ops) or 'none'}",
-            f"- kept in FP32, by node: {len(self.keep_fp32_nodes)} node(s)"
-            + (f" ({', '.join(self.keep_fp32_nodes[:8])}{', ...' if len(self.keep_fp32_nodes) > 8 else ''})" if self.keep_fp32_nodes else ""),
-        ]
-        lines += [f"- note: {n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
 
 
 def converter_name() -> str:
@@ -132,7 +126,8 @@ def convert_precision(
     io_dtype: str = "keep",
     use_defaults: bool = True,
 ) -> tuple[onnx.ModelProto, PrecisionResult]:
-    """Return (converted copy, result). ``mode`` fp32 returns the model unchanged."""
+    """Return (converted copy, result). ``mode`` fp32 returns the model unchanged.
+    :func:`apply_precision` is the same with the stage's :class:`PrecisionOptions`."""
     if mode not in ("fp32", "fp16", "bf16"):
         raise InputError(f"precision mode {mode!r}: expected fp32, fp16 or bf16")
     if io_dtype not in ("keep", "fp16", "bf16", "half"):
@@ -148,7 +143,6 @@ def convert_precision(
     ops, names = resolve_keep_fp32(model, keep_fp32, use_defaults)
     src = onnx.ModelProto()
     src.CopyFrom(model)
-    n_nodes_before = len(src.graph.node)
     n_casts_before = sum(1 for n in src.graph.node if n.op_type == "Cast")
     keep_io = io_dtype == "keep"
     block = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(ops))
@@ -177,7 +171,6 @@ def convert_precision(
     ) if len(model.graph.initializer) == len(out.graph.initializer) else sum(
         1 for b in out.graph.initializer if b.data_type == TensorProto.FLOAT16
     )
-    _ = n_nodes_before
     fixed = _fix_float_casts(out, {n.name for n in model.graph.node if n.op_type == "Cast"}, set(block), set(names))
     if fixed:
         result.notes.append(f"{fixed} exported Cast-to-FP32 node(s) retargeted to {mode} (their consumers run in {mode})")
@@ -186,6 +179,11 @@ def convert_precision(
         result.notes.append("BF16 = the FP16 conversion re-typed to BF16; onnxruntime CPU has almost no BF16 kernels")
     check_optfuse_io(out)
     return out, result
+
+
+def apply_precision(model: onnx.ModelProto, options: PrecisionOptions) -> tuple[onnx.ModelProto, PrecisionResult]:
+    """:func:`convert_precision` with the stage's options (the pipeline builds them from the recipe)."""
+    return convert_precision(model, options.mode, keep_fp32=options.keep_fp32, io_dtype=options.io_dtype)
 
 
 def _fix_float_casts(model: onnx.ModelProto, original_casts: set[str], blocked_ops: set[str], blocked_names: set[str]) -> int:

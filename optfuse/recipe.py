@@ -9,6 +9,10 @@ Every model is strict (unknown keys are errors). :func:`load_recipe` turns valid
 into an :class:`~optfuse.errors.InputError` whose message has one line per problem::
 
     recipe bert.yaml: field 'inputs.input_ids.shape': dim 'seq' is not declared in 'dims' (declared: batch)
+
+The schema is a bottom-layer module: it imports only :mod:`optfuse.errors`, :mod:`optfuse.defaults`,
+:mod:`optfuse.model_families` and :mod:`optfuse.target`. No stage reads a Recipe: the pipeline turns
+it into the typed options each stage takes (:mod:`optfuse.pipeline.options`).
 """
 
 from __future__ import annotations
@@ -22,17 +26,13 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from .defaults import DEFAULT_TOLERANCES
 from .errors import InputError
+from .model_families import EXPORT_FAMILIES
+from .target import arch_name, parse_arch
 
 DType = Literal["float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool"]
 _DIM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
-
-#: Default tolerances per precision mode (fp32 agrees to rounding; half types to their mantissa).
-DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
-    "fp32": (1e-4, 1e-3),
-    "fp16": (1e-2, 1e-2),
-    "bf16": (5e-2, 5e-2),
-}
 
 
 class _Strict(BaseModel):
@@ -53,12 +53,8 @@ class ExportSpec(_Strict):
     @field_validator("family")
     @classmethod
     def _known_family(cls, v: str) -> str:
-        try:  # optfuse.models lists its families without importing torch
-            from .models import FAMILIES
-        except ImportError:
-            return v
-        if v not in FAMILIES:
-            raise ValueError(f"expected one of the model families {', '.join(FAMILIES)}, got {v!r}")
+        if v not in EXPORT_FAMILIES:
+            raise ValueError(f"expected one of the model families {', '.join(EXPORT_FAMILIES)}, got {v!r}")
         return v
 
 
@@ -166,8 +162,6 @@ class Target(_Strict):
     @field_validator("arch")
     @classmethod
     def _arch(cls, v: str) -> str:
-        from .kernels.target import arch_name, parse_arch
-
         if not re.match(r"^sm_\d{2,3}a?$", v):
             raise ValueError(f"expected an arch like 'sm_80', 'sm_86', 'sm_89' or 'sm_90', got {v!r}")
         try:
@@ -228,14 +222,15 @@ class Recipe(_Strict):
         spec = self.inputs[input_name]
         return [d if isinstance(d, int) else self.dims[d].opt for d in spec.shape]
 
-    def tolerance(self, output: str, mode: str = "fp32") -> tuple[float, float]:
+    def tolerance(self, output: str | None, mode: str = "fp32") -> tuple[float, float]:
         """(atol, rtol) for one output of a candidate computed in `mode`: its override, else the
-        recipe default (`tolerances` for fp32, `precision.tolerances` otherwise), else the mode's default."""
+        recipe default (`tolerances` for fp32, `precision.tolerances` otherwise), else the mode's
+        default. ``output=None``: the default of every output without an override."""
         atol, rtol = DEFAULT_TOLERANCES[mode]
         t = self.tolerances if mode == "fp32" else self.precision.tolerances
         atol = t.atol if t.atol is not None else atol
         rtol = t.rtol if t.rtol is not None else rtol
-        o = t.outputs.get(output)
+        o = t.outputs.get(output) if output is not None else None
         if o is not None:
             atol = o.atol if o.atol is not None else atol
             rtol = o.rtol if o.rtol is not None else rtol

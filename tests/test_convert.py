@@ -11,7 +11,7 @@ import graphs
 from optfuse.errors import InputError
 from optfuse.recipe import load_recipe
 from optfuse.trt import compat
-from optfuse.trt.stages import convert
+from optfuse.pipeline import convert
 
 RECIPE = """
 name: block

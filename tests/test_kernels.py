@@ -170,7 +170,7 @@ def test_every_kernel_compiles(tmp_path, monkeypatch):
     (no GPU), then ``list`` shows them; a second build is served from the cache."""
     from typer.testing import CliRunner
 
-    from optfuse.kernels.cli import kernels_app
+    from optfuse.cli.kernels import kernels_app
     from optfuse.kernels.registry import all_sources
 
     monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path))
@@ -195,5 +195,5 @@ def test_python_m_entry_point(tmp_path):
     import subprocess
 
     env = dict(os.environ, OPTFUSE_CACHE=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "optfuse.kernels", "list"], capture_output=True, text=True, env=env)
+    r = subprocess.run([sys.executable, "-m", "optfuse", "kernels", "list"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "0 kernels" in r.stdout, r.stderr

@@ -45,6 +45,20 @@ def test_families_declared():
     assert llama["num_key_value_heads"] < llama["num_attention_heads"]  # GQA
 
 
+def test_recipe_schema_knows_the_same_families():
+    """The recipe validates export families against optfuse.model_families, not optfuse.models."""
+    import subprocess
+    import sys
+
+    from optfuse.model_families import EXPORT_FAMILIES
+
+    assert set(EXPORT_FAMILIES) <= set(models.FAMILIES)
+    code = ("import sys; from optfuse.recipe import recipe_from_dict; "
+            "recipe_from_dict({'name': 'x', 'model': {'export': {'family': 't5'}}}); "
+            "assert 'optfuse.models' not in sys.modules and 'optfuse.kernels' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 @pytest.mark.parametrize("family,layers,expected", [
     ("bert", 2, {"attention": 2, "layer_norm": 5, "skip_layer_norm": 4, "embed_layer_norm": 1, "rms_norm": 0}),
     ("bert", 3, {"attention": 3, "layer_norm": 7, "skip_layer_norm": 6, "embed_layer_norm": 1}),

@@ -13,6 +13,7 @@ from optfuse.errors import InputError
 from optfuse.fusions import fuse_model
 from optfuse.precision import DEFAULT_KEEP_FP32, check_optfuse_io, convert_precision, resolve_keep_fp32
 from optfuse.recipe import DEFAULT_TOLERANCES
+from optfuse.report import precision_markdown
 
 
 def _pair(norm: str, hidden: int = 64):
@@ -71,7 +72,7 @@ def test_keep_fp32_by_op_and_by_node():
             floats = {types.get(i) for i in n.input if i and types.get(i) is not None}
             assert floats == {TensorProto.FLOAT}, (n.name, floats)
     assert res.keep_fp32_ops == [ln.op_type] and res.keep_fp32_nodes == [mm.name]
-    assert "kept in FP32" in res.to_markdown()
+    assert "kept in FP32" in precision_markdown(res)
 
 
 def test_default_keep_fp32_covers_overflowing_ops():

@@ -178,6 +178,7 @@ def test_shipped_recipes_match_their_exported_models(path, exported_model):
     """Each recipe describes the model its export spec produces: input names, dtypes, shapes, ranges."""
     import onnx
 
+    from optfuse.pipeline import verify_options
     from optfuse.verify import plan_inputs
 
     recipe = load_recipe(path)
@@ -193,13 +194,13 @@ def test_shipped_recipes_match_their_exported_models(path, exported_model):
             assert ours.range == [info.low, info.high]
     for name, rng in m.dims.items():
         assert recipe.dims[name].model_dump() == rng
-    plan_inputs(onnx.load(m.path), recipe)  # agrees with the graph's inputs
+    plan_inputs(onnx.load(m.path), verify_options(recipe))  # agrees with the graph's inputs
 
 
 def test_attention_full_mask_reaches_the_fusion_options(tmp_path):
-    from optfuse.pipeline import _options
+    from optfuse.pipeline import fusion_options
 
     r = load_recipe(_write(tmp_path, _with(fusions__attention_full_mask=True)))
-    assert _options(r).attention_full_mask is True
+    assert fusion_options(r).attention_full_mask is True
     assert "attention_full_mask" not in r.fusions.enabled()
-    assert _options(load_recipe(_write(tmp_path, GOOD, "g.yaml"))).attention_full_mask is False
+    assert fusion_options(load_recipe(_write(tmp_path, GOOD, "g.yaml"))).attention_full_mask is False

@@ -23,6 +23,7 @@ import graphs
 from optfuse.errors import BuildError, InputError
 from optfuse.fusions import fuse_model
 from optfuse.precision import convert_precision
+from optfuse.report import build_markdown
 from optfuse.trt import compat
 from optfuse.trt.build import build_engine_file, diagnose_nodes, input_profiles, optfuse_nodes, prepare_for_trt
 
@@ -159,7 +160,7 @@ def test_build_fused_model(tmp_path, norm, mode, target):
     assert (tmp_path / "build.log").read_text() and (tmp_path / "build.json").is_file()
     if BACKEND == "tensorrt_rtx":
         assert report.target == target
-    md = report.to_markdown()
+    md = build_markdown(report)
     assert "plugin 2" in md and "PLUGIN_V3" in md
 
 

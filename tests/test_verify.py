@@ -7,6 +7,7 @@ from onnx import TensorProto
 
 from optfuse.errors import InputError, VerificationError
 from optfuse.fusions import fuse_model
+from optfuse.pipeline import verify_options
 from optfuse.recipe import recipe_from_dict
 from optfuse.verify import compare_arrays, gather_table_rows, plan_inputs, right_padded_mask, verify
 
@@ -58,7 +59,7 @@ def test_recipe_shapes_and_ranges_win():
     })
     model = bert_like()
     # the model names its dims batch/seq; the recipe's shapes decide the input_ids shape
-    plans = {p.name: p for p in plan_inputs(model, recipe)}
+    plans = {p.name: p for p in plan_inputs(model, verify_options(recipe))}
     assert plans["input_ids"].shape == [3, 5] and (plans["input_ids"].low, plans["input_ids"].high) == (3, 7)
 
 
@@ -68,11 +69,11 @@ def test_npz_inputs(tmp_path):
     recipe = recipe_from_dict({"name": "t", "model": {"path": "m.onnx"},
                                "inputs": {"x": {"dtype": "float32", "shape": [2, 4, 64], "npz": "x.npz"}}},
                               base_dir=tmp_path)
-    (plan,) = plan_inputs(graphs.layer_norm(), recipe)
+    (plan,) = plan_inputs(graphs.layer_norm(), verify_options(recipe))
     assert plan.kind == "npz" and np.array_equal(plan.npz, x)
     recipe.inputs["x"].npz = tmp_path / "missing.npz"
     with pytest.raises(InputError, match="npz file not found"):
-        plan_inputs(graphs.layer_norm(), recipe)
+        plan_inputs(graphs.layer_norm(), verify_options(recipe))
 
 
 @pytest.mark.parametrize("shape", [(2, 16), (1, 8), (4, 1, 5), (3, 2)])
@@ -112,7 +113,7 @@ def test_perturbed_candidate_fails(tmp_path):
 def test_tolerance_per_output_from_recipe(tmp_path):
     recipe = recipe_from_dict({"name": "t", "model": {"path": "a.onnx"},
                                "tolerances": {"outputs": {"y": {"atol": 5e-3}}}})
-    assert verify(bert_like(), bert_like(perturb=1e-3), recipe).passed
+    assert verify(bert_like(), bert_like(perturb=1e-3), verify_options(recipe)).passed
 
 
 def test_missing_output_and_bad_candidate(tmp_path):
@@ -154,7 +155,7 @@ def test_compare_arrays_edge_cases():
 def test_recipe_must_match_the_model(inputs, fragment):
     recipe = recipe_from_dict({"name": "t", "model": {"path": "m.onnx"}, "inputs": inputs})
     with pytest.raises(InputError) as exc:
-        plan_inputs(graphs.layer_norm(), recipe)
+        plan_inputs(graphs.layer_norm(), verify_options(recipe))
     assert fragment in str(exc.value)
 
 
@@ -172,3 +173,45 @@ def test_candidate_precision_picks_the_tolerance():
 
     assert precision_of(model(np.float32)) == "fp32"
     assert precision_of(model(np.float16)) == "fp16"
+
+
+def test_verify_against_a_runner_matches_verify(tmp_path):
+    """verify_against (the engine check's path) with onnxruntime as the candidate runner agrees with verify."""
+    import onnxruntime as ort
+
+    from optfuse.verify import verify_against
+
+    onnx.save(bert_like(), tmp_path / "a.onnx")
+    onnx.save(bert_like(perturb=1e-3), tmp_path / "b.onnx")
+    sess = ort.InferenceSession(str(tmp_path / "b.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    seen = []
+
+    def run(feeds):
+        seen.append(len(feeds))
+        return [dict(zip(names, sess.run(None, f))) for f in feeds]
+
+    want = verify(tmp_path / "a.onnx", tmp_path / "b.onnx", iterations=2, seed=3)
+    got = verify_against(tmp_path / "a.onnx", run, iterations=2, seed=3, candidate_label="runner")
+    assert seen == [2] and got.candidate == "runner" and got.iterations == 2
+    assert [(o.name, o.passed, o.max_abs, o.mean_abs) for o in got.outputs] == \
+        [(o.name, o.passed, o.max_abs, o.mean_abs) for o in want.outputs]
+    assert not got.passed  # the perturbation is outside the fp32 tolerance
+    assert verify_against(tmp_path / "a.onnx", run, mode="fp16").passed  # inside fp16's default
+    strict = verify_options(recipe_from_dict({"name": "t", "model": {"path": "a.onnx"},
+                                              "precision": {"tolerances": {"atol": 1e-5, "rtol": 0}}}))
+    assert not verify_against(tmp_path / "a.onnx", run, strict, mode="fp16").passed  # the recipe's fp16 tolerances
+
+
+def test_verify_options_carry_the_recipe_tolerances():
+    from optfuse.verify import tolerance
+
+    r = recipe_from_dict({"name": "t", "model": {"path": "a.onnx"},
+                          "tolerances": {"atol": 1e-3, "outputs": {"y": {"rtol": 0.5}}},
+                          "precision": {"mode": "fp16", "tolerances": {"rtol": 0.2, "outputs": {"z": {"atol": 0.3}}}}})
+    opts = verify_options(r)
+    for mode in ("fp32", "fp16", "bf16"):
+        for out in ("y", "z", "other"):
+            assert tolerance(opts, out, mode) == r.tolerance(out, mode), (mode, out)
+    assert tolerance(opts, "y", "fp32", atol=7.0) == (7.0, 0.5)  # an explicit atol wins, the rtol stays
+    assert tolerance(None, "y", "bf16") == (5e-2, 5e-2)

@@ -1,40 +1,18 @@
-"""GPU targets: parse ``sm_90``/``90``/``9.0`` and pick the default arch.
+"""The arch kernels build for: ``$OPTFUSE_ARCH``, else the GPU present, else sm_90.
 
-The default is the compute capability of the GPU present (through the CUDA driver, via
-cuda-python), else :data:`DEFAULT_ARCH` (sm_90), so kernels build on a machine without a GPU.
-``$OPTFUSE_ARCH`` overrides the default.
+The GPU's compute capability comes from the CUDA driver (cuda-python), so kernels build on a
+machine without a GPU. Parsing and spelling arch names is :mod:`optfuse.target` (re-exported here).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import re
 
-#: Architectures optfuse builds and tests kernels for.
-SUPPORTED_ARCHS: tuple[int, ...] = (80, 86, 89, 90)
-DEFAULT_ARCH = 90
+from ..target import DEFAULT_ARCH, SUPPORTED_ARCHS, arch_name, parse_arch
 
-_ARCH_RE = re.compile(r"^(?:sm_?|compute_?)?(\d)\.?(\d)a?$", re.IGNORECASE)
-
-
-def parse_arch(value: str | int) -> int:
-    """``"sm_90"``, ``"sm90"``, ``"90"``, ``"9.0"``, ``"compute_90"`` or ``90`` -> ``90``."""
-    if isinstance(value, int):
-        cc = value
-    else:
-        m = _ARCH_RE.match(str(value).strip())
-        if not m:
-            raise ValueError(f"cannot parse GPU arch {value!r}; use e.g. 'sm_90' or '90'")
-        cc = int(m.group(1)) * 10 + int(m.group(2))
-    if cc < 70 or cc > 129:
-        raise ValueError(f"unsupported GPU arch {value!r} (compute capability {cc})")
-    return cc
-
-
-def arch_name(cc: int) -> str:
-    """``90`` -> ``"sm_90"``."""
-    return f"sm_{int(cc)}"
+__all__ = ["DEFAULT_ARCH", "SUPPORTED_ARCHS", "arch_name", "default_arch", "detect_arch", "parse_arch",
+           "resolve_arch"]
 
 
 @functools.cache

@@ -1,4 +1,5 @@
-"""Stage `build`: fused (precision) ONNX -> TensorRT engine, with a report and no silent fallback.
+"""Stage `build` (TensorRT backend): fused (precision) ONNX -> TensorRT engine, with a report and
+no silent fallback. The report is plain data (:class:`BuildReport`); :mod:`optfuse.report` renders it.
 
 :func:`build_engine` parses the model with the ONNX parser after registering optfuse's plugins
 (QDP AOT on TensorRT >= 10.9, classic Python IPluginV3 on TensorRT-RTX and older TensorRT),
@@ -35,9 +36,13 @@ import onnx
 from .. import DOMAIN
 from ..errors import BuildError, InputError, OptfuseError
 from . import compat
+from .prepare import (DimRange, _dim_range, diagnose_nodes, input_profiles, optfuse_nodes, parse_target,
+                      prepare_for_trt)
+
+__all__ = ["BuildProfile", "BuildReport", "PluginLayer", "build_engine", "build_engine_file", "diagnose_nodes",
+           "input_profiles", "optfuse_nodes", "prepare_for_trt", "runnable_here"]
 
 PLUGIN_LAYER_TYPES = ("PLUGIN", "PLUGIN_V2", "PLUGIN_V3")
-DimRange = tuple[int, int, int]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,182 +92,15 @@ class BuildReport:
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
-    def to_markdown(self) -> str:
-        lines = [
-            "## Engine build",
-            "",
-            f"- backend: {self.backend} {self.backend_version} (plugins: {self.plugin_mode})",
-            f"- target: {self.target}",
-            f"- engine: {self.engine or '(not written)'} ({_size(self.engine_bytes)})",
-            f"- layers: {sum(self.layers_by_kind.values())} total, "
-            + ", ".join(f"{k} {v}" for k, v in sorted(self.layers_by_kind.items())),
-            f"- optfuse nodes in the model: {self.optfuse_nodes}; plugin layers: {len(self.plugin_layers)}",
-            f"- parse {self.parse_seconds:.2f} s, build {self.build_seconds:.2f} s",
-        ]
-        if self.timing_cache:
-            lines.append(f"- timing cache: {self.timing_cache}")
-        if self.build_log:
-            lines.append(f"- build log: {self.build_log}")
-        if not self.runnable_here:
-            lines.append(f"- not executed here: {self.not_runnable_reason}")
-        if self.profiles:
-            lines += ["", "| input | min | opt | max |", "|---|---|---|---|"]
-            for name, p in self.profiles.items():
-                lines.append(f"| {name} | {p['min']} | {p['opt']} | {p['max']} |")
-        if self.plugin_layers:
-            lines += ["", "| plugin layer | op | version | form |", "|---|---|---|---|"]
-            for p in self.plugin_layers:
-                lines.append(f"| {p.name} | {p.namespace}::{p.op} | {p.version} | {p.form} |")
-        if self.layer_types:
-            lines += ["", "| layer type | count |", "|---|---|"]
-            for t, c in sorted(self.layer_types.items(), key=lambda kv: (-kv[1], kv[0])):
-                lines.append(f"| {t} | {c} |")
-        for w in self.warnings:
-            lines.append(f"- warning: {w}")
-        return "\n".join(lines) + "\n"
 
+@dataclass(frozen=True)
+class BuildProfile:
+    """The one optimization profile of a build: each symbolic dim's (min, opt, max), input shapes
+    spelled by a recipe (over the ONNX shapes), and where the ranges came from (for the notes)."""
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-# ------------------------------------------------------------------------------------------------
-# Model preparation and checks (no TensorRT needed)
-# ------------------------------------------------------------------------------------------------
-def optfuse_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.domain == DOMAIN]
-
-
-def _attr_value(a: onnx.AttributeProto) -> Any:
-    return onnx.helper.get_attribute_value(a)
-
-
-def diagnose_nodes(model: onnx.ModelProto) -> dict[str, str]:
-    """node name -> why the parser cannot map it to an optfuse plugin (only problem nodes)."""
-    from ..spec import load_specs
-
-    specs = load_specs()
-    out: dict[str, str] = {}
-    for i, n in enumerate(optfuse_nodes(model)):
-        name = n.name or f"#{i} ({n.op_type})"
-        attrs = {a.name: _attr_value(a) for a in n.attribute}
-        ns = attrs.get("plugin_namespace", b"")
-        ns = ns.decode() if isinstance(ns, bytes) else str(ns)
-        ver = attrs.get("plugin_version", b"1")
-        ver = ver.decode() if isinstance(ver, bytes) else str(ver)
-        spec = specs.get(n.op_type)
-        if spec is None:
-            out[name] = f"op {n.op_type!r} is not an optfuse op (known: {', '.join(sorted(specs))})"
-        elif ver != spec.plugin_version:
-            out[name] = f"plugin_version {ver!r}, but optfuse provides {n.op_type} version {spec.plugin_version!r}"
-        elif ns and ns != spec.domain:
-            out[name] = f"plugin_namespace {ns!r}, but optfuse plugins live in namespace {spec.domain!r}"
-        else:
-            missing = [a.name for a in spec.attributes if a.name not in attrs and a.default is None]
-            if missing:
-                out[name] = f"attribute(s) {', '.join(missing)} missing (no default)"
-    return out
-
-
-def prepare_for_trt(model: onnx.ModelProto, plugin_mode: str) -> onnx.ModelProto:
-    """The copy handed to the parser (see module doc); ``model`` is not modified."""
-    from ..spec import load_specs
-
-    specs = load_specs()
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    keep = [f for f in m.functions if f.domain != DOMAIN]
-    del m.functions[:]
-    m.functions.extend(keep)
-    for n in m.graph.node:
-        if n.domain != DOMAIN or n.op_type not in specs:
-            continue
-        spec = specs[n.op_type]
-        have = {a.name for a in n.attribute}
-        if "plugin_namespace" not in have:
-            n.attribute.append(onnx.helper.make_attribute("plugin_namespace", spec.domain))
-        if "plugin_version" not in have:
-            n.attribute.append(onnx.helper.make_attribute("plugin_version", spec.plugin_version))
-        for a in spec.attributes:
-            if a.name not in have and a.default is not None:
-                v = a.default
-                v = float(v) if a.type == "float" else int(v) if a.type == "int" else v
-                n.attribute.append(onnx.helper.make_attribute(a.name, v))
-        if plugin_mode == "qdp" and "aot" not in have:
-            n.attribute.append(onnx.helper.make_attribute("aot", 1))
-    return m
-
-
-def input_profiles(model: onnx.ModelProto, dims: dict[str, Any] | None = None,
-                   input_shapes: dict[str, list[int | str]] | None = None) -> dict[str, dict[str, list[int]]]:
-    """{input: {"min": [...], "opt": [...], "max": [...]}} for every graph input with a symbolic dim.
-
-    ``dims`` maps dim names to (min, opt, max), an int, or an object/dict with min/opt/max;
-    ``input_shapes`` (from a recipe) overrides an input's ONNX shape spelling.
-    """
-    dims = {k: _dim_range(k, v) for k, v in (dims or {}).items()}
-    inits = {i.name for i in model.graph.initializer}
-    out: dict[str, dict[str, list[int]]] = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        shape: list[int | str | None]
-        if input_shapes and vi.name in input_shapes:
-            shape = list(input_shapes[vi.name])
-        else:
-            shape = []
-            for d in vi.type.tensor_type.shape.dim:
-                shape.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
-        if all(isinstance(d, int) for d in shape):
-            continue
-        lo, mid, hi = [], [], []
-        for j, d in enumerate(shape):
-            if isinstance(d, int):
-                r = (d, d, d)
-            elif d is None:
-                raise InputError(f"input {vi.name!r} dim {j} has no size and no name; give it a shape in the recipe")
-            elif d in dims:
-                r = dims[d]
-            else:
-                declared = ", ".join(sorted(dims)) or "none"
-                raise InputError(
-                    f"input {vi.name!r} dim {j} is {d!r}, which has no min/opt/max (declared dims: {declared}); "
-                    "add it to the recipe's 'dims'"
-                )
-            lo.append(r[0])
-            mid.append(r[1])
-            hi.append(r[2])
-        out[vi.name] = {"min": lo, "opt": mid, "max": hi}
-    return out
-
-
-def _dim_range(name: str, v: Any) -> DimRange:
-    if isinstance(v, int):
-        return (v, v, v)
-    if isinstance(v, dict):
-        r = (int(v["min"]), int(v["opt"]), int(v["max"]))
-    elif hasattr(v, "min") and hasattr(v, "opt"):
-        r = (int(v.min), int(v.opt), int(v.max))
-    else:
-        r = tuple(int(x) for x in v)  # type: ignore[assignment]
-    if len(r) != 3 or not 1 <= r[0] <= r[1] <= r[2]:
-        raise InputError(f"dim {name!r}: expected 1 <= min <= opt <= max, got {v!r}")
-    return r  # type: ignore[return-value]
-
-
-def parse_target(target: Any) -> int | None:
-    if target in (None, "", "auto"):
-        return None
-    from ..kernels.target import parse_arch
-
-    try:
-        return parse_arch(str(target) if not isinstance(target, int) else target)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
+    dims: dict[str, DimRange] = field(default_factory=dict)
+    input_shapes: dict[str, list[int | str]] | None = None
+    source: str = "static shapes"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -324,42 +162,17 @@ def build_engine(
 ) -> tuple[bytes, BuildReport]:
     """Build an engine in this process; returns (engine bytes, report). See module doc."""
     onnx_path = Path(onnx_path)
-    if not onnx_path.is_file():
-        raise InputError(f"model {onnx_path}: file not found")
-    try:
-        model = onnx.load(str(onnx_path), load_external_data=False)
-    except Exception as exc:
-        raise InputError(f"model {onnx_path}: not a readable ONNX file ({exc})") from None
+    model = _load(onnx_path)
     be = compat.load(backend)
     trt = be.trt
-    arch = parse_target(target)
-    compat.check_target(be, arch)
-    gpu = _gpu_arch()
-    if not be.is_rtx:
-        if gpu is None:
-            raise BuildError(f"{be.label} builds engines on a GPU and none was found; use --backend tensorrt_rtx for a CPU-only build")
-        if arch is not None and arch != gpu:
-            raise InputError(f"{be.label} builds for the GPU present (sm_{gpu}); --target sm_{arch} needs that GPU")
-        arch = gpu
-    mode = plugin_mode or be.plugin_mode
-    if mode == "qdp" and not be.has_qdp_aot:
-        raise InputError(f"{be.label} has no AOT Python plugins (QDP needs TensorRT >= 10.9)")
-    if mode == "python" and not be.has_plugin_v3:
-        raise InputError(f"{be.label} has no Python IPluginV3 classes")
+    arch, gpu = _build_arch(be, parse_target(target))
+    mode = _plugin_mode(be, plugin_mode)
 
     nodes = optfuse_nodes(model)
     diagnosis = diagnose_nodes(model)
     prepared = prepare_for_trt(model, mode)
     profiles = input_profiles(model, dims, input_shapes)
-
-    if mode == "qdp":
-        from . import qdp
-
-        qdp.register_all(be, arch=arch)
-    else:
-        from . import plugins
-
-        plugins.register_all(be)
+    _register_plugins(be, mode, arch)
 
     logger = _make_logger(trt)
     report = BuildReport(
@@ -369,31 +182,12 @@ def build_engine(
     try:
         t0 = time.perf_counter()
         builder = trt.Builder(logger)
-        flags = 0
-        if be.has_strongly_typed_flag:
-            flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-        if mode == "qdp" and hasattr(trt.NetworkDefinitionCreationFlag, "PREFER_AOT_PYTHON_PLUGINS"):
-            flags |= 1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS)
-        network = builder.create_network(flags)
-        parser = trt.OnnxParser(network, logger)
-        ok = parser.parse(prepared.SerializeToString(), str(onnx_path))
+        # the parser owns the weights the network points at: it stays referenced until the build is done
+        network, _parser = _parse(be, builder, logger, mode, prepared, onnx_path, model, diagnosis)
         report.parse_seconds = time.perf_counter() - t0
-        if not ok:
-            raise BuildError(_parse_failure(parser, model, diagnosis))
-
         _inspect_layers(trt, network, nodes, report, diagnosis)
 
-        config = builder.create_builder_config()
-        if profiles:
-            prof = builder.create_optimization_profile()
-            for name, p in profiles.items():
-                prof.set_shape(name, p["min"], p["opt"], p["max"])
-            config.add_optimization_profile(prof)
-        if be.is_rtx and arch is not None:
-            config.num_compute_capabilities = 1
-            config.set_compute_capability(getattr(trt.ComputeCapability, f"SM{arch}"), 0)
-        if opt_level is not None:
-            config.builder_optimization_level = int(opt_level)
+        config = _config(be, builder, profiles, arch, opt_level)
         cache_obj = None
         if timing_cache is not None and hasattr(config, "create_timing_cache"):
             tc = Path(timing_cache)
@@ -419,6 +213,83 @@ def build_engine(
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             Path(log_path).write_text("".join(f"[{s}] {m}\n" for s, m in logger.lines))
             report.build_log = str(log_path)
+
+
+def _load(onnx_path: Path) -> onnx.ModelProto:
+    if not onnx_path.is_file():
+        raise InputError(f"model {onnx_path}: file not found")
+    try:
+        return onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as exc:
+        raise InputError(f"model {onnx_path}: not a readable ONNX file ({exc})") from None
+
+
+def _build_arch(be: compat.Backend, arch: int | None) -> tuple[int | None, int | None]:
+    """(the arch the engine targets, the GPU present): RTX builds for any arch it supports;
+    standard TensorRT only for the GPU present."""
+    compat.check_target(be, arch)
+    gpu = _gpu_arch()
+    if not be.is_rtx:
+        if gpu is None:
+            raise BuildError(f"{be.label} builds engines on a GPU and none was found; use --backend tensorrt_rtx for a CPU-only build")
+        if arch is not None and arch != gpu:
+            raise InputError(f"{be.label} builds for the GPU present (sm_{gpu}); --target sm_{arch} needs that GPU")
+        arch = gpu
+    return arch, gpu
+
+
+def _plugin_mode(be: compat.Backend, plugin_mode: str | None) -> str:
+    mode = plugin_mode or be.plugin_mode
+    if mode == "qdp" and not be.has_qdp_aot:
+        raise InputError(f"{be.label} has no AOT Python plugins (QDP needs TensorRT >= 10.9)")
+    if mode == "python" and not be.has_plugin_v3:
+        raise InputError(f"{be.label} has no Python IPluginV3 classes")
+    return mode
+
+
+def _register_plugins(be: compat.Backend, mode: str, arch: int | None) -> None:
+    if mode == "qdp":
+        from . import qdp
+
+        qdp.register_all(be, arch=arch)
+    else:
+        from . import plugins
+
+        plugins.register_all(be)
+
+
+def _parse(be: compat.Backend, builder, logger, mode: str, prepared: onnx.ModelProto, onnx_path: Path,
+           model: onnx.ModelProto, diagnosis: dict[str, str]):
+    """(network, parser) parsed from the prepared model; BuildError naming every node the parser rejected."""
+    trt = be.trt
+    flags = 0
+    if be.has_strongly_typed_flag:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    if mode == "qdp" and hasattr(trt.NetworkDefinitionCreationFlag, "PREFER_AOT_PYTHON_PLUGINS"):
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(prepared.SerializeToString(), str(onnx_path)):
+        raise BuildError(_parse_failure(parser, model, diagnosis))
+    return network, parser
+
+
+def _config(be: compat.Backend, builder, profiles: dict[str, dict[str, list[int]]], arch: int | None,
+            opt_level: int | None):
+    """Builder config: the optimization profile, the RTX compute capability, the optimization level."""
+    trt = be.trt
+    config = builder.create_builder_config()
+    if profiles:
+        prof = builder.create_optimization_profile()
+        for name, p in profiles.items():
+            prof.set_shape(name, p["min"], p["opt"], p["max"])
+        config.add_optimization_profile(prof)
+    if be.is_rtx and arch is not None:
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(getattr(trt.ComputeCapability, f"SM{arch}"), 0)
+    if opt_level is not None:
+        config.builder_optimization_level = int(opt_level)
+    return config
 
 
 def _target_label(be: compat.Backend, arch: int | None) -> str:

@@ -1,13 +1,17 @@
-"""Run a built engine through polygraphy's TensorRT runner and compare it with the FP32 original
-(onnxruntime), on the same inputs verify uses. Needs a GPU the engine can run on; callers check
-:attr:`BuildReport.runnable_here` first and report why not otherwise.
+"""Run a built engine through polygraphy's TensorRT runner (optfuse's plugins registered first).
+
+:func:`run_engine` takes feed dicts and returns the engine's outputs per feed; it knows nothing
+about references or tolerances. The engine accuracy check is the verify stage's
+:func:`optfuse.verify.verify_against` with this function as the candidate runner (the pipeline
+wires the two). Needs a GPU the engine can run on; callers check
+:attr:`~optfuse.trt.build.BuildReport.runnable_here` first and report why not otherwise.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -21,14 +25,9 @@ def polygraphy_env(backend: str | None) -> None:
         os.environ["POLYGRAPHY_USE_TENSORRT_RTX"] = "1"
 
 
-def verify_engine(original: str | os.PathLike, engine: str | os.PathLike, recipe: Any = None, *,
-                  backend: str | None = None, iterations: int = 3, seed: int = 0) -> Any:
-    """VerifyResult of the engine against the FP32 original (onnxruntime CPU)."""
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-
-    from ..ir import load_model
-    from ..verify import InputInfo, VerifyResult, _tolerance, compare_arrays, make_feed, plan_inputs
-
+def run_engine(engine: str | os.PathLike, feeds: Sequence[Mapping[str, np.ndarray]], *,
+               backend: str | None = None) -> list[dict[str, np.ndarray]]:
+    """The engine's outputs (name -> array) for every feed dict, in order."""
     be = compat.load(backend)
     polygraphy_env(be.name)
     import polygraphy.config as pgc
@@ -46,21 +45,8 @@ def verify_engine(original: str | os.PathLike, engine: str | os.PathLike, recipe
         from . import plugins
 
         plugins.register_all(be)
-    ref_model = load_model(original)
-    plans = plan_inputs(ref_model, recipe)
-    rng = np.random.default_rng(seed)
-    feeds = [make_feed(plans, rng) for _ in range(iterations)]
-    ref_runner = OnnxrtRunner(SessionFromOnnx(str(original), providers=["cpu"]), name="original")
-    ref, got = [], []
-    with ref_runner:
-        for f in feeds:
-            ref.append(ref_runner.infer(f))
+    got = []
     with TrtRunner(EngineFromBytes(Path(engine).read_bytes()), name="engine") as runner:
         for f in feeds:
-            got.append({k: np.array(v) for k, v in runner.infer(f).items()})
-    outputs = []
-    for o in ref_model.graph.output:
-        a, r = _tolerance(o.name, recipe, None, None, recipe.precision.mode if recipe else "fp32")
-        outputs.append(compare_arrays(o.name, [x[o.name] for x in ref], [x[o.name] for x in got], a, r))
-    infos = [InputInfo(p.name, np.dtype(p.dtype).name, list(p.shape), p.source) for p in plans]
-    return VerifyResult(outputs, infos, len(feeds), seed, str(original), str(engine))
+            got.append({k: np.array(v) for k, v in runner.infer(dict(f)).items()})
+    return got

@@ -1,25 +1,23 @@
-"""Stage `report`: ``fusion_report.json`` and ``fusion_report.md`` from a FusionResult.
+"""``fusion_report.json`` and ``fusion_report.md`` from a FusionResult.
 
 The report lists what was fused (rule, op, fused node, the original nodes it replaced, extra facts
 the rule recorded such as the attention mask class), what was not and why, and an estimate of the
 HBM traffic each fusion saves: bytes the original nodes read and wrote minus what the fused node
-reads and writes, with symbolic dims resolved from the recipe's opt shapes (or verify's defaults).
-An estimate that depends on a dim nobody resolved is ``null`` in JSON and ``unknown`` in Markdown.
+reads and writes, with symbolic dims resolved from the recipe's opt shapes (or the defaults of
+:mod:`optfuse.defaults`). An estimate that depends on a dim nobody resolved is ``null`` in JSON and ``unknown`` in Markdown.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from . import __version__
-from .estimate import TrafficEstimate
-from .rewrite import FusionResult
+from .. import __version__
+from ..estimate import TrafficEstimate
+from ..rewrite import FusionResult
+from .common import atomic_write, format_bytes, json_default, jsonable, md_cell, names_cell, short
 
 REPORT_JSON = "fusion_report.json"
 REPORT_MD = "fusion_report.md"
@@ -39,7 +37,7 @@ def build_report(result: FusionResult, *, estimate: TrafficEstimate | None = Non
             "node": acc.node_name,
             "nodes": list(acc.nodes),
             "hbm_saved_bytes": estimate.saved_bytes.get(acc.node_name) if estimate is not None else None,
-            "info": _jsonable(info),
+            "info": jsonable(info),
         })
     known = [f["hbm_saved_bytes"] for f in fusions if f["hbm_saved_bytes"] is not None]
     report: dict[str, Any] = {
@@ -109,16 +107,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report["fusions"]:
         lines += ["| fused node | op | rule | original nodes | HBM saved | info |", "|---|---|---|---|---:|---|"]
         for f in report["fusions"]:
-            info = ", ".join(f"{k}={_short(v)}" for k, v in f.get("info", {}).items())
-            lines.append(f"| `{f['node']}` | {f['op']} | `{f['rule']}` | {_names(f['nodes'])} | "
-                         f"{format_bytes(f['hbm_saved_bytes'])} | {_md(info)} |")
+            info = ", ".join(f"{k}={short(v)}" for k, v in f.get("info", {}).items())
+            lines.append(f"| `{f['node']}` | {f['op']} | `{f['rule']}` | {names_cell(f['nodes'])} | "
+                         f"{format_bytes(f['hbm_saved_bytes'])} | {md_cell(info)} |")
     else:
         lines.append("None.")
     lines += ["", "## Not fused", ""]
     if report["rejected"]:
         lines += ["| rule | op | nodes | reason |", "|---|---|---|---|"]
         for r in report["rejected"]:
-            lines.append(f"| `{r['rule']}` | {r['op']} | {_names(r['nodes'])} | {_md(r['reason'])} |")
+            lines.append(f"| `{r['rule']}` | {r['op']} | {names_cell(r['nodes'])} | {md_cell(r['reason'])} |")
     else:
         lines.append("No candidate was rejected.")
     return "\n".join(lines) + "\n"
@@ -129,65 +127,6 @@ def write_report(report: dict[str, Any], directory: str | os.PathLike, stem: str
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
-    _atomic_write(json_path, json.dumps(report, indent=2, default=_json_default) + "\n")
-    _atomic_write(md_path, render_markdown(report))
+    atomic_write(json_path, json.dumps(report, indent=2, default=json_default) + "\n")
+    atomic_write(md_path, render_markdown(report))
     return json_path, md_path
-
-
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "unknown"
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{sign}{n} B" if unit == "B" else f"{sign}{n:.1f} {unit}"
-        n /= 1024
-    return f"{sign}{n:.1f} GiB"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _names(nodes: list[str], limit: int = 6) -> str:
-    shown = ", ".join(f"`{n}`" for n in nodes[:limit])
-    more = len(nodes) - limit
-    return shown + (f" (+{more} more)" if more > 0 else "")
-
-
-def _short(v: Any) -> str:
-    text = json.dumps(v, default=_json_default) if not isinstance(v, str) else v
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _jsonable(v: Any) -> Any:
-    return json.loads(json.dumps(v, default=_json_default))
-
-
-def _json_default(v: Any) -> Any:
-    if isinstance(v, np.ndarray):
-        return v.tolist() if v.size <= 64 else f"<array {list(v.shape)} {v.dtype}>"
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, (set, tuple)):
-        return list(v)
-    if isinstance(v, Path):
-        return str(v)
-    if hasattr(v, "name") and hasattr(v, "op"):  # a gs.Node
-        return v.name or v.op
-    if hasattr(v, "name"):  # a gs.Tensor
-        return v.name
-    return str(v)

@@ -1,6 +1,5 @@
-"""``optfuse kernels build|list`` (typer sub-app ``kernels_app``; mounted by optfuse.cli).
-
-Also runnable alone: ``python -m optfuse.kernels build --target sm_90``.
+"""``optfuse kernels build|list``: prebuild the plugin kernels into the cache and list it (typer
+sub-app ``kernels_app``, mounted by :mod:`optfuse.cli.app` when :mod:`optfuse.kernels` imports).
 """
 
 from __future__ import annotations
@@ -21,9 +20,10 @@ def build(
     force: bool = typer.Option(False, "--force", help="recompile even when cached"),
 ) -> None:
     """Prebuild every plugin kernel into the cache."""
-    from .cache import default_cache
-    from .registry import all_sources
-    from .target import arch_name, resolve_arch
+    from ..kernels.cache import default_cache
+    from ..kernels.registry import all_sources
+    from ..kernels.target import resolve_arch
+    from ..target import arch_name
 
     cache = default_cache()
     archs = [resolve_arch(t) for t in target.split(",")] if target else [resolve_arch(None)]
@@ -46,8 +46,8 @@ def list_kernels(
     target: Optional[str] = typer.Option(None, "--target", "-t", help="only this arch"),
 ) -> None:
     """Show the kernels in the cache."""
-    from .cache import default_cache
-    from .target import arch_name, parse_arch
+    from ..kernels.cache import default_cache
+    from ..target import arch_name, parse_arch
 
     cache = default_cache()
     want = arch_name(parse_arch(target)) if target else None
@@ -65,7 +65,3 @@ def list_kernels(
             f"{meta['threads']:>5} {meta['shared_mem']:>6} {size:>7}  {'yes' if meta.get('has_ptx') else 'no'}"
         )
     typer.echo(f"{n} kernels in {cache.root}")
-
-
-def main() -> None:
-    kernels_app()

@@ -1,0 +1,79 @@
+"""The ``build`` and ``convert`` commands: parse, call :mod:`optfuse.pipeline`, print."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .ui import RECIPE_OPTION, console, guarded, progress
+
+
+@guarded
+def build(
+    model: Path = typer.Argument(..., help="Fused (precision) ONNX model."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Engine file (default: MODEL.plan).",
+                                          show_default=False),
+    recipe: Optional[Path] = RECIPE_OPTION,
+    target: Optional[str] = typer.Option(None, "--target", help="GPU arch, e.g. sm_89 (RTX: sm_80/86/89/120).",
+                                         show_default=False),
+    backend: Optional[str] = typer.Option(None, "--backend", help="auto | tensorrt | tensorrt_rtx (rtx).",
+                                          show_default=False),
+    timing_cache: Optional[Path] = typer.Option(None, "--timing-cache", help="Timing cache file (read and updated).",
+                                                show_default=False),
+) -> None:
+    """Build a TensorRT engine; fails (exit 2) if any optfuse node does not become a plugin layer."""
+    from .. import pipeline
+
+    rec = pipeline.read_recipe(recipe)
+    with progress("building") as status:
+        outcome = pipeline.build(model, output, rec, target=target, backend=backend, timing_cache=timing_cache,
+                                 status=status)
+    out = console()
+    r = outcome.report
+    out.print(f"built [bold]{outcome.engine}[/] ({r.engine_bytes} bytes) with {r.backend} {r.backend_version}, "
+              f"target {r.target}")
+    out.print(f"layers: {r.layers_by_kind.get('plugin', 0)} plugin ({r.plugin_mode}), "
+              f"{r.layers_by_kind.get('native', 0)} native; optfuse nodes: {r.optfuse_nodes}")
+    for p in r.plugin_layers:
+        out.print(f"  plugin {p.name}: {p.namespace}::{p.op} v{p.version}")
+    if not r.runnable_here:
+        out.print(f"not executable here: {r.not_runnable_reason}")
+    for p in outcome.report_paths:
+        out.print(f"wrote {p}")
+    if r.build_log:
+        out.print(f"wrote {r.build_log}")
+
+
+@guarded
+def convert(
+    model: Optional[Path] = typer.Argument(None, help="Exported ONNX model (default: the recipe's).",
+                                           show_default=False),
+    recipe: Path = typer.Option(..., "--recipe", "-r", help="Recipe YAML."),
+    outdir: Path = typer.Option(..., "--output", "-o", help="Output directory."),
+    target: Optional[str] = typer.Option(None, "--target", help="GPU arch (default: the recipe's).",
+                                         show_default=False),
+    backend: Optional[str] = typer.Option(None, "--backend", help="auto | tensorrt | tensorrt_rtx.",
+                                          show_default=False),
+    skip_build: bool = typer.Option(False, "--skip-build", help="Stop after verification."),
+) -> None:
+    """fuse -> precision -> verify -> build -> engine check; writes every artifact and report.md."""
+    from .. import pipeline
+    from ..errors import OptfuseError
+
+    rec = pipeline.read_recipe(recipe)
+    out = console()
+    try:
+        with progress("converting") as status:
+            result = pipeline.convert(model, rec, outdir, target=target, backend=backend, skip_build=skip_build,
+                                      status=status)
+    except OptfuseError:
+        summary = Path(outdir) / "report.md"
+        if summary.is_file():
+            out.print(f"wrote {summary}")
+        raise
+    for s in result.steps:
+        colour = {"ok": "green", "failed": "red", "skipped": "yellow"}[s.state]
+        out.print(f"[{colour}]{s.state:>7}[/] {s.name}: {s.detail.splitlines()[0] if s.detail else ''}")
+    out.print(f"wrote {result.summary}")

@@ -1,0 +1,41 @@
+"""The wiring layer: every end-to-end flow, one function per CLI command. The CLI parses and
+prints; the pipeline runs the stages; the stages never import the pipeline or the CLI.
+
+Layers (imports point down only)::
+
+    cli                  optfuse.cli: typer commands, console output, exit codes
+    pipeline             this package: inspect, fuse, verify, demo, build, convert
+    stages               ir (load, sanitize), fusions + rewrite (match, rewrite), precision,
+                         trt (compat, plugins, engine build and run), verify, report
+    bottom               ir, pattern, spec, kernels, functions, plugin_dirs, errors, recipe (schema),
+                         defaults, target, model_families
+
+Stages and their artifacts (data flows one way)::
+
+    model (file, or exported from a recipe)  --fuse-->    fused .onnx + fusion_report.{json,md}
+    original + candidate                     --verify-->  VerifyResult (per-output errors)
+    fused .onnx                              --build-->   TensorRT engine + build report
+    model or recipe                          --convert--> fuse -> precision -> verify -> build, one directory
+
+Every flow takes its inputs, the recipe, options and a `status` callback (progress text) and
+returns a typed outcome. The recipe stops here: :mod:`.options` turns it into the typed options
+each stage takes (FusionOptions, VerifyOptions, PrecisionOptions, BuildProfile). Modules:
+:mod:`.options`, :mod:`.model` (where the model comes from), :mod:`.fuse` (inspect, fuse, verify,
+demo), :mod:`.build`, :mod:`.convert`.
+"""
+
+from .build import BuildOutcome, build
+from .convert import ConvertOutcome, Step, convert
+from .fuse import (DEMO_DIR, DEMO_RECIPE, DemoOutcome, FuseOutcome, InspectOutcome, default_output, demo, fuse,
+                   inspect, raise_if_failed, verify)
+from .model import EXPORT_HINT, export_model, graph_problem, load_checked, resolve_model
+from .options import (Status, analysis_dims, build_profile, enabled_families, fusion_options, precision_options,
+                      read_recipe, verify_options)
+
+__all__ = [
+    "DEMO_DIR", "DEMO_RECIPE", "EXPORT_HINT", "BuildOutcome", "ConvertOutcome", "DemoOutcome", "FuseOutcome",
+    "InspectOutcome", "Status", "Step", "analysis_dims", "build", "build_profile", "convert", "default_output",
+    "demo", "enabled_families", "export_model", "fuse", "fusion_options", "graph_problem", "inspect",
+    "load_checked", "precision_options", "raise_if_failed", "read_recipe", "resolve_model", "verify",
+    "verify_options",
+]

@@ -1,0 +1,216 @@
+"""The convert flow: the whole pipeline into one directory::
+
+    MODEL (or the recipe's export) -> fuse -> <name>.fused.onnx, fusion_report.{json,md}
+      -> precision -> <name>.<mode>.onnx, precision_report.json
+      -> verify (FP32 original vs fused+precision, both onnxruntime CPU)
+      -> build (when a TensorRT backend is installed) -> <name>.plan, build_report.{json,md}, build.log
+      -> engine check (polygraphy TrtRunner, only when the engine can run on this GPU)
+      -> accuracy_report.{json,md}, report.md (every step: ran / skipped and why)
+
+It exits 0 when everything it ran passed; a step it could not run is reported, not failed. One
+function per step; each appends its :class:`Step` to the outcome.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import BuildError, InputError, OptfuseError, VerificationError
+from ..precision import PrecisionResult
+from ..recipe import Recipe
+from ..trt.build import BuildReport
+from ..trt.compat import Backend
+from ..verify import CheckError, NotExecuted, VerifyResult
+from .build import build
+from .fuse import FuseOutcome, fuse, verify
+from .model import resolve_model
+from .options import Status, noop, precision_options, verify_options
+
+
+@dataclass
+class Step:
+    name: str
+    state: str  # ok | failed | skipped
+    detail: str = ""
+    artifacts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ConvertOutcome:
+    outdir: Path
+    steps: list[Step] = field(default_factory=list)
+    summary: Path | None = None
+    #: "onnxruntime" / "engine" -> the comparison, or why there is none
+    accuracy: dict[str, VerifyResult | CheckError | NotExecuted] = field(default_factory=dict)
+    build_report: BuildReport | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(s.state != "failed" for s in self.steps)
+
+    def step(self, name: str) -> Step | None:
+        return next((s for s in self.steps if s.name == name), None)
+
+
+def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str | os.PathLike, *,
+            target: str | None = None, backend: str | None = None, iterations: int | None = None, seed: int = 0,
+            skip_build: bool = False, status: Status = noop) -> ConvertOutcome:
+    """The whole pipeline (see module doc). Raises VerificationError (exit 1) / BuildError (exit 2)
+    after writing every report when a step that ran failed."""
+    from ..report import write_accuracy_report, write_summary
+    from ..trt import compat
+    from ..trt.run import polygraphy_env
+
+    if recipe is None:
+        raise InputError("convert needs a recipe (-r RECIPE.yaml): it gives the dims, precision and tolerances")
+    outdir = Path(outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise InputError(f"output directory {outdir} is a file")
+    outdir.mkdir(parents=True, exist_ok=True)
+    res = ConvertOutcome(outdir)
+    resolved = compat.resolve_backend(backend or recipe.target.backend)  # InputError for an unknown name
+    if resolved is not None:
+        polygraphy_env(resolved)  # before verify imports polygraphy
+
+    path = resolve_model(model, recipe, workdir=outdir, status=status)
+    fused = _fuse_step(res, path, recipe, status)
+    prec_path, prec = _precision_step(res, path.stem, fused.output, recipe, status)
+    _verify_step(res, path, prec_path, recipe, iterations, seed, status)
+    engine_path = outdir / f"{path.stem}.plan"
+    build_error = _build_step(res, prec_path, engine_path, recipe, resolved, target, skip_build, status)
+    _engine_step(res, path, engine_path, recipe, resolved, iterations, seed, status)
+
+    write_accuracy_report(res.accuracy, outdir)
+    res.summary = write_summary(recipe.name, path, outdir, res.steps, fused.report, prec, res.accuracy,
+                                res.build_report)
+    if build_error is not None:
+        raise type(build_error)(str(build_error))
+    failed = [s for s in res.steps if s.state == "failed"]
+    if failed:
+        raise VerificationError("; ".join(f"{s.name}: {s.detail.splitlines()[0] if s.detail else 'failed'}" for s in failed)
+                                + f" (see {res.summary})")
+    return res
+
+
+def _fuse_step(res: ConvertOutcome, path: Path, recipe: Recipe, status: Status) -> FuseOutcome:
+    fused_path = res.outdir / f"{path.stem}.fused.onnx"
+    out = fuse(path, fused_path, recipe, workdir=res.outdir, status=status)
+    n_fused = len(out.report.get("fusions", []))
+    res.steps.append(Step("fuse", "ok", f"{n_fused} fused node(s); {len(out.report.get('rejected', []))} rejected",
+                          [str(fused_path), *map(str, out.report_paths)]))
+    return out
+
+
+def _precision_step(res: ConvertOutcome, name: str, fused_path: Path, recipe: Recipe,
+                    status: Status) -> tuple[Path, PrecisionResult]:
+    from ..ir import load_model, save_model
+    from ..precision import apply_precision
+    from ..report import write_precision_report
+
+    options = precision_options(recipe)
+    mode = options.mode
+    status(f"precision: {mode}")
+    prec_model, prec = apply_precision(load_model(fused_path), options)
+    prec_path = res.outdir / f"{name}.{mode}.onnx"
+    if mode == "fp32":
+        shutil.copyfile(fused_path, prec_path)
+    else:
+        save_model(prec_model, prec_path)
+    report_path = write_precision_report(prec, res.outdir)
+    res.steps.append(Step("precision", "ok", f"{mode}; {prec.casts_added} Cast(s) added; kept FP32: "
+                          f"{', '.join(prec.keep_fp32_ops) or 'none'}", [str(prec_path), str(report_path)]))
+    return prec_path, prec
+
+
+def _verify_step(res: ConvertOutcome, path: Path, prec_path: Path, recipe: Recipe, iterations: int | None,
+                 seed: int, status: Status) -> None:
+    from ..report import verify_line
+    from ..report.accuracy import ACCURACY_MD
+
+    status("verifying in onnxruntime")
+    try:
+        v = verify(path, prec_path, recipe, iterations=iterations, seed=seed, status=status)
+    except VerificationError as exc:
+        res.accuracy["onnxruntime"] = CheckError(str(exc))
+        res.steps.append(Step("verify (onnxruntime)", "failed", str(exc)))
+        return
+    res.accuracy["onnxruntime"] = v
+    res.steps.append(Step("verify (onnxruntime)", "ok" if v.passed else "failed", verify_line(v),
+                          [str(res.outdir / ACCURACY_MD)]))
+
+
+def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe: Recipe, resolved: str | None,
+                target: str | None, skip_build: bool, status: Status) -> OptfuseError | None:
+    """The build step; returns the build's error (re-raised after the reports are written)."""
+    from ..trt import compat
+
+    if skip_build:
+        res.steps.append(Step("build", "skipped", "--skip-build"))
+        return None
+    if resolved is None:
+        res.steps.append(Step("build", "skipped", "no TensorRT backend is installed (pip install 'optfuse[trt-rtx]' "
+                              "for CPU-only TensorRT-RTX builds, or tensorrt on a GPU machine)"))
+        return None
+    be = compat.load(resolved)
+    explicit = target is not None
+    tgt, note = _rtx_target_for(target or recipe.target.arch, explicit, be)
+    if not be.is_rtx and not explicit:
+        tgt = None  # standard TensorRT builds for the GPU present; build checks it against the recipe
+    try:
+        b = build(prec_path, engine_path, recipe, target=tgt, backend=resolved, use_recipe_target=False, status=status)
+    except (BuildError, InputError) as exc:
+        res.steps.append(Step("build", "failed", str(exc)))
+        return exc
+    res.build_report = r = b.report
+    detail = (f"{be.label}, target {r.target}: {r.layers_by_kind.get('plugin', 0)} plugin / "
+              f"{r.layers_by_kind.get('native', 0)} native layers, engine {r.engine_bytes} B")
+    res.steps.append(Step("build", "ok", detail + (f"; note: {note}" if note else ""),
+                          [str(engine_path), *map(str, b.report_paths), str(res.outdir / "build.log")]))
+    return None
+
+
+def _rtx_target_for(recipe_target: str | None, explicit: bool, be: Backend) -> tuple[str | None, str]:
+    """RTX cannot build every arch; a recipe's arch it lacks falls back to RTX's defaults (an
+    explicit --target does not: that is an error, from build)."""
+    from ..target import parse_arch
+
+    if recipe_target is None or explicit or not be.is_rtx:
+        return recipe_target, ""
+    cc = parse_arch(recipe_target)
+    if cc in be.compute_capabilities:
+        return recipe_target, ""
+    caps = ", ".join(f"sm_{c}" for c in (80, 86, 89, 120) if c in be.compute_capabilities)
+    return None, (f"the recipe targets {recipe_target}, which TensorRT-RTX cannot build for; the RTX engine targets "
+                  f"its defaults ({caps}) and validates the build path; a {recipe_target} engine needs TensorRT on that GPU")
+
+
+def _engine_step(res: ConvertOutcome, path: Path, engine_path: Path, recipe: Recipe, resolved: str | None,
+                 iterations: int | None, seed: int, status: Status) -> None:
+    """The engine check: the FP32 original in onnxruntime vs the engine, at the recipe's precision."""
+    from ..report import verify_line
+    from ..trt.run import run_engine
+    from ..verify import verify_against
+
+    rep = res.build_report
+    if rep is None:
+        res.steps.append(Step("verify (engine)", "skipped", "no engine was built"))
+        return
+    if not rep.runnable_here:
+        res.accuracy["engine"] = NotExecuted(reason=rep.not_runnable_reason)
+        res.steps.append(Step("verify (engine)", "skipped", f"engine not executed: {rep.not_runnable_reason}"))
+        return
+    status("running the engine")
+    try:
+        ve = verify_against(path, functools.partial(run_engine, engine_path, backend=resolved), verify_options(recipe),
+                            mode=recipe.precision.mode, iterations=iterations or 3, seed=seed,
+                            candidate_label=str(engine_path))
+    except Exception as exc:  # a runtime failure of the engine is a failed check, reported
+        res.accuracy["engine"] = NotExecuted(error=f"{type(exc).__name__}: {exc}")
+        res.steps.append(Step("verify (engine)", "failed", f"{type(exc).__name__}: {exc}"))
+        return
+    res.accuracy["engine"] = ve
+    res.steps.append(Step("verify (engine)", "ok" if ve.passed else "failed", verify_line(ve)))

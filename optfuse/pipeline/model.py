@@ -1,0 +1,95 @@
+"""Where a flow's model comes from (the argument, the recipe's path, or an export through
+:mod:`optfuse.models`) and how it is loaded: :func:`load_checked` adds a structural check, so a
+graph that does not hold together is bad input (exit 2) before any stage runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+
+from ..errors import InputError, OptfuseError
+from ..recipe import Recipe
+from .options import Status, noop
+
+EXPORT_HINT = "pip install -e '.[export]' torch==2.13.0"
+
+
+def resolve_model(model: str | os.PathLike | None, recipe: Recipe | None, workdir: Path | None = None,
+                  status: Status = noop) -> Path:
+    """The model file to work on: the argument, else the recipe's path, else exported per the recipe."""
+    if model is not None:
+        return Path(model)
+    if recipe is None:
+        raise InputError("no model given: pass MODEL.onnx or a recipe (-r) that names one")
+    if recipe.model.path is not None:
+        return recipe.resolve_path(recipe.model.path)
+    spec = recipe.model.export
+    out_dir = Path(workdir) if workdir is not None else Path.cwd()
+    dest = out_dir / f"{recipe.name}.onnx"
+    status(f"exporting {spec.family} ({spec.exporter}, attn={spec.attn})")
+    return export_model(spec.family, dest, exporter=spec.exporter, attn=spec.attn, opset=spec.opset, config=spec.config)
+
+
+def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = "sdpa", opset: int | None = None,
+                 config: dict | None = None) -> Path:
+    """Export a tiny model of `family` through optfuse.models (needs torch + transformers)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise InputError(f"exporting a model needs torch and transformers ({exc.name} is missing): {EXPORT_HINT}") from None
+    try:
+        from .. import models
+    except ModuleNotFoundError as exc:
+        if exc.name == "optfuse.models":
+            raise InputError("this optfuse has no model exporter (optfuse.models)") from None
+        raise InputError(f"exporting a model needs {exc.name}: {EXPORT_HINT}") from None
+    if family not in models.FAMILIES:
+        raise InputError(f"unknown model family {family!r}; known: {', '.join(models.FAMILIES)}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return Path(models.export(family, dest, exporter=exporter, attn=attn, opset=opset, **(config or {})))
+    except models.ExportError as exc:
+        raise OptfuseError(str(exc)) from None
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def load_checked(path: Path) -> onnx.ModelProto:
+    """load_model plus a structural check: a graph that does not hold together is bad input (exit 2).
+
+    Not onnx.checker: it rejects models onnxruntime runs (outputs without shapes, unsorted nodes).
+    """
+    from ..ir import load_model
+
+    proto = load_model(path)
+    problem = graph_problem(proto.graph)
+    if problem:
+        raise InputError(f"{path} is not a valid ONNX graph: {problem}")
+    return proto
+
+
+def graph_problem(graph: onnx.GraphProto) -> str | None:
+    """The first structural defect of a top-level graph, or None: dangling inputs, tensors produced
+    twice, graph outputs nothing produces, standard-domain ops ONNX does not define."""
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    known |= {t.name for t in graph.sparse_initializer}
+    produced: set[str] = set()
+    for n in graph.node:
+        for o in n.output:
+            if o and o in produced:
+                return f"tensor {o!r} is produced twice (node {n.name or n.op_type})"
+            produced.add(o)
+    available = known | produced
+    for n in graph.node:
+        for i in n.input:
+            if i not in available:
+                return f"node {n.name or n.op_type!r} ({n.op_type}) reads {i!r}, which no node, input or initializer provides"
+        if n.domain in ("", "ai.onnx", "ai.onnx.ml") and not onnx.defs.has(n.op_type, n.domain):
+            return f"node {n.name or n.op_type!r} uses {n.op_type!r}, which is not an ONNX operator"
+    for o in graph.output:
+        if o.name not in available:
+            return f"graph output {o.name!r} is not produced by any node"
+    return None

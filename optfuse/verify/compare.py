@@ -1,0 +1,222 @@
+"""Running the original and the candidate on the same feeds and comparing every output."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import numpy as np
+import onnx
+
+from ..errors import InputError, VerificationError
+from .inputs import InputPlan, make_feed, plan_inputs
+from .options import DEFAULT_ITERATIONS, InputInfo, OutputResult, VerifyOptions, VerifyResult, tolerance
+
+# ------------------------------------------------------------------------------------------------
+# Running and comparing
+# ------------------------------------------------------------------------------------------------
+def _prepare_polygraphy() -> None:
+    """Quiet polygraphy's logger, and keep it from importing torch on every inference.
+
+    polygraphy's ``util.array.is_torch`` imports torch (seconds) just to ask whether a NumPy feed is a
+    torch tensor; an object can only be one if torch is already imported, so ask sys.modules instead.
+    """
+    import sys
+
+    from polygraphy.logger import G_LOGGER
+    from polygraphy.util import array as parray
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    if not getattr(parray.is_torch, "_optfuse", False):
+        def is_torch(obj) -> bool:
+            torch = sys.modules.get("torch")
+            return torch is not None and isinstance(obj, torch.Tensor)
+
+        is_torch._optfuse = True
+        parray.is_torch = is_torch
+
+
+def compare_arrays(name: str, ref: list[np.ndarray], got: list[np.ndarray], atol: float, rtol: float) -> OutputResult:
+    """Elementwise isclose over every iteration, plus max abs / max rel / mean abs error."""
+    max_abs = max_rel = 0.0
+    abs_sum, count = 0.0, 0
+    passed, note, shape = True, "", None
+    for r, g in zip(ref, got):
+        r = np.asarray(r)
+        g = np.asarray(g)
+        shape = list(r.shape)
+        if r.shape != g.shape:
+            return OutputResult(name, False, float("inf"), float("inf"), float("inf"), atol, rtol, shape,
+                                f"shape {list(g.shape)} differs from the original's {list(r.shape)}")
+        r64, g64 = r.astype(np.float64), g.astype(np.float64)
+        nan_r, nan_g = np.isnan(r64), np.isnan(g64)
+        if (nan_r != nan_g).any():
+            passed, note = False, "NaN where the original has none" if (nan_g & ~nan_r).any() else "NaN mismatch"
+        ok = ~(nan_r | nan_g)
+        with np.errstate(invalid="ignore"):  # inf - inf: handled just below
+            diff = np.abs(r64 - g64)[ok]
+        ref_abs = np.abs(r64)[ok]
+        if diff.size:
+            inf_r, inf_g = np.isinf(r64[ok]), np.isinf(g64[ok])
+            same_inf = inf_r & inf_g & (r64[ok] == g64[ok])
+            diff = np.where(same_inf, 0.0, diff)
+            max_abs = max(max_abs, float(diff.max()))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rel = np.where(diff == 0, 0.0, diff / np.where(ref_abs == 0, np.finfo(np.float64).tiny, ref_abs))
+            max_rel = max(max_rel, float(rel.max()))
+            abs_sum += float(diff.sum())
+            count += diff.size
+            if not bool((diff <= atol + rtol * np.where(np.isinf(ref_abs), 0, ref_abs)).all()):
+                passed = False
+    mean_abs = abs_sum / count if count else 0.0
+    return OutputResult(name, passed, max_abs, max_rel, mean_abs, atol, rtol, shape, note)
+
+
+ModelSource = Union[str, os.PathLike, onnx.ModelProto]
+Feeds = list[dict[str, np.ndarray]]
+#: Runs a candidate on every feed dict and returns its outputs (name -> array) per feed.
+CandidateRunner = Callable[[Feeds], Feeds]
+
+
+def verify(original: ModelSource, candidate: ModelSource,
+           options: VerifyOptions | None = None, iterations: int = DEFAULT_ITERATIONS, seed: int = 0,
+           atol: float | None = None, rtol: float | None = None,
+           feeds: Feeds | None = None,
+           on_iteration: Callable[[int], None] | None = None) -> VerifyResult:
+    """Run both models in onnxruntime on the same seeded inputs and compare every output of the original.
+
+    `atol`/`rtol` override the options for every output. `feeds` replaces input generation.
+    """
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+    from polygraphy.comparator import Comparator
+
+    from ..ir import load_model
+
+    ref_model = original if isinstance(original, onnx.ModelProto) else load_model(original)
+    cand_model = candidate if isinstance(candidate, onnx.ModelProto) else load_model(candidate)
+    plans, feeds = _plans_and_feeds(ref_model, options, iterations, seed, feeds)
+    _check_candidate_inputs(plans, cand_model)
+
+    _prepare_polygraphy()
+    # Sessions are made up front so that a model onnxruntime rejects is named: the original is bad
+    # input (exit 2), a candidate that does not load has failed verification (exit 1).
+    runners = [OnnxrtRunner(_session("original", original, ref_model, InputError), name="original"),
+               OnnxrtRunner(_session("candidate", candidate, cand_model, VerificationError), name="candidate")]
+    try:
+        results = Comparator.run(runners, data_loader=_Loader(feeds, on_iteration))
+    except Exception as exc:
+        raise VerificationError(f"onnxruntime could not run the models: {_first_line(exc)}") from None
+    if not results or len(results) != 2:
+        raise VerificationError("onnxruntime could not run the models (polygraphy returned no results)")
+    return _result(ref_model, plans, results["original"], results["candidate"], options, precision_of(cand_model),
+                   seed, _label(original), _label(candidate), atol, rtol)
+
+
+def verify_against(original: str | os.PathLike, run_candidate: CandidateRunner, options: VerifyOptions | None = None,
+                   *, mode: str = "fp32", iterations: int = DEFAULT_ITERATIONS, seed: int = 0,
+                   candidate_label: str = "") -> VerifyResult:
+    """The original in onnxruntime vs `run_candidate` (e.g. a TensorRT engine) on the same seeded
+    inputs; the candidate is held to the tolerances of precision `mode`."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    from ..ir import load_model
+
+    ref_model = load_model(original)
+    plans, feeds = _plans_and_feeds(ref_model, options, iterations, seed, None)
+    _prepare_polygraphy()
+    ref = []
+    with OnnxrtRunner(_session("original", original, ref_model, InputError), name="original") as runner:
+        for f in feeds:
+            ref.append(runner.infer(f))
+    got = run_candidate(feeds)
+    return _result(ref_model, plans, ref, got, options, mode, seed, str(original), candidate_label)
+
+
+def _plans_and_feeds(ref_model: onnx.ModelProto, options: VerifyOptions | None, iterations: int, seed: int,
+                     feeds: Feeds | None) -> tuple[list[InputPlan], Feeds]:
+    if iterations < 1:
+        raise InputError(f"iterations must be >= 1, got {iterations}")
+    plans = plan_inputs(ref_model, options)
+    if feeds is None:
+        rng = np.random.default_rng(seed)
+        feeds = [make_feed(plans, rng) for _ in range(iterations)]
+    return plans, feeds
+
+
+def _session(label: str, src: ModelSource, model: onnx.ModelProto, err: type[Exception]):
+    from polygraphy.backend.onnxrt import SessionFromOnnx
+
+    try:
+        return SessionFromOnnx(_bytes_or_path(src, model), providers=["cpu"])()
+    except Exception as exc:
+        raise err(f"onnxruntime cannot load the {label} model: {_first_line(exc)}") from None
+
+
+def _result(ref_model: onnx.ModelProto, plans: list[InputPlan], ref_iters: Sequence[Mapping[str, Any]],
+            cand_iters: Sequence[Mapping[str, Any]], options: VerifyOptions | None, mode: str, seed: int,
+            original: str, candidate: str, atol: float | None = None, rtol: float | None = None) -> VerifyResult:
+    """Compare every output of the original over all iterations (a missing one fails with a note)."""
+    outputs = []
+    for o in ref_model.graph.output:
+        a, r = tolerance(options, o.name, mode, atol, rtol)
+        if any(o.name not in it for it in cand_iters):
+            outputs.append(OutputResult(o.name, False, float("inf"), float("inf"), float("inf"), a, r, None,
+                                        "missing from the candidate"))
+            continue
+        outputs.append(compare_arrays(o.name, [it[o.name] for it in ref_iters], [it[o.name] for it in cand_iters], a, r))
+    infos = [InputInfo(p.name, np.dtype(p.dtype).name, list(p.shape), p.source) for p in plans]
+    return VerifyResult(outputs, infos, len(ref_iters), seed, original, candidate)
+
+
+class _Loader:
+    """A polygraphy data loader over prepared feed dicts (reports each iteration for progress)."""
+
+    def __init__(self, feeds: Feeds, on_iteration: Callable[[int], None] | None):
+        self.feeds = feeds
+        self.on_iteration = on_iteration
+
+    def __len__(self) -> int:
+        return len(self.feeds)
+
+    def __iter__(self):
+        for i, f in enumerate(self.feeds):
+            if self.on_iteration is not None:
+                self.on_iteration(i)
+            yield f
+
+    def __getitem__(self, i: int):
+        return self.feeds[i]
+
+
+def precision_of(model: onnx.ModelProto) -> str:
+    """'fp16' / 'bf16' when the model keeps floating weights in that type, else 'fp32': the
+    tolerance a candidate is held to follows the precision it computes in."""
+    kinds = {t.data_type for t in model.graph.initializer}
+    if onnx.TensorProto.BFLOAT16 in kinds:
+        return "bf16"
+    if onnx.TensorProto.FLOAT16 in kinds:
+        return "fp16"
+    return "fp32"
+
+
+def _check_candidate_inputs(plans: list[InputPlan], cand: onnx.ModelProto) -> None:
+    init = {t.name for t in cand.graph.initializer}
+    want = {i.name for i in cand.graph.input if i.name not in init}
+    have = {p.name for p in plans}
+    if want - have:
+        raise InputError(f"the candidate needs inputs the original does not have: {', '.join(sorted(want - have))}")
+
+
+def _bytes_or_path(src: ModelSource, model: onnx.ModelProto) -> str | bytes:
+    # a path keeps external data readable by onnxruntime; in-memory models go as bytes
+    return str(src) if isinstance(src, (str, os.PathLike)) else model.SerializeToString()
+
+
+def _label(src: ModelSource) -> str:
+    return str(src) if isinstance(src, (str, os.PathLike)) else "<in memory>"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

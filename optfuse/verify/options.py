@@ -1,0 +1,129 @@
+"""The verify stage's typed options (what it needs from a recipe) and its results (plain data)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..defaults import DEFAULT_TOLERANCES
+
+DEFAULT_ITERATIONS = 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Options
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FeedSpec:
+    """How to make one input, as a recipe's ``inputs.<name>`` describes it."""
+
+    dtype: str  # float32 | float16 | bfloat16 | int64 | int32 | int8 | uint8 | bool
+    shape: tuple[int, ...]  # concrete: every named dim at its opt value
+    kind: str | None = None  # tokens | mask | float (None: inferred from the graph)
+    range: tuple[float, float] | None = None  # [low, high)
+    npz: Path | None = None  # values from this file (resolved path)
+    npz_label: str = ""  # the file as the recipe spells it (for the inputs table)
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """(atol, rtol) of every output of a candidate in one precision mode, with per-output overrides."""
+
+    atol: float
+    rtol: float
+    outputs: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    def of(self, output: str) -> tuple[float, float]:
+        return self.outputs.get(output, (self.atol, self.rtol))
+
+
+def default_tolerances() -> dict[str, Tolerances]:
+    return {mode: Tolerances(a, r) for mode, (a, r) in DEFAULT_TOLERANCES.items()}
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """What verify needs from a recipe: input specs, the opt value of each named dim, and the
+    tolerances per precision mode (fp32 / fp16 / bf16) of the candidate."""
+
+    inputs: Mapping[str, FeedSpec] = field(default_factory=dict)
+    dims: Mapping[str, int] = field(default_factory=dict)
+    tolerances: Mapping[str, Tolerances] = field(default_factory=default_tolerances)
+
+
+def tolerance(options: VerifyOptions | None, output: str, mode: str = "fp32", atol: float | None = None,
+              rtol: float | None = None) -> tuple[float, float]:
+    """(atol, rtol) for `output` of a candidate computed in `mode`: `atol`/`rtol` when given (they
+    override everything), else the options' value for that output and mode, else the mode's default."""
+    table = (options.tolerances if options is not None else {}).get(mode)
+    a, r = table.of(output) if table is not None else DEFAULT_TOLERANCES[mode]
+    return (a if atol is None else atol), (r if rtol is None else rtol)
+
+
+# ------------------------------------------------------------------------------------------------
+# Results
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class OutputResult:
+    name: str
+    passed: bool
+    max_abs: float
+    max_rel: float
+    mean_abs: float
+    atol: float
+    rtol: float
+    shape: list[int] | None = None
+    note: str = ""  # why it failed other than by tolerance (missing output, shape mismatch, NaN)
+
+
+@dataclass
+class InputInfo:
+    name: str
+    dtype: str
+    shape: list[int]
+    source: str  # how the values were made, e.g. "tokens [0, 1000) (Gather table rows)"
+
+
+@dataclass
+class VerifyResult:
+    outputs: list[OutputResult]
+    inputs: list[InputInfo]
+    iterations: int
+    seed: int
+    original: str = ""
+    candidate: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.outputs) and all(o.passed for o in self.outputs)
+
+    @property
+    def failed(self) -> list[OutputResult]:
+        return [o for o in self.outputs if not o.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+
+@dataclass(frozen=True)
+class CheckError:
+    """A verification that raised before it compared anything (e.g. the candidate does not load)."""
+
+    error: str
+
+    passed = False
+
+
+@dataclass(frozen=True)
+class NotExecuted:
+    """A check that did not run its candidate here: `reason` (e.g. no GPU for the engine) or the
+    `error` that stopped it."""
+
+    reason: str = ""
+    error: str = ""
+
+    passed = False
