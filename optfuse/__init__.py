@@ -1,7 +1,8 @@
 """optfuse: operator fusion for exported ONNX models.
 
-Stages (one module each, data flows one way):
-load -> sanitize -> match -> rewrite -> precision -> build -> verify -> report.
+Stages (data flows one way; docs/ARCHITECTURE.md says which module owns each):
+load -> sanitize -> match -> rewrite -> estimate -> precision -> verify -> build -> verify (engine) -> report.
+:mod:`optfuse.pipeline` wires them into flows and :mod:`optfuse.cli` is the command line.
 """
 
 __version__ = "0.1.0"

@@ -1,14 +1,15 @@
 """The wiring layer: every end-to-end flow, one function per CLI command. The CLI parses and
 prints; the pipeline runs the stages; the stages never import the pipeline or the CLI.
 
-Layers (imports point down only)::
+Layers (imports point down only; the import-linter contract in pyproject.toml)::
 
     cli                  optfuse.cli: typer commands, console output, exit codes
     pipeline             this package: inspect, fuse, verify, demo, build, convert
-    stages               ir (load, sanitize), fusions + rewrite (match, rewrite), precision,
-                         trt (compat, plugins, engine build and run), verify, report
-    bottom               ir, pattern, spec, kernels, functions, plugin_dirs, errors, recipe (schema),
-                         defaults, target, model_families
+    report               every report, rendered from the stages' results
+    stages               verify | trt (compat, plugins, engine build and run) | precision | estimate
+                         | models, over fusions -> rewrite (match, rewrite) -> pattern
+    bottom               ir (load, sanitize) | kernels | recipe (schema) | functions, over spec,
+                         over defaults | target | model_families | plugin_dirs | errors
 
 Stages and their artifacts (data flows one way)::
 

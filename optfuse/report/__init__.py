@@ -10,7 +10,8 @@ modules turn it into files:
 - :mod:`.convert`: ``report.md``, the convert summary,
 - :mod:`.common`: sizes, Markdown cells, atomic writes.
 
-The report stage reads the other stages' result types and nothing reads it but the pipeline.
+The report stage reads the other stages' result types; only the pipeline (and the CLI, for
+:func:`format_bytes`) imports it.
 """
 
 from .accuracy import accuracy_dict, accuracy_markdown, verify_line, write_accuracy_report
