@@ -39,6 +39,7 @@ def versions() -> dict[str, str]:
 
 def default_stem(family: str, exporter: str, attn: str, opset: int | None = None,
                  overrides: Mapping[str, Any] | None = None) -> str:
+    """``<family>_<exporter>_<attn>[_opset<N>][_<hash of the overrides>]``."""
     stem = f"{family}_{exporter}_{attn}"
     if opset is not None:
         stem += f"_opset{opset}"
@@ -71,10 +72,10 @@ def export_model(
     """
     import torch  # noqa: F401 - a missing torch fails here, before any argument check or folder
 
-    job = _Job(family, exporter, attn, opset, seed, optimize, dict(overrides))
     get_family(family)
     check_choice("exporter", exporter, EXPORTERS)
     check_choice("attn", attn, ATTNS)
+    job = _Job(family, exporter, attn, opset, seed, optimize, dict(overrides))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name or default_stem(family, exporter, attn, opset, overrides)}.onnx"

@@ -25,6 +25,8 @@ DEFAULT_TORCHSCRIPT_OPSET = 17
 
 @dataclass(frozen=True)
 class Family:
+    """One model family: its transformers classes, the tiny config, and the facts a fusion test checks."""
+
     name: str
     description: str
     config_class: str  # in transformers
