@@ -3,7 +3,7 @@
 - ``exported_model(family, exporter="dynamo", attn="sdpa", opset=None, **config_overrides)``:
   a session-scoped factory returning an :class:`optfuse.models.ExportedModel` (tiny random-weight
   HuggingFace model exported by torch). Exports are cached on disk, keyed by the request, the
-  torch/transformers/onnx/onnxscript versions and optfuse/models.py's source, under
+  torch/transformers/onnx/onnxscript versions and the source of optfuse/models/, under
   ``$OPTFUSE_MODEL_CACHE`` (default ``~/.cache/optfuse/models``; ``OPTFUSE_MODEL_CACHE=tmp`` uses
   the session's temp folder). Skips when torch/transformers (or onnxscript, for dynamo) are
   missing, and for the combinations listed in ``optfuse.models.KNOWN_FAILURES`` (with the reason);

@@ -71,10 +71,14 @@ def encode_field(trt, attr_type: str, name: str, value: Any):
 
 def make_plugin(trt, spec: OpSpec):
     """(PluginClass, CreatorClass) for ``spec`` on the TensorRT module ``trt``."""
+    plugin = _plugin_class(trt, spec)
+    return plugin, _creator_class(trt, spec, plugin)
+
+
+def _plugin_class(trt, spec: OpSpec):
+    """The IPluginV3 (core, build and runtime in one object) for ``spec``."""
     like = glue.output_like_index(spec)
     attr_types = {a.name: a.type for a in spec.attributes}
-    namespace = spec.domain
-    version = spec.plugin_version
 
     class Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
         def __init__(self, attrs: dict | None = None, phase=None):
@@ -83,8 +87,8 @@ def make_plugin(trt, spec: OpSpec):
             trt.IPluginV3OneBuild.__init__(self)
             trt.IPluginV3OneRuntime.__init__(self)
             self.plugin_name = spec.op
-            self.plugin_namespace = namespace
-            self.plugin_version = version
+            self.plugin_namespace = spec.domain
+            self.plugin_version = spec.plugin_version
             self.num_outputs = len(spec.outputs)
             self.timing_cache_id = ""
             self.attrs = dict(attrs or {})
@@ -107,23 +111,7 @@ def make_plugin(trt, spec: OpSpec):
             return [trt.DimsExprs(inputs[i]) for i in like]
 
         def supports_format_combination(self, pos, in_out, num_inputs):
-            desc = in_out[pos].desc
-            if desc.format != trt.TensorFormat.LINEAR:
-                return False
-            t = spec.inputs[pos] if pos < num_inputs else spec.outputs[pos - num_inputs]
-            try:
-                dt = glue.dtype_name(desc.type)
-            except ValueError:
-                return False
-            if dt not in t.dtypes:
-                return False
-            if pos >= num_inputs:  # an output takes the dtype of the input it is like
-                return desc.type == in_out[like[pos - num_inputs]].desc.type
-            if glue.is_float_tensor(t):  # all float inputs share the first float input's dtype
-                for j in range(pos):
-                    if glue.is_float_tensor(spec.inputs[j]):
-                        return desc.type == in_out[j].desc.type
-            return True
+            return _supports_format(trt, spec, like, pos, in_out, num_inputs)
 
         def configure_plugin(self, inp, out):
             pass
@@ -150,28 +138,22 @@ def make_plugin(trt, spec: OpSpec):
             )
 
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            from ..kernels import launcher
-
-            shapes = [tuple(int(d) for d in desc.dims) for desc in input_desc]
-            dtypes = [glue.dtype_name(desc.type) for desc in input_desc]
-            arch = launcher.current_device_arch()
-            key = (tuple(shapes), tuple(dtypes), arch)
-            hit = self._kernels.get(key)
-            if hit is None:
-                rk = glue.resolve(spec.op, shapes, dtypes, self.attrs, arch=arch)
-                hit = self._kernels[key] = (rk.artifact, rk.params)
-            art, params = hit
-            ins = glue.pad_inputs(spec, [int(p) for p in inputs])[: art.n_inputs]
-            launcher.launch(art, params, ins, [int(p) for p in outputs], int(stream))
+            _enqueue(spec, self.attrs, self._kernels, input_desc, inputs, outputs, stream)
 
     Plugin.__name__ = Plugin.__qualname__ = f"{spec.op}PluginV3"
+    return Plugin
+
+
+def _creator_class(trt, spec: OpSpec, plugin):
+    """The IPluginCreatorV3One that makes ``plugin`` objects from the parser's fields."""
+    attr_types = {a.name: a.type for a in spec.attributes}
 
     class Creator(trt.IPluginCreatorV3One):
         def __init__(self):
             trt.IPluginCreatorV3One.__init__(self)
             self.name = spec.op
-            self.plugin_namespace = namespace
-            self.plugin_version = version
+            self.plugin_namespace = spec.domain
+            self.plugin_version = spec.plugin_version
             self.field_names = trt.PluginFieldCollection(
                 [trt.PluginField(a.name, np.array([]), _field_type(trt, a.type)) for a in spec.attributes]
             )
@@ -181,10 +163,48 @@ def make_plugin(trt, spec: OpSpec):
             for f in fc:
                 if f.name in attr_types:
                     got[f.name] = decode_field(trt, attr_types[f.name], f)
-            return Plugin(glue.complete_attrs(spec, got), phase)
+            return plugin(glue.complete_attrs(spec, got), phase)
 
     Creator.__name__ = Creator.__qualname__ = f"{spec.op}CreatorV3One"
-    return Plugin, Creator
+    return Creator
+
+
+def _supports_format(trt, spec: OpSpec, like: list[int], pos: int, in_out, num_inputs: int) -> bool:
+    """Linear only; a spec dtype; outputs like their input; all float inputs one dtype."""
+    desc = in_out[pos].desc
+    if desc.format != trt.TensorFormat.LINEAR:
+        return False
+    t = spec.inputs[pos] if pos < num_inputs else spec.outputs[pos - num_inputs]
+    try:
+        dt = glue.dtype_name(desc.type)
+    except ValueError:
+        return False
+    if dt not in t.dtypes:
+        return False
+    if pos >= num_inputs:  # an output takes the dtype of the input it is like
+        return desc.type == in_out[like[pos - num_inputs]].desc.type
+    if glue.is_float_tensor(t):  # all float inputs share the first float input's dtype
+        for j in range(pos):
+            if glue.is_float_tensor(spec.inputs[j]):
+                return desc.type == in_out[j].desc.type
+    return True
+
+
+def _enqueue(spec: OpSpec, attrs: dict, kernels: dict, input_desc, inputs, outputs, stream) -> None:
+    """Resolve the kernel for these shapes/dtypes/arch (memoized in ``kernels``) and launch it."""
+    from ..kernels import launcher
+
+    shapes = [tuple(int(d) for d in desc.dims) for desc in input_desc]
+    dtypes = [glue.dtype_name(desc.type) for desc in input_desc]
+    arch = launcher.current_device_arch()
+    key = (tuple(shapes), tuple(dtypes), arch)
+    hit = kernels.get(key)
+    if hit is None:
+        rk = glue.resolve(spec.op, shapes, dtypes, attrs, arch=arch)
+        hit = kernels[key] = (rk.artifact, rk.params)
+    art, params = hit
+    ins = glue.pad_inputs(spec, [int(p) for p in inputs])[: art.n_inputs]
+    launcher.launch(art, params, ins, [int(p) for p in outputs], int(stream))
 
 
 def register_all(backend, ops: list[str] | None = None) -> list[str]:

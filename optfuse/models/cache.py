@@ -1,0 +1,101 @@
+"""The on-disk export cache (tests, recipes): one folder per request, reused when present.
+
+A folder ``<family>-<exporter>-<attn>[-opset<N>]-<key>`` under :func:`default_cache_dir` holds one
+export (model and sidecars) or its failure (``failed.txt``, raised again as
+:class:`~optfuse.models.record.ExportError`). The key covers the request, the torch /
+transformers / onnx / onnxscript versions and the source of this package, so any change to how
+models are built or exported makes a new entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .exporting import default_stem, export_model, versions
+from .families import ATTNS, EXPORTERS, Attn, Exporter, check_choice, get_family
+from .record import ExportedModel, ExportError, load_exported
+
+
+def default_cache_dir() -> Path:
+    """``$OPTFUSE_MODEL_CACHE`` if set, else ``~/.cache/optfuse/models``."""
+    env = os.environ.get("OPTFUSE_MODEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "optfuse" / "models"
+
+
+def cache_key(family: str, exporter: str, attn: str, opset: int | None = None, seed: int = 0,
+              **overrides: Any) -> str:
+    """Stable key over the request, the torch/transformers/onnx/onnxscript versions and this package's source."""
+    src = _source_digest()
+    blob = json.dumps({"family": family, "exporter": exporter, "attn": attn, "opset": opset, "seed": seed,
+                       "overrides": overrides, "versions": versions(), "src": src},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cached_export(family: str, exporter: Exporter = "dynamo", attn: Attn = "sdpa", opset: int | None = None,
+                  cache_dir: os.PathLike | str | None = None, seed: int = 0, **overrides: Any) -> ExportedModel:
+    """:func:`export_model` into ``<cache_dir>/<family>-<exporter>-<attn>-<key>/``, reused when present.
+
+    Exporter failures are cached too (``failed.txt``) and raised again as :class:`ExportError`.
+    Concurrent callers (pytest-xdist) each export into a temp folder and rename it into place.
+    """
+    get_family(family)
+    check_choice("exporter", exporter, EXPORTERS)
+    check_choice("attn", attn, ATTNS)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    key = cache_key(family, exporter, attn, opset, seed, **overrides)
+    final = root / f"{family}-{exporter}-{attn}{'' if opset is None else f'-opset{opset}'}-{key}"
+    stem = default_stem(family, exporter, attn, opset)
+    found = _from_cache(final, stem, family, exporter, attn)
+    if found is not None:
+        return found
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        try:
+            export_model(family, exporter, attn, tmp, opset, seed=seed, name=stem, **overrides)
+        except ExportError as exc:
+            (tmp / "failed.txt").write_text(exc.reason)
+            _publish(tmp, final)
+            raise
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    found = _from_cache(final, stem, family, exporter, attn)
+    assert found is not None, f"cache folder {final} is incomplete"
+    return found
+
+
+def _source_digest() -> str:
+    """SHA-256 over the names and bytes of this package's modules."""
+    h = hashlib.sha256()
+    for p in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def _from_cache(folder: Path, stem: str, family: str, exporter: str, attn: str) -> ExportedModel | None:
+    failed = folder / "failed.txt"
+    if failed.is_file():
+        raise ExportError(family, exporter, attn, failed.read_text().strip() + f" (cached in {folder})")
+    js = folder / f"{stem}.json"
+    if js.is_file() and (folder / f"{stem}.onnx").is_file():
+        return load_exported(js)
+    return None
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process got there first (or a stale partial folder: replace it)
+        if not ((final / "failed.txt").exists() or any(final.glob("*.json"))):
+            shutil.rmtree(final, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rename(tmp, final)
