@@ -19,8 +19,8 @@
 //     shared-memory round trip);
 //   * inside a warpgroup, S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued before the softmax of
 //     S_{j+1} runs, so the exponentials overlap the tensor cores (intra-warpgroup pipelining);
-//   * between the consumer warpgroups (PINGPONG), named barriers let one issue its MMAs while
-//     the others do their softmax.
+//   * between the consumer warpgroups, named barriers let one issue its MMAs while the others do
+//     their softmax (turn-taking, "pingpong").
 // TMA without host-encoded tensor maps (a QDP kernel gets pointers and int32 scalars only): each
 // CTA builds its maps on the device and keeps them in output rows it alone writes, last (TMA
 // below); the loads keep up as long as K/V come mostly from L2 (each 128 x 128 block is 128 FLOP
@@ -29,11 +29,11 @@
 // Compile-time specialization (-D): OPTFUSE_DTYPE (1 fp16, 2 bf16), HEAD_DIM (64|128), CAUSAL,
 // BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
-// SCALE_LOG2 (scale * log2(e)), BLOCK_N, STAGES (K/V ring depth), PINGPONG, Q_BUFFERS (1|2),
-// EPI_SMEM (the staged epilogue; default with two Q buffers), TMA, KV_ONE_FULL, SOFTMAX_STREAM,
-// LAZY_RESCALE (0 or the stale-max margin, log2 units; 8 by default in launch.py), ONES_SUM (D = 64:
-// the rows' sums of p from the tensor cores; on by default there), PROFILE (per-phase cycle
-// counters as a second output; for scripts/profile_attention.py only). Needs sm_90a (wgmma,
+// SCALE_LOG2 (scale * log2(e)), STAGES (K/V ring depth), CONSUMERS (2|3), TMA, KV_ONE_FULL,
+// SOFTMAX_STREAM, ONES_SUM (D = 64: the rows' sums of p from the tensor cores), PROFILE (per-phase
+// cycle counters as a second output; for scripts/profile_attention.py only). launch.py
+// (sm90_config) sets them per head dim, causality and bias. Fixed: 128-key blocks, two Q buffers
+// with the staged epilogue, turn-taking consumers, lazy rescaling. Needs sm_90a (wgmma,
 // setmaxnreg).
 
 typedef unsigned int u32;
@@ -61,34 +61,14 @@ typedef unsigned short u16;
 #ifndef SCALE_LOG2
 #define SCALE_LOG2 0.12751743074602467f
 #endif
-#ifndef BLOCK_N
-#define BLOCK_N 128
-#endif
 #ifndef STAGES
 #define STAGES 2
 #endif
-#ifndef PINGPONG
-#define PINGPONG 1
-#endif
-#ifndef Q_BUFFERS
-#define Q_BUFFERS 2
-#endif
 // Lazy rescaling (FlashAttention-4): a warp keeps its rows' running maxima while no row's block
-// maximum exceeds its stored one by more than 2^LAZY_RESCALE (log2 units; 0: always update), so
-// the O rescale (D / 2 FMULs a thread) is skipped for most blocks. Exponents stay <= LAZY_RESCALE:
-// p <= 2^8 fits fp16/bf16 and the fp32 sums; the final 1 / l cancels the stale offset.
-#ifndef LAZY_RESCALE
-#define LAZY_RESCALE 0
-#endif
-// Stage the output through this warpgroup's rows of its Q tile (free after the tile's last
-// Q K^T) and write it with coalesced 16-byte stores. Needs two Q buffers: the slot is released
-// only after the epilogue, and the next tile's Q must not wait for that.
-#ifndef EPI_SMEM
-#define EPI_SMEM (Q_BUFFERS == 2)
-#endif
-#if EPI_SMEM && Q_BUFFERS != 2
-#error "EPI_SMEM needs Q_BUFFERS == 2"
-#endif
+// maximum exceeds its stored one by more than 2^LAZY_MARGIN (log2 units), so the O rescale (D / 2
+// FMULs a thread) is skipped for most blocks. Exponents stay <= LAZY_MARGIN: p <= 2^8 fits
+// fp16/bf16 and the fp32 sums; the final 1 / l cancels the stale offset.
+#define LAZY_MARGIN 8
 // TMA loads (1): the producer's K / V / Q copies are tensor-memory-accelerator transfers, one
 // instruction per 64-column box issued by one thread, instead of 16-byte cp.async by 128 threads
 // (16 per thread and tile at D = 64). The tensor maps they need are built on the device (a QDP
@@ -130,9 +110,7 @@ typedef unsigned short u16;
 #if HEAD_DIM != 64 && HEAD_DIM != 128
 #error "HEAD_DIM must be 64 or 128"
 #endif
-#if BLOCK_N != 128
-#error "BLOCK_N must be 128 (the score wgmma is m64n128k16)"
-#endif
+#define BLOCK_N 128  // keys per block: the score wgmma is m64n128k16
 
 // Consumer warpgroups (2 or 3), 64 query rows each. Three give each warpgroup's softmax the time of
 // two others' MMAs instead of one (FlashAttention-3's choice at D = 64, where the exponentials of
@@ -159,9 +137,7 @@ typedef unsigned short u16;
 // Causal with three: 192-row tiles cost a third more score blocks on the diagonal (27 % slower at
 // S = 512, 7-13 % faster from S = 4096), so below SQ_THREE query rows the third consumer warpgroup
 // sits out and the tiles are 128 rows: a run-time choice (launch parameters cannot branch on Sq).
-#ifndef SQ_THREE
 #define SQ_THREE 4096
-#endif
 #if CONSUMERS == 3 && CAUSAL
 #define ACTIVE_CONSUMERS(sq) ((sq) >= SQ_THREE ? 3 : 2)
 #else
@@ -175,7 +151,10 @@ typedef unsigned short u16;
 #define Q_BYTES (BLOCK_M * D * 2)
 #define KV_BYTES (BLOCK_N * D * 2)
 #define BIAS_STAGE_BYTES (BLOCK_N * 4)   // key bias of one tile, fp32, log2 units
-#define OFF_Q 0                          // Q_BUFFERS Q tiles: the next tile's Q loads early
+// Two Q tiles: the next tile's Q loads while the consumers finish this one, and the epilogue
+// stages this tile's output through its own slot (released only after the epilogue).
+#define Q_BUFFERS 2
+#define OFF_Q 0
 #define OFF_K (OFF_Q + Q_BUFFERS * Q_BYTES)
 #define OFF_V (OFF_K + STAGES * KV_BYTES)
 // Row sums on the tensor cores (ONES_SUM, D = 64 only): O += P V runs with N = 72, the 8 extra
@@ -593,10 +572,8 @@ __device__ __forceinline__ bool softmax_max(float (&s)[64], float& m0, float& m1
     mx0 = quad_max(mx0) * sc;
     mx1 = quad_max(mx1) * sc;
     bool keep = false;
-#if LAZY_RESCALE
     if (!FIRST)
-        keep = __all_sync(0xffffffffu, mx0 <= m0 + LAZY_RESCALE && mx1 <= m1 + LAZY_RESCALE);
-#endif
+        keep = __all_sync(0xffffffffu, mx0 <= m0 + LAZY_MARGIN && mx1 <= m1 + LAZY_MARGIN);
     const float mn0 = FIRST ? mx0 : keep ? m0 : fmaxf(m0, mx0);
     const float mn1 = FIRST ? mx1 : keep ? m1 : fmaxf(m1, mx1);
     ms0 = mn0 == NEG_INF ? 0.f : mn0;
@@ -906,8 +883,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         TILE_LOOP {
             TILE_COORDS
             if (n_blocks == 0) continue;  // every row of this tile is dead: nothing to load
-            // With two Q buffers this tile's Q loads while the consumers still work on the previous
-            // tile (one buffer: only after its last Q K^T, an exposed load per tile).
+            // Two Q buffers: this tile's Q loads while the consumers still work on the previous tile.
             const int qs = tc % Q_BUFFERS;
             PROF(PR_POST)
             mbar_wait(BAR_Q_EMPTY(qs), ((tc / Q_BUFFERS) & 1) ^ 1);
@@ -976,9 +952,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
         const u32 q_wg = cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
         int it = 0, tc = 0;
-#if PINGPONG
         if (cw == nc - 1) named_arrive(1);  // warpgroup 0 issues first
-#endif
         TILE_LOOP {
             TILE_COORDS
             const int r0 = m0 + row_in_tile, r1 = r0 + 8;
@@ -1015,22 +989,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     // (README "Tuning" 34)
                     fence_proxy_async();
                     PROF(PR_FENCE)
-#if PINGPONG
                     TURN_WAIT(cw);
-#endif
                     PROF(PR_TURN)
                     wgmma_fence();
                     issue_qk(s, q_tile, base + OFF_K + s0 * KV_BYTES);
                     wgmma_commit();
                     PROF(PR_ISSUE)
-#if PINGPONG
                     TURN_PASS(cw);
-#endif
                     PROF(PR_PASS)
                     wgmma_wait<0>();
                     fence_regs(s);
                     PROF(PR_WAIT_S)
-                    if (!EPI_SMEM && n_blocks == 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));  // Q no longer read
                     if (0 >= n_clean) apply_mask(s, 0, lim0, lim1, q4);
 #if SOFTMAX_STREAM
                     {
@@ -1066,9 +1035,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     PROF(PR_WAIT_KV)
                     fence_proxy_async();
                     PROF(PR_FENCE)
-#if PINGPONG
                     TURN_WAIT(cw);
-#endif
                     PROF(PR_TURN)
                     wgmma_fence();
                     issue_qk(s, q_tile, base + OFF_K + sj * KV_BYTES);
@@ -1076,14 +1043,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     issue_pv(o, p, base + OFF_V + sp * KV_BYTES, PV_LBO(sp));
                     wgmma_commit();
                     PROF(PR_ISSUE)
-#if PINGPONG
                     TURN_PASS(cw);
-#endif
                     PROF(PR_PASS)
                     wgmma_wait<1>();  // S_j ready; PV still running
                     fence_regs(s);
                     PROF(PR_WAIT_S)
-                    if (!EPI_SMEM && j == n_blocks - 1) mbar_arrive_warp(BAR_Q_EMPTY(qs));
                     if (j >= n_clean) apply_mask(s, j * BLOCK_N, lim0, lim1, q4);
 #if SOFTMAX_STREAM
                     float ms0, ms1;
@@ -1116,17 +1080,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     PROF(PR_WAIT_KV)
                     fence_proxy_async();
                     PROF(PR_FENCE)
-#if PINGPONG
                     TURN_WAIT(cw);
-#endif
                     PROF(PR_TURN)
                     wgmma_fence();
                     issue_pv(o, p, base + OFF_V + sp * KV_BYTES, PV_LBO(sp));
                     wgmma_commit();
                     PROF(PR_ISSUE)
-#if PINGPONG
                     TURN_PASS(cw);
-#endif
                     PROF(PR_PASS)
                     wgmma_wait<0>();
                     fence_regs(o);
@@ -1157,7 +1117,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             }
 #endif
             u16* o_g = O + (long long)bh * Sq * D;
-            if (EPI_SMEM && qs >= 0) {
+            if (qs >= 0) {
                 // (1) this thread's pairs into the warpgroup's 64 rows of its Q tile, in Q's
                 // swizzled layout (a warp's 32 four-byte writes hit 32 different banks) ...
                 unsigned char* q_rows = smem_raw + (Q_SLOT(qs) + q_wg - raw);
@@ -1205,9 +1165,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             PROF_COUNT(PR_TILES);
             PROF(PR_EPI)
         }
-#if PINGPONG
         if (cw == 0) named_sync(1);  // consume the last warpgroup's final hand-over
-#endif
         PROF_STORE
     }
 }
