@@ -227,7 +227,7 @@ def test_ones_sum_only_at_d64():
 
 
 def test_kv_one_full_follows_the_ring_depth():
-    """One "full" barrier for K and V needs a third ring stage (README "Tuning" 38): the default
+    """One "full" barrier for K and V needs a third ring stage (README "Tried"): the default
     follows the stages unless set."""
     assert L.sm90_config(64, True).kv_one_full and not L.sm90_config(128, True).kv_one_full
     assert not L.sm90_config(64, False, stages=2).kv_one_full
@@ -240,7 +240,7 @@ def test_kv_one_full_follows_the_ring_depth():
 
 
 def test_softmax_stream_where_it_measured_faster():
-    """The softmax as one instruction stream (README "Tuning" 41): on at D = 64 (every mask) and
+    """The softmax as one instruction stream (README "Tried"): on at D = 64 (every mask) and
     for D = 128 non-causal without a key bias; off for D = 128 causal or with key padding (neutral
     there and 0.97-0.99x on the mask rows); one define, one name tag."""
     for causal in (False, True):

@@ -81,7 +81,7 @@ def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig | 
     """The default kernel and config for ``op`` at ``dtype`` and ``hidden``: the CUDA warp-per-row
     kernel for rows of 3-4 16-byte accesses a lane (fp16/bf16 hidden 520-1024 in steps of 8;
     SkipLayerNorm: 3, up to 768), where the Triton tile is padded to 1024 columns; the Triton
-    kernel elsewhere. H200 sweep (README "Tuning" 5): LayerNorm 768 1.01-1.10x torch.compile
+    kernel elsewhere. H200 sweep (README "Tried"): LayerNorm 768 1.01-1.10x torch.compile
     (Triton's one-warp tile, Inductor's: 1.00x), 1024 1.03-1.13x (Triton 1.00-1.11x);
     SkipLayerNorm 768 1.01-1.14x (Triton 0.99-1.14x), at 1024 the Triton kernel stays (1.09-1.10x
     against 1.03-1.05x at 4096 rows)."""
@@ -93,7 +93,7 @@ def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig | 
 
 
 def triton_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig:
-    """The Triton kernel's tile per program, from the H200 sweeps (README "Tuning"): LayerNorm rows
+    """The Triton kernel's tile per program, from the H200 sweeps (README "Tried"): LayerNorm rows
     of 513-768 elements (a 1024 tile at least a quarter padding) one to a program of one warp (Inductor's
     choice): split over 2 warps, the second would hold at most 256 valid of its 512 columns and
     both reductions would cross warps through shared memory and a barrier; other rows of <= 1024
