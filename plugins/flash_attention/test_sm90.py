@@ -50,7 +50,7 @@ def test_kernel_choice(arch, dtype, D, bias, expect):
         assert src.n_inputs == 3 + (bias is not None) and src.n_extra == 5
         mode = 0 if bias is None else 1 if not any(L.bias_pattern(bias)) else 2
         assert src.defines["BIAS_MODE"] == str(mode)
-        # TMA loads everywhere but non-causal D = 64 with key padding (SM90_DEFAULTS, run 39)
+        # TMA loads everywhere but non-causal D = 64 with key padding (SM90_DEFAULTS)
         assert ("TMA" in src.defines) == (not (D == 64 and not causal and keypad))
         # K and V share one "full" barrier with the 3-stage ring of D = 64, not with D = 128's 2
         assert ("KV_ONE_FULL" in src.defines) == (D == 64) == (int(src.defines["STAGES"]) >= 3)
