@@ -79,7 +79,7 @@ def _gpu_test_sources(arch=None):
 
 
 def parse_variants(text: str | None) -> list[tuple[str, dict]]:
-    """``--variants "lazy_rescale=0;num_stages=3,pingpong=0"`` -> [(name, FAConfig overrides)]."""
+    """``--variants "softmax_stream=0;num_stages=3,tma=0"`` -> [(name, FAConfig overrides)]."""
     out = []
     fields = {f.name: f.type for f in dataclasses.fields(L.FAConfig)}
     for spec in filter(None, (text or "").split(";")):
@@ -389,7 +389,7 @@ def main(argv=None):
                          "applies, with the Triton kernel timed beside it); default: Triton only")
     ap.add_argument("--variants", metavar="SPEC[;SPEC]",
                     help="main table: also time the CUDA kernel's default config with these FAConfig "
-                         "overrides, in the same rounds (e.g. \"lazy_rescale=0;num_stages=3,pingpong=0\"); "
+                         "overrides, in the same rounds (e.g. \"softmax_stream=0;num_stages=3,tma=0\"); "
                          "implies --arch 90")
     args = ap.parse_args(argv)
     if not set(args.causal.split(",")) <= {"0", "1"}:

@@ -83,7 +83,7 @@ def parse_args():
 
 
 def short(cfg) -> str:
-    """``RMSConfig(vec=8, tpr=32, rpb=4, iters=1, stcs=False, minb=0)`` -> ``vec=8 tpr=32 rpb=4 iters=1``
+    """``RMSConfig(vec=8, tpr=32, rpb=4, reload=0)`` -> ``vec=8 tpr=32 rpb=4``
     (fields left at False, 0 or '', which mean "off", are dropped)."""
     items = re.sub(r"^\w+\((.*)\)$", r"\1", str(cfg)).split(", ")
     return " ".join(

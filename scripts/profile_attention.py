@@ -9,10 +9,10 @@ per shape the share of each phase in the consumer and producer warps' cycles, pl
 profiled build against the plain one (the clock reads cost a little and constrain scheduling).
 A development tool: it answers "waiting for what?" before a kernel change is designed. With TMA
 loads (the shipped default) the profiled build spills 12-48 bytes (the counters take registers the
-producer no longer has; nvcc -Xptxas -v, seventh session), so its shares are approximate; ``--tma
+producer no longer has; nvcc -Xptxas -v), so its shares are approximate; ``--tma
 0`` profiles the cp.async loads, whose profiled build does not spill. Note that a per-warp phase
 profile cannot show what the producer's instructions cost the consumers on the same SM
-sub-partitions (README "Tuning" 34).
+sub-partitions (README "Tried").
 
 ``--launch-only`` launches the shipped kernel and SDPA's default backend (cuDNN on these shapes) a
 few times per shape and nothing else: the program to run under Nsight Compute, which sees what the
@@ -39,7 +39,7 @@ from optfuse.plugin_dirs import script_module  # noqa: E402
 
 L = plugin_module("flash_attention", "launch")
 T = plugin_module("flash_attention", "testing")
-KERNEL = ROOT / "plugins" / "flash_attention" / "kernel_sm90.cu"
+COUNTERS = ROOT / "plugins" / "flash_attention" / "sm90" / "profile.cuh"  # the kernel's PR_* enum
 
 
 #: the benchmark's shapes (shape_of, source_for: B * S = 16k tokens, H * D = 2048) and FLOP count
@@ -48,9 +48,9 @@ CONSUMER_PHASES = ("WAIT_Q", "WAIT_KV", "FENCE", "TURN", "ISSUE", "PASS", "WAIT_
 PRODUCER_PHASES = ("WAIT_Q", "WAIT_KV", "ISSUE", "POST")
 
 
-def phase_names(path: Path = KERNEL) -> list[str]:
-    """The PR_* counters in kernel order (from the enum in kernel_sm90.cu; PR_N, their number,
-    left out)."""
+def phase_names(path: Path = COUNTERS) -> list[str]:
+    """The PR_* counters in kernel order (from the enum in sm90/profile.cuh, which kernel_sm90.cu
+    includes; PR_N, their number, left out)."""
     body = re.search(r"enum\s*\{(.*?)\};", path.read_text(), re.S).group(1)
     names = re.findall(r"\bPR_(\w+)", body)
     if names[-1:] != ["N"]:

@@ -28,10 +28,6 @@ Masked and fully masked rows (the defined output):
 Program order: the 1-D grid walks the query blocks of one (b, h) fastest, so the programs running
 together share K/V of one head (and the G heads of a group) in L2; causal runs the heaviest
 (last) query blocks first to shorten the tail.
-
-Options (constexpr, see launch.FAConfig): PIPELINE_QK issues q @ k^T of the next block before the
-current softmax; LAZY_RESCALE skips acc *= alpha unless a row max grew by > 2^8. Both are tested;
-on the H200 neither is chosen (README "Tuning").
 """
 
 import triton
@@ -66,7 +62,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q,
                     SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BIAS_M: tl.constexpr, BIAS_N: tl.constexpr,
-                    IEEE: tl.constexpr, LAZY: tl.constexpr):
+                    IEEE: tl.constexpr):
     """Stream key blocks [lo, hi) into (acc, l_i, m_i).
 
     MASKED blocks check key < Sk and, if CAUSAL, key <= row + causal_off; the other blocks are
@@ -101,81 +97,23 @@ def _attn_fwd_inner(acc, l_i, m_i, q,
             # A row with no finite score so far: subtract 0 so exp2(-inf - 0) = 0, not NaN.
             m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             p = tl.math.exp2(s - m_sub[:, None])
-        elif LAZY:
-            # Hot path, lazy rescaling: keep the reference max m_i unless some row's max grew by
-            # more than 8 (log2 units), so p <= 2^8 and the acc *= alpha pass (BLOCK_M x D
-            # multiplies per block) is skipped on almost every block.
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * SCALE_LOG2)
-            if tl.max(m_ij - m_i, 0) > 8.0:
-                alpha = tl.math.exp2(m_i - m_ij)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_ij
-            p = tl.math.exp2(qk * SCALE_LOG2 - m_i[:, None])
-            l_i += tl.sum(p, 1)
-            v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
-            acc = tl.dot(p.to(v.dtype), v, acc)
         else:
             # Hot path (no bias, no mask, scale > 0): max of the raw scores, one FMA per score.
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * SCALE_LOG2)
             m_sub = m_ij
             p = tl.math.exp2(qk * SCALE_LOG2 - m_sub[:, None])
-        if HAS_BIAS or MASKED or SCALE_LOG2 < 0 or not LAZY:
-            # -- rescale what was accumulated under the old max --------------------------------
-            alpha = tl.math.exp2(m_i - m_sub)
-            l_ij = tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            # -- acc += p @ v (p rounded to the input dtype, as every FlashAttention does) -------
-            v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = tl.dot(p, v, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
-            l_i = l_i * alpha + l_ij
-            m_i = m_ij
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _attn_fwd_inner_pipelined(acc, l_i, m_i, q, k_base, v_base, offs_n, offs_d, lo, hi,
-                              SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              BLOCK_N: tl.constexpr, LAZY: tl.constexpr):
-    """Unmasked key blocks [lo, hi), with q @ k^T of block j+1 issued before the softmax of block j.
-
-    Hopper's wgmma is asynchronous: written in this order, the tensor cores can compute the next
-    scores while the CUDA cores do the current block's exp2/max/sum (FlashAttention-3's
-    intra-warpgroup overlap, left to Triton's scheduler). Only for scale > 0, no bias, no mask.
-    """
-    d_ok = offs_d < HEAD_DIM
-    kv_mask = d_ok[None, :]
-    qk = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
-    if hi > lo:
-        k = tl.load(k_base + (lo + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k))
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        # next block's scores; the last iteration recomputes the last block (clamped, no mask)
-        nxt = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
-        k = tl.load(k_base + (nxt + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk_next = tl.dot(q, tl.trans(k))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * SCALE_LOG2)
-        if LAZY:
-            if tl.max(m_ij - m_i, 0) > 8.0:  # see _attn_fwd_inner
-                alpha = tl.math.exp2(m_i - m_ij)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_ij
-            p = tl.math.exp2(qk * SCALE_LOG2 - m_i[:, None])
-            l_i += tl.sum(p, 1)
+        # -- rescale what was accumulated under the old max ------------------------------------
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_ij = tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # -- acc += p @ v (p rounded to the input dtype, as every FlashAttention does) -----------
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
         else:
-            p = tl.math.exp2(qk * SCALE_LOG2 - m_ij[:, None])
-            alpha = tl.math.exp2(m_i - m_ij)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_ij
-        v = tl.load(v_base + (start_n + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        qk = qk_next
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        l_i = l_i * alpha + l_ij
+        m_i = m_ij
     return acc, l_i, m_i
 
 
@@ -185,8 +123,7 @@ def _flash_attention_fwd_kernel(
         SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-        BIAS_M: tl.constexpr, BIAS_N: tl.constexpr, SCALAR_BIAS: tl.constexpr,
-        PIPELINE_QK: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+        BIAS_M: tl.constexpr, BIAS_N: tl.constexpr, SCALAR_BIAS: tl.constexpr):
     # -- which tile: query block fastest, then (b, h) -------------------------------------------
     num_m = tl.cdiv(Sq, BLOCK_M)
     pid = tl.program_id(0)
@@ -239,22 +176,16 @@ def _flash_attention_fwd_kernel(
     else:
         hi = Sk
     mid = n_full_blocks * BLOCK_N
-    LAZY: tl.constexpr = LAZY_RESCALE and not IEEE
-    if PIPELINE_QK and not HAS_BIAS and not IEEE and SCALE > 0:
-        acc, l_i, m_i = _attn_fwd_inner_pipelined(
-            acc, l_i, m_i, q, k_base, v_base, offs_n, offs_d, 0, mid,
-            SCALE_LOG2, HEAD_DIM, BLOCK_N, LAZY)
-    else:
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
-            rows, offs_n, offs_d, 0, mid, Sq, Sk, causal_off,
-            SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, CAUSAL,
-            HAS_BIAS, BIAS_M, BIAS_N, IEEE, LAZY)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
+        rows, offs_n, offs_d, 0, mid, Sq, Sk, causal_off,
+        SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, CAUSAL,
+        HAS_BIAS, BIAS_M, BIAS_N, IEEE)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
         rows, offs_n, offs_d, mid, hi, Sq, Sk, causal_off,
         SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, CAUSAL,
-        HAS_BIAS, BIAS_M, BIAS_N, IEEE, False)
+        HAS_BIAS, BIAS_M, BIAS_N, IEEE)
 
     # -- epilogue: normalise; rows with no visible key (l = 0) give 0 -----------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

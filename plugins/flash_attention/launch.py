@@ -35,6 +35,7 @@ SM90_HEAD_DIMS = (64, 128)
 #: surplus CTAs as a short second wave.
 SM90_GRID = 132
 SM90_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
+SM90_Q_BUFFERS = 2  # kernel_sm90.cu Q_BUFFERS: Q tiles in shared memory
 SPEC = plugin_spec(__file__)
 OP = SPEC.op
 DTYPES = SPEC.inputs[0].dtypes
@@ -48,54 +49,41 @@ class FAConfig:
     block_n: int  # keys per inner step
     num_warps: int
     num_stages: int  # software-pipelining depth of the K/V loads
-    pipeline_qk: bool = False  # issue q @ k^T of the next block before this block's softmax
-    #: rescale acc only when a row max grows by > 2^8 (Triton: unmasked blocks; sm90: per warp,
-    #: on by default there)
-    lazy_rescale: bool = False
     #: "triton" (kernel.py, any arch) or "sm90" (kernel_sm90.cu: CUDA C++, wgmma, warp-specialized;
     #: sm_90 only). For sm90, block_m is 128 (num_warps 12: producer + 2 consumer warpgroups) or, at
     #: D = 64, 192 (num_warps 16: 3 consumers), block_n 128, num_stages the depth of the K/V ring.
     impl: str = "triton"
-    pingpong: bool = True  # sm90: the two consumer warpgroups take turns issuing their MMAs
-    q_buffers: int = 2  # sm90: Q tiles in shared memory (2: the next tile's Q loads early)
-    #: sm90, D = 64: row sums of p on the tensor cores (P V with 8 extra columns of ones; the
-    #: default there, sm90_config)
+    #: sm90, D = 64: row sums of p on the tensor cores (P V with 8 extra columns of ones)
     ones_sum: bool = False
     #: sm90: K / V / Q through TMA (tensor maps built on the device, kept in the CTA's last output
-    #: tile; cp.async where that tile is too short; on by default there, sm90_config; not with
-    #: block_m 192 and a key-padding bias, _sm90_tma)
+    #: tile; cp.async where that tile is too short; not with block_m 192 and a key-padding bias,
+    #: _sm90_tma)
     tma: bool = False
     #: sm90: one "full" barrier per K/V ring stage (kernel_sm90.cu KV_ONE_FULL: one wait per key
-    #: block instead of two; on by default from 3 stages, sm90_config)
+    #: block instead of two; needs 3+ stages)
     kv_one_full: bool = False
     #: sm90: the softmax's exponentials interleaved with their FFMAs and P packs (kernel_sm90.cu
-    #: SOFTMAX_STREAM; on by default at D = 64 and for D = 128 non-causal without a key bias,
-    #: sm90_config)
+    #: SOFTMAX_STREAM)
     softmax_stream: bool = False
 
 
 #: Where the CUDA kernel is chosen on sm_90 -- per (head_dim, causal, key-padding bias) -- and its
-#: defaults there (query rows per CTA: 128 = two consumer warpgroups, 192 = three; K/V ring depth;
-#: turn-taking; Q buffers); None would keep the Triton kernel. H200, same run, interleaved rounds
-#: (README "CUDA kernel", run 29): 1.03-1.79x the Triton kernel on every benchmark shape (least:
-#: causal D = 64 at S = 512). Three consumer warpgroups at D = 64: +3-18 % non-causal
-#: (run 17); causal, they pay from S = 4096 (+7-13 %) but cost 27 % at S = 512 (192-row tiles waste
-#: a third of the diagonal block), so that kernel uses the third warpgroup only from Sq >= 4096
-#: (kernel_sm90.cu SQ_THREE, decided at run time; with per-warpgroup key ranges, three at every S
-#: measured 0.86x at S = 512, README "Tuning" 20). With key padding three warpgroups are not
-#: measured. Two Q buffers also enable the staged (16-byte store) epilogue. TMA loads (last
-#: field): 1.00-1.06x the cp.async ones on all 48 benchmark shapes and 1.01-1.07x on the mask rows
-#: (runs 38-39), except non-causal D = 64 with key padding: 0.93x in two runs (39, 39b), so that
-#: case keeps cp.async (README "Tuning" 34).
-SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool, int, bool] | None] = {
-    (64, False, False): (192, 3, True, 2, True),
-    (64, True, False): (192, 3, True, 2, True),
-    (64, False, True): (128, 3, True, 2, False),
-    (64, True, True): (128, 3, True, 2, True),
-    (128, False, False): (128, 2, True, 2, True),
-    (128, True, False): (128, 2, True, 2, True),
-    (128, False, True): (128, 2, True, 2, True),
-    (128, True, True): (128, 2, True, 2, True),
+#: defaults there: (query rows per CTA: 128 = two consumer warpgroups, 192 = three; K/V ring depth;
+#: TMA loads); None would keep the Triton kernel. The CUDA kernel measured 1.03-1.79x the Triton
+#: kernel on every benchmark shape (README "Tried"). Three consumer warpgroups at D = 64: +3-18 %
+#: non-causal; causal, they pay from S = 4096 (+7-13 %) but cost 27 % at S = 512, so that kernel
+#: uses the third warpgroup only from Sq >= 4096 (kernel_sm90.cu SQ_THREE, decided at run time).
+#: With key padding three warpgroups are not measured. TMA loads: 1.00-1.07x the cp.async ones,
+#: except non-causal D = 64 with key padding (0.93x), which keeps cp.async.
+SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool] | None] = {
+    (64, False, False): (192, 3, True),
+    (64, True, False): (192, 3, True),
+    (64, False, True): (128, 3, False),
+    (64, True, True): (128, 3, True),
+    (128, False, False): (128, 2, True),
+    (128, True, False): (128, 2, True),
+    (128, False, True): (128, 2, True),
+    (128, True, True): (128, 2, True),
 }
 
 
@@ -104,38 +92,30 @@ def is_keypad(pattern) -> bool:
     return _bias_mode(pattern) == 2
 
 
-def sm90_config(head_dim: int, causal: bool, stages: int | None = None,
-                pingpong: bool | None = None, q_buffers: int | None = None,
-                lazy_rescale: bool = True, *, keypad: bool = False, block_m: int | None = None,
-                tma: bool | None = None, kv_one_full: bool | None = None,
+def sm90_config(head_dim: int, causal: bool, stages: int | None = None, *, keypad: bool = False,
+                block_m: int | None = None, tma: bool | None = None, kv_one_full: bool | None = None,
                 softmax_stream: bool | None = None) -> FAConfig:
     """The CUDA kernel's config: 128 x 128 tiles with 3 warpgroups (producer + 2 consumers) or, at
     D = 64, 192 x 128 with 4; a K/V ring of ``stages`` (D = 128: 2-3 fit in shared memory; D = 64:
-    2-4); unset fields from SM90_DEFAULTS. Lazy rescaling is on by default (README "CUDA kernel",
-    runs 14-15: +1-3 % at D = 64 and for causal D = 128, neutral elsewhere), and at D = 64 the row
-    sums come from the tensor cores (``ones_sum``; run 28: 1.00-1.06x, never slower). K / V / Q load
-    through TMA (``tma``; SM90_DEFAULTS, README "Tuning" 34). With a ring of 3+ stages K and V share
-    one "full" barrier per stage (``kv_one_full``; run 42: 1.01x at D = 64, geometric mean of 24
-    shapes; with the 2-stage ring of D = 128 it cost 4-20 %: the next K waits for a V load that
-    could only start one block earlier). The softmax runs as one instruction stream
-    (``softmax_stream``; runs 48-49, geometric means per (causal, S range): 1.01-1.05x at D = 64,
-    1.00-1.03x at D = 128 non-causal, neutral at D = 128 causal, 0.97-0.99x on the D = 128 mask rows
-    in run 48: on for D = 64 and for D = 128 non-causal without a key bias)."""
-    d_bm, d_stages, d_pp, d_qb, d_tma = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
-                                         or SM90_DEFAULTS.get((head_dim, bool(causal), True))
-                                         or (128, 2 if head_dim > 64 else 3, True, 2, True))
+    2-4); unset fields from SM90_DEFAULTS. At D = 64 the row sums come from the tensor cores
+    (``ones_sum``: 1.00-1.06x, never slower). With a ring of 3+ stages K and V share one "full"
+    barrier per stage (``kv_one_full``: 1.01x at D = 64; with the 2-stage ring of D = 128 it cost
+    4-20 %). The softmax runs as one instruction stream (``softmax_stream``) at D = 64 and for
+    D = 128 non-causal without a key bias (1.01-1.05x and 1.00-1.03x there; neutral at D = 128
+    causal, 0.97-0.99x on the D = 128 mask rows)."""
+    d_bm, d_stages, d_tma = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
+                             or SM90_DEFAULTS.get((head_dim, bool(causal), True))
+                             or (128, 2 if head_dim > 64 else 3, True))
     bm = d_bm if block_m is None else block_m
     st = d_stages if stages is None else stages
     return FAConfig(bm, 128, 4 * (bm // 64 + 1), st, impl="sm90",
-                    pingpong=d_pp if pingpong is None else pingpong,
-                    q_buffers=d_qb if q_buffers is None else q_buffers, lazy_rescale=lazy_rescale,
                     ones_sum=head_dim == 64, tma=d_tma if tma is None else tma,
                     kv_one_full=st >= 3 if kv_one_full is None else kv_one_full,
                     softmax_stream=(head_dim == 64 or not (causal or keypad)) if softmax_stream is None
                     else softmax_stream)
 
 
-# Tuned on the H200 (README "Tuning"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
+# Tuned on the H200 (README "Tried"; bf16 sweep at S = 1024 and 4096, best geometric mean; fp16
 # ranks the configs the same): ("half" = fp16/bf16, head_dim, causal) -> config. Other head dims
 # fall back to _default_config.
 TUNED: dict[tuple[str, int, bool], FAConfig] = {
@@ -182,30 +162,23 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, *,
 
 
 def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None = None) -> list[FAConfig]:
-    """Configs a tuning sweep tries (the current choice first).
-    FAConfig(block_m, block_n, num_warps, num_stages, pipeline_qk, lazy_rescale, impl, pingpong,
-    q_buffers);
-    with ``arch=90`` and a case the CUDA kernel takes, its consumer warpgroups (D = 64), ring
-    depths, turn-taking, Q buffers and lazy rescaling."""
+    """Configs a tuning sweep tries (the current choice first): the Triton kernel's tiles, warps
+    and pipeline depths, or, with ``arch=90`` and a case the CUDA kernel takes, its consumer
+    warpgroups (D = 64) and K/V ring depths."""
     if sm90_eligible(norm_dtype(dtype), head_dim, None, 1.0, arch):
         stages = (2, 3) if head_dim > 64 else (2, 3, 4)
         out = [sm90_config(head_dim, causal)]
         for bm in (128, 192) if head_dim == 64 else (128,):
-            for qb in (2, 1):
-                for st in stages:
-                    for pp in (True, False):
-                        for lazy in (True, False):
-                            c = sm90_config(head_dim, causal, st, pp, qb, lazy, block_m=bm)
-                            if c not in out and sm90_shared_mem(head_dim, c, 2) <= SM90_SMEM_LIMIT:
-                                out.append(c)
+            for st in stages:
+                c = sm90_config(head_dim, causal, st, block_m=bm)
+                if c not in out and sm90_shared_mem(head_dim, c, 2) <= SM90_SMEM_LIMIT:
+                    out.append(c)
         return out
     C = FAConfig
     if next_pow2(head_dim) <= 64:
-        extra = [C(128, 64, 8, 3), C(128, 64, 4, 3), C(64, 64, 4, 3), C(128, 128, 4, 3),
-                 C(128, 64, 8, 3, False, True)]
+        extra = [C(128, 64, 8, 3), C(128, 64, 4, 3), C(64, 64, 4, 3), C(128, 128, 4, 3)]
     else:
-        extra = [C(128, 64, 8, 3), C(128, 64, 8, 4), C(128, 64, 8, 3, True), C(64, 64, 4, 3),
-                 C(128, 128, 8, 2, True), C(128, 64, 8, 3, False, True)]
+        extra = [C(128, 64, 8, 3), C(128, 64, 8, 4), C(64, 64, 4, 3)]
     out = [choose_config(dtype, head_dim, causal)]
     for c in extra:
         if c not in out:
@@ -251,15 +224,15 @@ def _config_for(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
 
 
 def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
-    """Dynamic shared memory of kernel_sm90.cu (its SMEM_BYTES): the Q tiles, the K/V ring, the
-    ones tile (ones_sum), the key bias ring, the mbarriers, and 1024 bytes to align the base."""
+    """Dynamic shared memory of kernel_sm90.cu (its SMEM_BYTES): the two Q tiles, the K/V ring,
+    the ones tile (ones_sum), the key bias ring, the mbarriers, and 1024 bytes to align the base."""
     q = cfg.block_m * head_dim * 2
     kv = cfg.block_n * head_dim * 2
     bias = cfg.num_stages * cfg.block_n * 4 if bias_mode == 2 else 0
     ones = cfg.block_n * 128 if cfg.ones_sum else 0
     kv_full_bars = 1 if cfg.kv_one_full else 2  # K and V "full" barriers per stage, or one for both
-    return (cfg.q_buffers * q + 2 * cfg.num_stages * kv + bias + ones
-            + 8 * (2 * cfg.q_buffers + (kv_full_bars + 2) * cfg.num_stages) + 1024)
+    return (SM90_Q_BUFFERS * q + 2 * cfg.num_stages * kv + bias + ones
+            + 8 * (2 * SM90_Q_BUFFERS + (kv_full_bars + 2) * cfg.num_stages) + 1024)
 
 
 def _bias_mode(pattern) -> int:
@@ -277,10 +250,29 @@ def _sm90_tma(cfg: FAConfig, bias_mode: int) -> bool:
     return cfg.tma and not (cfg.block_m == 192 and bias_mode == 2)
 
 
-def _source_name(dtype: str, head_dim: int, causal: bool, pattern, scale: float, config_tag: str) -> str:
-    bias_tag = "nobias" if pattern is None else "bias" + "".join(map(str, pattern))
-    return (f"flash_attention/{OP}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{bias_tag}/"
-            f"scale{scale:.6g}/{config_tag}")
+def _bias_tag(pattern) -> str:
+    """``nobias``, ``bias_scalar`` (one broadcast value) or the bias dims, ``1`` where broadcast:
+    ``bias_B_1_1_Sk`` (key padding)."""
+    if pattern is None:
+        return "nobias"
+    if not any(pattern):
+        return "bias_scalar"
+    return "bias_" + "_".join(n if full else "1" for n, full in zip(("B", "H", "Sq", "Sk"), pattern))
+
+
+def _source_name(dtype: str, head_dim: int, causal: bool, pattern, scale: float, cfg: FAConfig,
+                 tma: bool = False) -> str:
+    """``flash_attention/FlashAttention/<dtype>/scale<s>/fa_<impl>_d<D>_<causal|full>_<bias>_<config>``,
+    the config in words: Triton ``128x64_8warps_3stages``; sm90 ``<2|3>wg_<n>stages`` and the
+    options that are on (``tma``, ``ones_sum``, ``kv_one_full``, ``softmax_stream``)."""
+    if cfg.impl == "sm90":
+        flags = [("tma", tma), ("ones_sum", cfg.ones_sum), ("kv_one_full", cfg.kv_one_full),
+                 ("softmax_stream", cfg.softmax_stream)]
+        config = "_".join([f"{cfg.block_m // 64}wg", f"{cfg.num_stages}stages"] + [n for n, on in flags if on])
+    else:
+        config = f"{cfg.block_m}x{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages"
+    return (f"flash_attention/{OP}/{dtype}/scale{scale:.6g}/fa_{cfg.impl}_d{head_dim}_"
+            f"{'causal' if causal else 'full'}_{_bias_tag(pattern)}_{config}")
 
 
 def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float, cfg: FAConfig,
@@ -302,9 +294,7 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         "OPTFUSE_DTYPE": str(CUDA_DTYPE_CODE[dtype]), "HEAD_DIM": str(head_dim),
         "CAUSAL": str(int(causal)), "BIAS_MODE": str(mode),
         "BIAS_BATCH": str(pattern[0] if mode == 2 else 0), "BIAS_DTYPE": str(CUDA_DTYPE_CODE[bias_dtype]),
-        "SCALE_LOG2": f"{scale_log2!r}f", "BLOCK_N": str(cfg.block_n),
-        "STAGES": str(cfg.num_stages), "PINGPONG": str(int(cfg.pingpong)),
-        "Q_BUFFERS": str(cfg.q_buffers), "LAZY_RESCALE": "8" if cfg.lazy_rescale else "0",
+        "SCALE_LOG2": f"{scale_log2!r}f", "STAGES": str(cfg.num_stages),
         "CONSUMERS": str(cfg.block_m // 64),
         **({"ONES_SUM": "1"} if cfg.ones_sum else {}),
         **({"TMA": "1"} if _sm90_tma(cfg, mode) else {}),
@@ -312,14 +302,7 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         **({"SOFTMAX_STREAM": "1"} if cfg.softmax_stream else {}),
     }
     return KernelSource(
-        name=_source_name(dtype, head_dim, causal, pattern, scale,
-                          f"sm90{'m192' if cfg.block_m == 192 else ''}s{cfg.num_stages}q{cfg.q_buffers}"
-                          f"{'p' if cfg.pingpong else ''}"
-                          f"{'l' if cfg.lazy_rescale else ''}"
-                          f"{'o' if cfg.ones_sum else ''}"
-                          f"{'t' if _sm90_tma(cfg, mode) else ''}"
-                          f"{'k' if cfg.kv_one_full else ''}"
-                          f"{'x' if cfg.softmax_stream else ''}"),
+        name=_source_name(dtype, head_dim, causal, pattern, scale, cfg, tma=_sm90_tma(cfg, mode)),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,
@@ -367,13 +350,10 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
         "SCALE": scale, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
         "HAS_BIAS": has_bias, "BIAS_B": flags[0], "BIAS_H": flags[1], "BIAS_M": flags[2],
-        "BIAS_N": flags[3], "SCALAR_BIAS": scalar_bias, "PIPELINE_QK": cfg.pipeline_qk,
-        "LAZY_RESCALE": cfg.lazy_rescale,
+        "BIAS_N": flags[3], "SCALAR_BIAS": scalar_bias,
     })
     return KernelSource(
-        name=_source_name(dtype, head_dim, causal, pattern, scale,
-                          f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
-                          f"{'p' if cfg.pipeline_qk else ''}{'l' if cfg.lazy_rescale else ''}"),
+        name=_source_name(dtype, head_dim, causal, pattern, scale, cfg),
         lang="triton",
         path=KERNEL_PATH,
         entry=ENTRY,

@@ -112,14 +112,12 @@ def _sm90_default(case) -> "L.FAConfig":
 #: CUDA kernel variants (any a sweep picks), run on every case the CUDA kernel takes: FAConfig
 #: fields over the case's default config.
 SM90_VARIANTS = [
-    dict(num_stages=2, pingpong=True, q_buffers=2), dict(num_stages=2, pingpong=False, q_buffers=1),
-    dict(num_stages=3, q_buffers=1), dict(num_stages=4, q_buffers=2), dict(lazy_rescale=False),
-    dict(lazy_rescale=False, q_buffers=1, num_stages=3),
-    dict(block_m=192, num_warps=16), dict(block_m=192, num_warps=16, num_stages=4, lazy_rescale=False),
+    dict(num_stages=2), dict(num_stages=4),
+    dict(block_m=192, num_warps=16), dict(block_m=192, num_warps=16, num_stages=4),
     dict(block_m=128, num_warps=12),
     dict(ones_sum=False), dict(ones_sum=False, block_m=128, num_warps=12),
     # the cp.async loads (TMA's fallback: a CTA whose last output tile cannot hold the tensor maps)
-    dict(tma=False), dict(tma=False, q_buffers=1, num_stages=3), dict(tma=False, block_m=128, num_warps=12),
+    dict(tma=False), dict(tma=False, num_stages=3), dict(tma=False, block_m=128, num_warps=12),
     # K and V on one "full" barrier per ring stage or on one each (the default from 3 / with 2
     # stages), with both load paths
     dict(kv_one_full=False), dict(kv_one_full=True), dict(kv_one_full=False, tma=False),

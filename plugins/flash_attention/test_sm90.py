@@ -50,7 +50,7 @@ def test_kernel_choice(arch, dtype, D, bias, expect):
         assert src.n_inputs == 3 + (bias is not None) and src.n_extra == 5
         mode = 0 if bias is None else 1 if not any(L.bias_pattern(bias)) else 2
         assert src.defines["BIAS_MODE"] == str(mode)
-        # TMA loads everywhere but non-causal D = 64 with key padding (SM90_DEFAULTS, run 39)
+        # TMA loads everywhere but non-causal D = 64 with key padding (SM90_DEFAULTS)
         assert ("TMA" in src.defines) == (not (D == 64 and not causal and keypad))
         # K and V share one "full" barrier with the 3-stage ring of D = 64, not with D = 128's 2
         assert ("KV_ONE_FULL" in src.defines) == (D == 64) == (int(src.defines["STAGES"]) >= 3)
@@ -154,18 +154,18 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum, tma):
 
 def test_bench_variants():
     bench = script_module("bench_attention")
-    variants = bench.parse_variants("lazy_rescale=0;block_m=192,num_warps=16")
-    assert variants == [("lazy_rescale=0", {"lazy_rescale": False}),
+    variants = bench.parse_variants("softmax_stream=0;block_m=192,num_warps=16")
+    assert variants == [("softmax_stream=0", {"softmax_stream": False}),
                         ("block_m=192,num_warps=16", {"block_m": 192, "num_warps": 16})]
-    for bad in ("num_stages=x", "no_such_field=1", "pingpong"):
+    for bad in ("num_stages=x", "no_such_field=1", "pingpong", "pingpong=0", "q_buffers=1", "lazy_rescale=0"):
         with pytest.raises(SystemExit):
             bench.parse_variants(bad)
     # over the shipped config of the case; one the kernel does not take there is left out
     at128 = bench.variant_configs("bfloat16", 128, False, variants)
-    assert [name for name, _ in at128] == ["lazy_rescale=0"]
-    assert at128[0][1] == L.sm90_config(128, False, lazy_rescale=False)
+    assert [name for name, _ in at128] == ["softmax_stream=0"]
+    assert at128[0][1] == L.sm90_config(128, False, softmax_stream=False)
     at64 = dict(bench.variant_configs("bfloat16", 64, True, variants))
-    assert at64["block_m=192,num_warps=16"].block_m == 192 and not at64["lazy_rescale=0"].lazy_rescale
+    assert at64["block_m=192,num_warps=16"].block_m == 192 and not at64["softmax_stream=0"].softmax_stream
     assert bench.variant_configs("float32", 64, True, variants) == []  # no CUDA kernel for fp32
     # variants are built (and timed) for the mask rows too, over the key-padding default config
     srcs = bench.build_sources(sweep=False, tests=False, arch=90, variants=bench.parse_variants("tma=0"))
@@ -217,7 +217,8 @@ def test_ones_sum_only_at_d64():
     c64 = L.sm90_config(64, True)
     assert c64.ones_sum and not L.sm90_config(128, True).ones_sum  # the D = 64 default
     src = L.kernel_config(OP, "bfloat16", _attrs(64, 1), {"head_dim": 64, "arch": 90})
-    assert src.defines["ONES_SUM"] == "1" and src.name.endswith("otkx")  # ones_sum, tma, kv_one_full, stream
+    assert src.defines["ONES_SUM"] == "1"
+    assert src.name.endswith("/fa_sm90_d64_causal_nobias_3wg_3stages_tma_ones_sum_kv_one_full_softmax_stream")
     # the ones tile (128 rows of 128 bytes) counts in the shared memory the launch asks for
     off = dataclasses.replace(c64, ones_sum=False)
     assert L.sm90_shared_mem(64, c64, 0) == L.sm90_shared_mem(64, off, 0) + 128 * 128
@@ -226,19 +227,20 @@ def test_ones_sum_only_at_d64():
 
 
 def test_kv_one_full_follows_the_ring_depth():
-    """One "full" barrier for K and V needs a third ring stage (README "Tuning" 38): the default
+    """One "full" barrier for K and V needs a third ring stage (README "Tried"): the default
     follows the stages unless set."""
     assert L.sm90_config(64, True).kv_one_full and not L.sm90_config(128, True).kv_one_full
     assert not L.sm90_config(64, False, stages=2).kv_one_full
-    assert L.sm90_config(128, False, stages=3, q_buffers=1).kv_one_full
+    assert L.sm90_config(128, False, stages=3).kv_one_full
     assert not L.sm90_config(64, False, kv_one_full=False).kv_one_full
     off = L.kernel_config(OP, "float16", _attrs(64), {"head_dim": 64, "arch": 90},
                           config=L.sm90_config(64, False, kv_one_full=False))
-    assert "KV_ONE_FULL" not in off.defines and off.name.endswith("plotx")  # no "k" tag
+    assert "KV_ONE_FULL" not in off.defines
+    assert off.name.endswith("_3wg_3stages_tma_ones_sum_softmax_stream")  # no kv_one_full
 
 
 def test_softmax_stream_where_it_measured_faster():
-    """The softmax as one instruction stream (README "Tuning" 41): on at D = 64 (every mask) and
+    """The softmax as one instruction stream (README "Tried"): on at D = 64 (every mask) and
     for D = 128 non-causal without a key bias; off for D = 128 causal or with key padding (neutral
     there and 0.97-0.99x on the mask rows); one define, one name tag."""
     for causal in (False, True):
@@ -250,4 +252,4 @@ def test_softmax_stream_where_it_measured_faster():
     assert not L.sm90_config(64, True, softmax_stream=False).softmax_stream
     for pattern, on in ((None, True), ((1, 1, 1, -1), False)):
         src = L.kernel_config(OP, "bfloat16", _attrs(128), {"head_dim": 128, "bias_shape": pattern, "arch": 90})
-        assert (src.defines.get("SOFTMAX_STREAM") == "1") == on and src.name.endswith("x") == on
+        assert (src.defines.get("SOFTMAX_STREAM") == "1") == on and src.name.endswith("_softmax_stream") == on

@@ -29,7 +29,7 @@ def _layer_norm_tile(
     mask = row_ok[:, None] & col_ok[None, :]
     offs = row.to(tl.int64)[:, None] * HIDDEN + col[None, :]
 
-    # X_EVICT: L2 priority of the streamed loads ("", "evict_first" or "evict_last"; README "Tuning")
+    # X_EVICT: L2 priority of the streamed loads ("" or "evict_last"; README "Tried")
     x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy=X_EVICT)
     if HAS_SKIP:
         k = tl.load(SKIP + offs, mask=mask, other=0.0, eviction_policy=X_EVICT)

@@ -13,14 +13,10 @@
 //
 // Compile-time specialization (-D): OPTFUSE_DTYPE (0 fp32, 1 fp16, 2 bf16), HIDDEN (a multiple of
 // 16 bytes of elements), EPS (a float literal), VPT (16-byte accesses per lane), RPB (rows, i.e.
-// warps, per block), XPOL (x / skip loads: 0 read-only path, the default; 2 L1/L2 evict_last,
-// which the CUDA RMSNorm kernel measured 0-4 % faster with and this one did not: README "Tuning").
+// warps, per block). x / skip load through the read-only path (an L1/L2 evict_last priority,
+// which the CUDA RMSNorm kernel gains from, measured no faster here: README "Tried").
 // Parameter order is TensorRT QDP's: inputs, int32 extra args (rows), outputs.
 // No CUDA headers needed (conversions in inline PTX), so the nvrtc wheel alone builds it.
-
-#ifndef XPOL
-#define XPOL 0
-#endif
 
 #include "../common/io_dtype.cuh"  // T, to_f32, from_f32
 
@@ -39,19 +35,7 @@ union Pack {
     T v[kVec];
 };
 
-// x / skip: XPOL 2 asks L1 and L2 to keep the lines (Triton's eviction_policy="evict_last" form).
-__device__ __forceinline__ uint4 load_x(const uint4* p) {
-#if XPOL == 2
-    uint4 v;
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-    asm("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
-    return v;
-#else
-    return __ldg(p);
-#endif
-}
+__device__ __forceinline__ uint4 load_x(const uint4* p) { return __ldg(p); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -38,7 +38,6 @@ _ENTRY = {"LayerNorm": "layer_norm_fwd", "SkipLayerNorm": "skip_layer_norm_fwd"}
 _WARP_ENTRY = {"LayerNorm": "layer_norm_warp_fwd", "SkipLayerNorm": "skip_layer_norm_warp_fwd"}
 _INPUTS = {op: tuple(t.name for t in s.inputs) for op, s in SPECS.items()}
 _OUTPUTS = {op: tuple(t.name for t in s.outputs) for op, s in SPECS.items()}
-_EVICT_SUFFIX = {"": "", "evict_first": "e", "evict_last": "l"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class LNConfig:
     block_m: int  # rows per program
     block_n: int  # next power of two >= hidden
     num_warps: int
-    # L2 priority of the streamed x / skip loads: "" (none), "evict_first", "evict_last"
+    # L2 priority of the streamed x / skip loads: "" (none) or "evict_last"
     x_evict: str = ""
 
 
@@ -56,7 +55,6 @@ class LNWarpConfig:
     (exactly the row: no padding), ``rpb`` rows (warps) per block."""
     vpt: int
     rpb: int
-    xpol: int = 0  # x / skip loads: 0 read-only path, 2 L1/L2 evict_last
 
     @property
     def threads(self) -> int:
@@ -70,11 +68,11 @@ def warp_kernel_fits(dtype: str, hidden: int) -> bool:
     return (hidden * item) % 16 == 0 and hidden * item // 16 <= 128
 
 
-def warp_config(dtype: str, hidden: int, rpb: int = 2, xpol: int = 0) -> LNWarpConfig:
+def warp_config(dtype: str, hidden: int, rpb: int = 2) -> LNWarpConfig:
     if not warp_kernel_fits(dtype, hidden):
         raise ValueError(f"LayerNorm warp kernel: hidden {hidden} ({dtype}) is not whole 16-byte accesses <= 128")
     nv = hidden * ITEMSIZE[norm_dtype(dtype)] // 16
-    return LNWarpConfig(-(-nv // 32), rpb, xpol)
+    return LNWarpConfig(-(-nv // 32), rpb)
 
 
 def _check_op(op: str) -> None:
@@ -86,7 +84,7 @@ def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig | 
     """The default kernel and config for ``op`` at ``dtype`` and ``hidden``: the CUDA warp-per-row
     kernel for rows of 3-4 16-byte accesses a lane (fp16/bf16 hidden 520-1024 in steps of 8;
     SkipLayerNorm: 3, up to 768), where the Triton tile is padded to 1024 columns; the Triton
-    kernel elsewhere. H200 sweep (README "Tuning" 5): LayerNorm 768 1.01-1.10x torch.compile
+    kernel elsewhere. H200 sweep (README "Tried"): LayerNorm 768 1.01-1.10x torch.compile
     (Triton's one-warp tile, Inductor's: 1.00x), 1024 1.03-1.13x (Triton 1.00-1.11x);
     SkipLayerNorm 768 1.01-1.14x (Triton 0.99-1.14x), at 1024 the Triton kernel stays (1.09-1.10x
     against 1.03-1.05x at 4096 rows)."""
@@ -98,7 +96,7 @@ def choose_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig | 
 
 
 def triton_config(dtype: str, hidden: int, op: str = "LayerNorm") -> LNConfig:
-    """The Triton kernel's tile per program, from the H200 sweeps (README "Tuning"): LayerNorm rows
+    """The Triton kernel's tile per program, from the H200 sweeps (README "Tried"): LayerNorm rows
     of 513-768 elements (a 1024 tile at least a quarter padding) one to a program of one warp (Inductor's
     choice): split over 2 warps, the second would hold at most 256 valid of its 512 columns and
     both reductions would cross warps through shared memory and a barrier; other rows of <= 1024
@@ -141,20 +139,26 @@ def candidate_configs(dtype: str, hidden: int, op: str = "LayerNorm") -> list[LN
         for warps in (2, 4, 8, 16):
             add(1, warps)
         add(2, max(1, first.num_warps))
-    for policy in ("evict_first", "evict_last"):
-        add(first.block_m, first.num_warps, x_evict=policy)
+    add(first.block_m, first.num_warps, x_evict="evict_last")
     # evict_last with more rows in flight per SM (what the CUDA RMSNorm kernel gained from, README there)
     if block_n <= 1024:
         for block_m, warps in ((2, 2), (2, 1)):
             add(max(1, 1024 // block_n) * block_m, warps, x_evict="evict_last")
     else:
         add(1, max(1, first.num_warps // 2), x_evict="evict_last")
-    if warp_kernel_fits(dtype, hidden):  # the CUDA warp-per-row kernel: 1-4 rows a block, both load paths
-        for rpb, xpol in ((2, 0), (2, 2), (1, 2), (4, 2)):
-            c = warp_config(dtype, hidden, rpb, xpol)
+    if warp_kernel_fits(dtype, hidden):  # the CUDA warp-per-row kernel: 1-4 rows a block
+        for rpb in (2, 1, 4):
+            c = warp_config(dtype, hidden, rpb)
             if c not in out:
                 out.append(c)
     return out
+
+
+def config_name(cfg: LNConfig | LNWarpConfig) -> str:
+    """The config in words: ``triton_2rows_2warps[_evict_last]`` or ``warp_per_row_3accesses_2rows``."""
+    if isinstance(cfg, LNWarpConfig):
+        return f"warp_per_row_{cfg.vpt}accesses_{cfg.rpb}rows"
+    return f"triton_{cfg.block_m}rows_{cfg.num_warps}warps{'_' + cfg.x_evict if cfg.x_evict else ''}"
 
 
 def _epsilon(attrs: dict | None) -> float:
@@ -179,7 +183,7 @@ def kernel_config(
     if op == "SkipLayerNorm":
         signature["S"] = ty
     return KernelSource(
-        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/m{cfg.block_m}w{cfg.num_warps}{_EVICT_SUFFIX[cfg.x_evict]}",
+        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/{config_name(cfg)}",
         lang="triton",
         path=KERNEL_PATH,
         entry=_ENTRY[op],
@@ -201,7 +205,7 @@ def _warp_kernel_source(op: str, dtype: str, hidden: int, eps: float, cfg: LNWar
     if warp_config(dtype, hidden).vpt != cfg.vpt:
         raise ValueError(f"LayerNorm warp kernel: vpt {cfg.vpt} does not cover hidden {hidden} ({dtype})")
     return KernelSource(
-        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/warp_v{cfg.vpt}r{cfg.rpb}x{cfg.xpol}",
+        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/{config_name(cfg)}",
         lang="cuda",
         path=WARP_KERNEL_PATH,
         entry=_WARP_ENTRY[op],
@@ -212,7 +216,6 @@ def _warp_kernel_source(op: str, dtype: str, hidden: int, eps: float, cfg: LNWar
             **norm_cuda_defines(dtype, hidden, eps),
             "VPT": str(cfg.vpt),
             "RPB": str(cfg.rpb),
-            "XPOL": str(cfg.xpol),
         },
         threads=cfg.threads,
         pointer_align=16,

@@ -210,9 +210,9 @@ def test_aot_compile_warp_kernel(op, dtype, hidden, arch, tmp_path):
 
 
 def test_warp_kernel_limits():
-    assert launch.warp_config("float16", 768) == launch.LNWarpConfig(3, 2, 0)
-    assert launch.choose_config("float16", 768, "SkipLayerNorm") == launch.LNWarpConfig(3, 2, 0)
-    assert launch.choose_config("bfloat16", 1024, "LayerNorm") == launch.LNWarpConfig(4, 2, 0)
+    assert launch.warp_config("float16", 768) == launch.LNWarpConfig(3, 2)
+    assert launch.choose_config("float16", 768, "SkipLayerNorm") == launch.LNWarpConfig(3, 2)
+    assert launch.choose_config("bfloat16", 1024, "LayerNorm") == launch.LNWarpConfig(4, 2)
     assert isinstance(launch.choose_config("bfloat16", 1024, "SkipLayerNorm"), launch.LNConfig)
     assert isinstance(launch.choose_config("float16", 4096, "LayerNorm"), launch.LNConfig)
     assert launch.warp_config("bfloat16", 1000).vpt == 4  # 125 accesses: the last lane group partly filled

@@ -7,52 +7,19 @@
 // Specialized at compile time (-D): OPTFUSE_DTYPE (0 fp32, 1 fp16, 2 bf16), HIDDEN, EPS (a float
 // literal), VEC (elements per access: 16 bytes / sizeof(T), or 1 when HIDDEN is not a multiple),
 // TPR (threads per row: 1..32 = sub-warp/warp per row, shuffles only; 64..1024 = block per row),
-// RPB (rows per block at a time; TPR * RPB threads per block), ITERS (row groups per block, default
-// 1: the block walks them grid-stride, gamma stays in registers and the next group's loads are
-// issued before the current group's reduction), STCS (1: streaming stores, st.global.cs),
-// GLATE (1: gamma's loads left where ptxas puts them, which can be behind the reduction; fewer
-// registers live at once), MINB (0: none; else the minimum resident blocks per SM passed to
-// __launch_bounds__, which caps the registers: at 512 threads MINB 4 means <= 32 registers, four
-// rows in flight per SM instead of three), NC (1: x/skip/gamma through the read-only path,
-// ld.global.nc; 0: plain ld.global, what Triton emits), XPOL (x/skip loads with an L2 eviction
-// priority, as Triton writes eviction_policy: 0 none, 1 evict_first, 2 evict_last) and YPOL
-// (1: y/sum stores L2 evict_first, not allocated in L1). The policies decide which lines the L2
-// gives up first, clean inputs or dirty outputs, and so when the write-backs reach DRAM.
-// RELOAD (kernel v4; 0: each thread keeps its accesses of x in registers across the reduction;
-// 1: Inductor's two passes: x read for the sum of squares, then read again after the reduction
-// with L1+L2 evict_first priority (meant to hit L1/L2), so x is not live across the barrier; 2: the
-// same, second read plain ld.global.nc). Tried and removed (README "Tuning" 6): a .L2::256B
-// prefetch hint, L1::no_allocate loads, and whole rows through shared memory by cp.async.bulk.
+// RPB (rows per block; TPR * RPB threads per block), RELOAD (0: each thread keeps its accesses of
+// x in registers across the reduction; 1: Inductor's two passes: x read for the sum of squares,
+// then read again after the reduction with L1+L2 evict_first priority, meant to hit L1/L2, so x is
+// not live across the barrier). x (and skip) are loaded with L1/L2 evict_last priority (Triton's
+// eviction_policy="evict_last" form), gamma through the read-only path (ld.global.nc).
 //
 // Each thread keeps its VPT accesses of the row in registers (packed, as loaded; with RELOAD only
 // until its sum of squares is formed): one read of x (and skip), one write of y (and sum); gamma
-// is loaded once per block, by default together with the first row, so no global load waits
-// behind the reduction.
+// is loaded together with the row, so no global load waits behind the reduction.
 //
 // Parameter order is TensorRT QDP's: inputs, int32 extra args (rows), outputs.
 // No CUDA headers needed (fp16/bf16 conversions in inline PTX), so the nvrtc wheel alone builds it.
 
-#ifndef ITERS
-#define ITERS 1
-#endif
-#ifndef STCS
-#define STCS 0
-#endif
-#ifndef GLATE
-#define GLATE 0
-#endif
-#ifndef MINB
-#define MINB 0
-#endif
-#ifndef NC
-#define NC 1
-#endif
-#ifndef XPOL
-#define XPOL 0
-#endif
-#ifndef YPOL
-#define YPOL 0
-#endif
 #ifndef RELOAD
 #define RELOAD 0
 #endif
@@ -69,8 +36,6 @@ constexpr int kHidden = HIDDEN;
 constexpr int kNV = (kHidden + kVec - 1) / kVec;  // accesses per row (kHidden % kVec == 0)
 constexpr int kTPR = TPR;
 constexpr int kRPB = RPB;
-constexpr int kIters = ITERS;
-constexpr bool kGammaLate = GLATE;
 constexpr int kThreads = kTPR * kRPB;
 constexpr int kVPT = (kNV + kTPR - 1) / kTPR;  // accesses per thread
 constexpr bool kFull = (kVPT * kTPR == kNV);
@@ -83,9 +48,7 @@ static_assert(!kBlockRow || kRPB == 1, "block-per-row mode handles one row per b
 static_assert(!kBlockRow || kTPR % 32 == 0, "block-per-row mode needs whole warps");
 static_assert(kBlockRow || (kTPR & (kTPR - 1)) == 0, "sub-warp rows need a power-of-two width");
 static_assert(kThreads <= 1024, "at most 1024 threads per block");
-static_assert(kIters >= 1 && kIters <= 8, "ITERS in 1..8");
-static_assert(XPOL >= 0 && XPOL <= 2 && YPOL >= 0 && YPOL <= 1, "XPOL in 0..2, YPOL in 0..1");
-static_assert(RELOAD >= 0 && RELOAD <= 2, "RELOAD in 0..2");
+static_assert(RELOAD == 0 || RELOAD == 1, "RELOAD is 0 or 1");
 
 typedef typename RawOf<kVec * sizeof(T)>::type Raw;
 union Pack {
@@ -105,43 +68,27 @@ __device__ __forceinline__ unsigned long long l2_policy() {
     return pol;
 }
 
-template <typename R>
-__device__ __forceinline__ void store(R* p, const R& v) {
-    if constexpr (YPOL == 1 && sizeof(R) == 16) {
-        asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x),
-                     "r"(v.y), "r"(v.z), "r"(v.w), "l"(l2_policy<1>())
-                     : "memory");
-    } else if constexpr (STCS && sizeof(R) == 16) {
-        asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                     : "memory");
-    } else {
-        *p = v;
-    }
-}
-
-// Sum over the threads of a row. Block mode: `buf` alternates between row groups, so a fast warp
-// writing the next group's partial never races a slow warp still reading this group's (one
-// barrier per row instead of two).
-__device__ __forceinline__ float row_sum(float v, int buf) {
+// Sum over the threads of a row (block mode: warp shuffles, then one shared-memory step).
+__device__ __forceinline__ float row_sum(float v) {
     if constexpr (!kBlockRow) {
 #pragma unroll
         for (int o = kTPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o, kTPR);
         return v;
     } else {
-        __shared__ float part[kIters > 1 ? 2 : 1][kWarps];
+        __shared__ float part[kWarps];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        if (lane == 0) part[buf][warp] = v;
+        if (lane == 0) part[warp] = v;
         __syncthreads();
         if constexpr ((kWarps & (kWarps - 1)) == 0) {
             // every lane group of kWarps lanes holds all partials: a kWarps-wide butterfly
-            float w = part[buf][lane & (kWarps - 1)];
+            float w = part[lane & (kWarps - 1)];
 #pragma unroll
             for (int o = kWarps / 2; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
             return w;
         } else {
-            float w = lane < kWarps ? part[buf][lane] : 0.f;
+            float w = lane < kWarps ? part[lane] : 0.f;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
             return w;
@@ -156,51 +103,34 @@ __device__ __forceinline__ float row_sum(float v, int buf) {
 // load could be issued before the row arrived.
 __device__ __forceinline__ int clamp_access(int idx) { return (kFull || idx < kNV) ? idx : kNV - 1; }
 
-// One access of a read-only stream: ld.global.nc (__ldg) or, with NC=0, a plain ld.global
-// (inline PTX: a const __restrict__ dereference may be turned into ld.global.nc by the compiler).
-template <typename R>
-__device__ __forceinline__ R ldg(const R* p) {
-    if constexpr (NC || sizeof(R) != 16) {
-        return __ldg(p);
-    } else {
-        R v;
-        asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-        return v;
-    }
-}
-
 // A 16-byte load with the PTX form OP and an L2 cache-policy operand.
 #define OPTFUSE_LD4_POL(OP, POL)                                                                   \
     asm(OP ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"                                                   \
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                                               \
         : "l"(p), "l"(l2_policy<POL>()))
 
-// x / skip: with XPOL, Triton's form of an eviction_policy load (L1 and L2 priority).
+// x / skip: Triton's form of an eviction_policy="evict_last" load (L1 and L2 priority); narrower
+// accesses through the read-only path.
 template <typename R>
 __device__ __forceinline__ R ldx(const R* p) {
-    if constexpr (XPOL == 0 || sizeof(R) != 16) {
-        return ldg(p);
+    if constexpr (sizeof(R) != 16) {
+        return __ldg(p);
     } else {
         R v;
-        if constexpr (XPOL == 1) {
-            OPTFUSE_LD4_POL("ld.global.L1::evict_first.L2::cache_hint", 1);
-        } else {
-            OPTFUSE_LD4_POL("ld.global.L1::evict_last.L2::cache_hint", 2);
-        }
+        OPTFUSE_LD4_POL("ld.global.L1::evict_last.L2::cache_hint", 2);
         return v;
     }
 }
 
-// RELOAD: the second read of x / skip, after the reduction. 1: Inductor's (L1+L2 evict_first);
-// 2: plain read-only.
+// RELOAD: the second read of x / skip, after the reduction: Inductor's (L1+L2 evict_first).
 template <typename R>
 __device__ __forceinline__ R ldx2(const R* p) {
-    if constexpr (RELOAD == 1 && sizeof(R) == 16) {
+    if constexpr (sizeof(R) == 16) {
         R v;
         OPTFUSE_LD4_POL("ld.global.L1::evict_first.L2::cache_hint", 1);
         return v;
     } else {
-        return ldg(p);
+        return __ldg(p);
     }
 }
 #undef OPTFUSE_LD4_POL
@@ -229,109 +159,84 @@ __device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x_, const T*
 
     const int t = threadIdx.x % kTPR;
     const int sub = threadIdx.x / kTPR;
-    const int groups = rows / kRPB + (rows % kRPB != 0);  // grid = cdiv(rows, RPB * ITERS)
-    int grp = blockIdx.x;
+    const int groups = rows / kRPB + (rows % kRPB != 0);  // grid = cdiv(rows, RPB)
+    const int grp = blockIdx.x;
     if (grp >= groups) return;  // block-uniform
 
-    long long row = (long long)grp * kRPB + sub;
-    bool active = row < rows;  // inactive threads (warp mode) still take part in the shuffles
+    const long long row = (long long)grp * kRPB + sub;
+    const bool active = row < rows;  // inactive threads (warp mode) still take part in the shuffles
     Raw a[kVPT], b[kVPT], g[kVPT];
     load_row<SKIP>(a, b, x, skip, row, rows, t);
 #pragma unroll
-    for (int i = 0; i < kVPT; ++i) g[i] = ldg(gamma + clamp_access(t + i * kTPR));
+    for (int i = 0; i < kVPT; ++i) g[i] = __ldg(gamma + clamp_access(t + i * kTPR));
     // ptxas sinks read-only loads towards their first use, which is behind the reduction (and
     // the exit of inactive rows): an L2 round trip more on every row's critical path. A use
     // that cannot be folded away (rows is never negative) before the row's first use ties
-    // gamma's loads to right behind the row's. GLATE=1 leaves ptxas free.
-    const bool never = rows < 0;
-
+    // gamma's loads to right behind the row's.
+    if (rows < 0) {
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const long long next = (long long)grp + gridDim.x;
-        const bool more = it + 1 < kIters && next < groups;  // block-uniform
-        const long long nrow = next * kRPB + sub;
-        Raw na[kVPT], nb[kVPT];
-        if (kIters > 1 && more) load_row<SKIP>(na, nb, x, skip, nrow, rows, t);
+        for (int i = 0; i < kVPT; ++i) a[i] = g[i];
+    }
 
-        const long long base = row * kNV;
-        float ss = 0.f;
-        if (!kGammaLate && it == 0 && never) {  // gamma "needed" before the first use of the row
+    const long long base = row * kNV;
+    float ss = 0.f;
 #pragma unroll
-            for (int i = 0; i < kVPT; ++i) a[i] = g[i];
+    for (int i = 0; i < kVPT; ++i) {
+        const int idx = t + i * kTPR;
+        Pack p;
+        p.raw = a[i];
+        if (SKIP) {
+            Pack q;
+            q.raw = b[i];
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) p.v[j] = from_f32(to_f32(p.v[j]) + to_f32(q.v[j]));
+            a[i] = p.raw;
+            if (active && (kFull || idx < kNV)) sum[base + idx] = p.raw;
         }
+        if (kFull || idx < kNV) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+                const float v = to_f32(p.v[j]);
+                ss += v * v;
+            }
+        }
+    }
+    ss = row_sum(ss);
+    const float inv = rsqrtf(ss * kInvHidden + (float)(EPS));
+    if (active) {
 #pragma unroll
         for (int i = 0; i < kVPT; ++i) {
             const int idx = t + i * kTPR;
-            Pack p;
-            p.raw = a[i];
-            if (SKIP) {
-                Pack q;
-                q.raw = b[i];
-#pragma unroll
-                for (int j = 0; j < kVec; ++j) p.v[j] = from_f32(to_f32(p.v[j]) + to_f32(q.v[j]));
-                a[i] = p.raw;
-                if (active && (kFull || idx < kNV)) store(sum + base + idx, p.raw);
-            }
             if (kFull || idx < kNV) {
+                Pack p, q, o;
+                if constexpr (RELOAD != 0) {  // x (and skip) read again: not live across the reduction
+                    p.raw = ldx2(x + base + idx);
+                    if (SKIP) {
+                        Pack k;
+                        k.raw = ldx2(skip + base + idx);
 #pragma unroll
-                for (int j = 0; j < kVec; ++j) {
-                    const float v = to_f32(p.v[j]);
-                    ss += v * v;
-                }
-            }
-        }
-        ss = row_sum(ss, it & 1);
-        const float inv = rsqrtf(ss * kInvHidden + (float)(EPS));
-        if (active) {
-#pragma unroll
-            for (int i = 0; i < kVPT; ++i) {
-                const int idx = t + i * kTPR;
-                if (kFull || idx < kNV) {
-                    Pack p, q, o;
-                    if constexpr (RELOAD != 0) {  // x (and skip) read again: not live across the reduction
-                        p.raw = ldx2(x + base + idx);
-                        if (SKIP) {
-                            Pack k;
-                            k.raw = ldx2(skip + base + idx);
-#pragma unroll
-                            for (int j = 0; j < kVec; ++j) p.v[j] = from_f32(to_f32(p.v[j]) + to_f32(k.v[j]));
-                        }
-                    } else {
-                        p.raw = a[i];
+                        for (int j = 0; j < kVec; ++j) p.v[j] = from_f32(to_f32(p.v[j]) + to_f32(k.v[j]));
                     }
-                    q.raw = g[i];
-#pragma unroll
-                    for (int j = 0; j < kVec; ++j) o.v[j] = from_f32(to_f32(p.v[j]) * inv * to_f32(q.v[j]));
-                    store(y + base + idx, o.raw);
+                } else {
+                    p.raw = a[i];
                 }
+                q.raw = g[i];
+#pragma unroll
+                for (int j = 0; j < kVec; ++j) o.v[j] = from_f32(to_f32(p.v[j]) * inv * to_f32(q.v[j]));
+                y[base + idx] = o.raw;
             }
         }
-        if (!more) break;
-#pragma unroll
-        for (int i = 0; i < kVPT; ++i) {
-            a[i] = na[i];
-            if (SKIP) b[i] = nb[i];
-        }
-        grp = (int)next;
-        row = nrow;
-        active = nrow < rows;
     }
 }
 
-#if MINB > 0
-#define OPTFUSE_BOUNDS __launch_bounds__(kThreads, MINB)
-#else
-#define OPTFUSE_BOUNDS __launch_bounds__(kThreads)
-#endif
-
 // RMSNorm: inputs (x, gamma), extra (rows), outputs (y).
-extern "C" __global__ void OPTFUSE_BOUNDS
+extern "C" __global__ void __launch_bounds__(kThreads)
 rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, int rows, T* __restrict__ y) {
     rms_norm_rows<false>(x, nullptr, gamma, rows, y, nullptr);
 }
 
 // SkipRMSNorm: inputs (x, skip, gamma), extra (rows), outputs (y, sum).
-extern "C" __global__ void OPTFUSE_BOUNDS
+extern "C" __global__ void __launch_bounds__(kThreads)
 skip_rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma, int rows,
                   T* __restrict__ y, T* __restrict__ sum) {
     rms_norm_rows<true>(x, skip, gamma, rows, y, sum);

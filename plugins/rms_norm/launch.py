@@ -10,7 +10,7 @@ Per op (``RMSNorm``, ``SkipRMSNorm``):
 
 Layout: 16-byte vector accesses (scalar when hidden is not a multiple of 16 bytes); a warp (or
 a power-of-two slice of one) per row for small rows, a block per row for large ones; each block
-handles ``rpb * iters`` rows (grid = ``cdiv(rows, rpb * iters)``).
+handles ``rpb`` rows (grid = ``cdiv(rows, rpb)``).
 Argument order: inputs (x, [skip], gamma), extra (rows), outputs (y, [sum]).
 """
 
@@ -40,15 +40,8 @@ _N_IO = {op: (len(s.inputs), len(s.outputs)) for op, s in SPECS.items()}
 class RMSConfig:
     vec: int  # elements per access (16 bytes, or 1)
     tpr: int  # threads per row (<= 32: shuffles only; else a block per row)
-    rpb: int  # rows per block at a time
-    iters: int = 1  # row groups per block (grid-stride; gamma kept, next group prefetched)
-    stcs: bool = False  # streaming stores (st.global.cs)
-    glate: bool = False  # gamma loads not tied to before the reduction (ptxas may sink them behind it)
-    minb: int = 0  # __launch_bounds__ minimum blocks per SM (0: none): caps the registers
-    nc: bool = True  # loads through the read-only path (ld.global.nc); False: plain ld.global
-    xpol: int = 0  # x/skip loads with an L2 eviction priority: 0 none, 1 evict_first, 2 evict_last
-    ypol: int = 0  # 1: y/sum stores L2 evict_first (and not allocated in L1)
-    reload: int = 0  # x read again after the reduction (1: L1+L2 evict_first, Inductor's; 2: plain read-only)
+    rpb: int  # rows per block
+    reload: int = 0  # 1: x read again after the reduction (L1+L2 evict_first, Inductor's)
 
     @property
     def threads(self) -> int:
@@ -56,7 +49,7 @@ class RMSConfig:
 
     @property
     def rows_per_block(self) -> int:
-        return self.rpb * self.iters
+        return self.rpb
 
 
 def _check_op(op: str) -> None:
@@ -71,15 +64,10 @@ def _vec_nv(dtype: str, hidden: int) -> tuple[int, int]:
     return vec, -(-hidden // vec)
 
 
-def make_config(
-    dtype: Any, hidden: int, vpt: int, block_threads: int = 256, iters: int = 1, stcs: bool = False,
-    glate: bool = False, full: bool = False, nc: bool = True, xpol: int = 0, ypol: int = 0, reload: int = 0,
-) -> RMSConfig:
+def make_config(dtype: Any, hidden: int, vpt: int, block_threads: int = 256, reload: int = 0) -> RMSConfig:
     """About ``vpt`` accesses (16 bytes, or one element when hidden is not a multiple of 16 bytes)
     per thread: rows of <= 32 threads get a (sub-)warp each, ``block_threads`` threads per block;
-    longer rows a block each (at most 1024 threads, more accesses per thread beyond; then one
-    row group per block: ``iters`` > 1 would spill). ``full``: registers capped so that 2048
-    threads (the SM's limit) stay resident (``minb`` = 2048 / threads)."""
+    longer rows a block each (at most 1024 threads, more accesses per thread beyond)."""
     dtype = norm_dtype(dtype)
     if not MIN_HIDDEN <= hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden {hidden} outside [{MIN_HIDDEN}, {MAX_HIDDEN}]")
@@ -87,40 +75,34 @@ def make_config(
     need = -(-nv // vpt)
     if need <= 32:
         tpr = next_pow2(need)
-        rpb = max(1, block_threads // tpr)
-        minb = 2048 // (tpr * rpb) if full else 0
-        return RMSConfig(vec, tpr, rpb, iters, stcs, glate, minb, nc, xpol, ypol, reload)
-    tpr = min(1024, -(-need // 32) * 32)
-    # 1024 threads leave 64 registers a thread: a prefetched second row would spill
-    return RMSConfig(vec, tpr, 1, 1 if tpr == 1024 else iters, stcs, glate, 2048 // tpr if full else 0, nc, xpol, ypol,
-                     reload)
+        return RMSConfig(vec, tpr, max(1, block_threads // tpr), reload)
+    return RMSConfig(vec, min(1024, -(-need // 32) * 32), 1, reload)
 
 
 def choose_config(dtype: Any, hidden: int, op: str = "RMSNorm") -> RMSConfig:
-    """The default layout, from the H200 sweeps (README "Tuning"): rows of <= 32 accesses: one
+    """The default layout, from the H200 sweeps (README "Tried"): rows of <= 32 accesses: one
     access per thread, a (sub-)warp per row, 256 threads; <= 128 accesses: a warp per row (up
     to 4 accesses per thread), 2 rows per block; longer rows: a block per row, 2 accesses per
-    thread (at most 1024 threads), one row per block. x (and skip) loaded with L1/L2
-    evict_last priority (XPOL 2, Inductor's first read of x): 0-4 % faster than plain
-    read-only loads at every swept shape, up to 4 % at 4096/8192. RMSNorm at hidden 8192
-    (fp16/bf16): x read again after the reduction (RELOAD 1, Inductor's second read), 2-3 %
-    faster than holding it in registers (README "Tuning" 6)."""
+    thread (at most 1024 threads), one row per block. RMSNorm at hidden 8192 (fp16/bf16): x
+    read again after the reduction (RELOAD 1, Inductor's second read), 2-3 % faster than
+    holding it in registers."""
     dtype = norm_dtype(dtype)
     if not MIN_HIDDEN <= hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden {hidden} outside [{MIN_HIDDEN}, {MAX_HIDDEN}]")
     _, nv = _vec_nv(dtype, hidden)
     if nv <= 32:
-        return make_config(dtype, hidden, 1, 256, xpol=2)
+        return make_config(dtype, hidden, 1, 256)
     if nv <= 128:
-        return make_config(dtype, hidden, -(-nv // 32), 64, xpol=2)
+        return make_config(dtype, hidden, -(-nv // 32), 64)
     if op == "RMSNorm" and hidden == 8192 and dtype in ("float16", "bfloat16"):
-        # kernel v4: x read twice (Inductor's form): 32 registers, 4 rows of 512 threads in flight per SM
-        return make_config(dtype, hidden, 2, xpol=2, reload=1)
-    return make_config(dtype, hidden, 2, xpol=2)
+        # x read twice (Inductor's form): 32 registers, 4 rows of 512 threads in flight per SM
+        return make_config(dtype, hidden, 2, reload=1)
+    return make_config(dtype, hidden, 2)
 
 
 def candidate_configs(dtype: Any, hidden: int, op: str = "RMSNorm") -> list[RMSConfig]:
-    """Configs a benchmark sweep may try (the default first); the GPU tests run every one."""
+    """Configs a benchmark sweep may try (the default first): thread layouts and, for long rows,
+    the second read of x; the GPU tests run every one."""
     dtype = norm_dtype(dtype)
     _, nv = _vec_nv(dtype, hidden)
     out = [choose_config(dtype, hidden, op)]
@@ -130,54 +112,35 @@ def candidate_configs(dtype: Any, hidden: int, op: str = "RMSNorm") -> list[RMSC
         if c not in out:
             out.append(c)
 
-    if nv <= 32:  # xpol 0 below: the v2 default's plain read-only loads, with the other options
+    if nv <= 32:
         add(1, 256)
         add(1, 128)
-        add(1, 256, iters=2)
     if 32 < nv <= 256:  # a warp per row (3-8 accesses a thread), or half a warp (twice the accesses)
         w = -(-nv // 32)
         for bt in (32, 64, 128):
             add(w, bt)
-        add(w, 32, nc=False)
         if nv <= 128:
             add(2 * w, 32)
             add(2 * w, 64)
-        add(w, 32, iters=2)
-        add(w, 64, stcs=True)
-        add(w, 64, glate=True)
-        add(w, 64, xpol=1)
-        add(w, 64, xpol=2)
-        add(w, 64, ypol=1)
-    if 64 < nv <= 128:  # the v1 layout: a block per row, one access per thread
+    if 64 < nv <= 128:  # a block per row, one access per thread
         add(1)
     if nv > 128:  # a block per row
         add(2)
         add(4)
-        add(2, full=True)
-        add(2, nc=False)
-        add(2, iters=2)
-        add(2, glate=True)
-        add(2, stcs=True)
-        add(2, xpol=1)
-        add(2, xpol=2)
-        add(2, ypol=1)
-        add(2, xpol=2, ypol=1)
-        # kernel v4 (README "Tuning" 6): x read twice (Inductor's form), other thread counts with evict_last loads
-        add(2, xpol=2, reload=1)
-        add(2, xpol=2, reload=1, glate=True)
-        add(2, xpol=2, reload=2)
-        add(4, xpol=2)
-        add(4, xpol=2, reload=1)
-        if op == "RMSNorm":  # register caps: 4 rows of 512 / 8 of 256 threads per SM (SkipRMSNorm spills)
-            add(2, xpol=2, full=True)
-            add(4, xpol=2, reload=1, full=True)
-        add(1, xpol=2)
+        add(2, reload=1)
+        add(4, reload=1)
+        add(1)
     return out
 
 
 def _epsilon(attrs: dict | None) -> float:
     eps = (attrs or {}).get("epsilon", DEFAULT_EPSILON)
     return float(DEFAULT_EPSILON if eps is None else eps)
+
+
+def config_name(cfg: RMSConfig) -> str:
+    """The config in words, e.g. ``vec8_256threads_per_row_1rows_reload``."""
+    return f"vec{cfg.vec}_{cfg.tpr}threads_per_row_{cfg.rpb}rows{'_reload' if cfg.reload else ''}"
 
 
 def kernel_config(
@@ -191,12 +154,7 @@ def kernel_config(
     eps = _epsilon(attrs)
     n_in, n_out = _N_IO[op]
     return KernelSource(
-        name=(
-            f"rms_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/v{cfg.vec}t{cfg.tpr}r{cfg.rpb}i{cfg.iters}"
-            f"{'s' if cfg.stcs else ''}{'g' if cfg.glate else ''}{f'b{cfg.minb}' if cfg.minb else ''}{'' if cfg.nc else 'p'}"
-            f"{f'x{cfg.xpol}' if cfg.xpol else ''}{f'y{cfg.ypol}' if cfg.ypol else ''}"
-            f"{f'd{cfg.reload}' if cfg.reload else ''}"
-        ),
+        name=f"rms_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/{config_name(cfg)}",
         lang="cuda",
         path=KERNEL_PATH,
         entry=_ENTRY[op],
@@ -208,13 +166,6 @@ def kernel_config(
             "VEC": str(cfg.vec),
             "TPR": str(cfg.tpr),
             "RPB": str(cfg.rpb),
-            "ITERS": str(cfg.iters),
-            "STCS": str(int(cfg.stcs)),
-            "GLATE": str(int(cfg.glate)),
-            "MINB": str(cfg.minb),
-            "NC": str(int(cfg.nc)),
-            "XPOL": str(cfg.xpol),
-            "YPOL": str(cfg.ypol),
             "RELOAD": str(cfg.reload),
         },
         threads=cfg.threads,

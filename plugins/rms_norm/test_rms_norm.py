@@ -79,7 +79,7 @@ def test_launch_params_symbolic(op, hidden):
     shapes = [[SymDim("B"), SymDim("S"), hidden]]
     p = launch.launch_params(op, shapes, ["bfloat16"], {}, cdiv=sym_cdiv, static_shape={"hidden": hidden})
     cfg = launch.choose_config("bfloat16", hidden)
-    assert repr(p.grid[0]) == f"cdiv((B*S),{cfg.rpb * cfg.iters})"
+    assert repr(p.grid[0]) == f"cdiv((B*S),{cfg.rpb})"
     assert repr(p.extra_args[0]) == "(B*S)"
     assert p.block == (cfg.threads, 1, 1)
 
@@ -95,7 +95,7 @@ def test_choose_config(dtype, hidden):
     vpt = -(-nv // c.tpr)
     assert vpt * c.tpr >= nv and vpt <= 16
     assert c.tpr <= 32 and (c.tpr & (c.tpr - 1)) == 0 or c.rpb == 1 and c.tpr % 32 == 0
-    assert 1 <= c.iters <= 8
+    assert c.rows_per_block == c.rpb
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,7 +107,7 @@ def test_candidate_configs(op, dtype, hidden):
     assert cands[0] == launch.choose_config(dtype, hidden, op) and len(set(cands)) == len(cands)
     for c in cands:
         nv = hidden // c.vec
-        assert hidden % c.vec == 0 and c.threads % 32 == 0 and c.threads <= 1024 and 1 <= c.iters <= 8
+        assert hidden % c.vec == 0 and c.threads % 32 == 0 and c.threads <= 1024 and c.rows_per_block == c.rpb
         assert c.tpr <= 32 and (c.tpr & (c.tpr - 1)) == 0 or c.rpb == 1 and c.tpr % 32 == 0
         assert -(-nv // c.tpr) <= 16
 
@@ -117,7 +117,8 @@ def test_kernel_config_defines():
     assert src.defines["OPTFUSE_DTYPE"] == "2" and src.defines["HIDDEN"] == "4096"
     assert src.defines["EPS"] == "1e-05f" and src.pointer_align == 16
     cfg = launch.choose_config("bfloat16", 4096, "SkipRMSNorm")
-    assert src.defines["ITERS"] == str(cfg.iters) and src.defines["STCS"] == str(int(cfg.stcs))
+    assert src.defines["RPB"] == str(cfg.rpb) and src.defines["RELOAD"] == str(cfg.reload)
+    assert src.name == f"rms_norm/SkipRMSNorm/bfloat16/h4096/eps1e-05/vec8_{cfg.tpr}threads_per_row_1rows"
     assert launch.kernel_config("RMSNorm", "float16", {}, {"hidden": 771}).pointer_align == 2
 
 

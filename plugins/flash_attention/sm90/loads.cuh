@@ -1,0 +1,88 @@
+// kernel_sm90.cu, the producer's loads: TMA (tensor maps built on the device) and the 16-byte
+// cp.async fallback, both into the 128-byte swizzle layout wgmma reads. Needs barriers.cuh.
+
+// ---- TMA ----
+// A 3-D tensor map of a [heads, rows, D] 16-bit tensor (D contiguous) with boxes of 64 columns x
+// box_rows rows x 1 head, landing in the 128-byte swizzle layout wgmma reads ("Shared memory" in
+// kernel_sm90.cu: a 64-column box is one swizzle chunk). Rows past `rows` read as zeros, as the cp.async
+// path's zero fill does. Written by one thread into zeroed shared memory with tensormap.replace
+// (the PTX encodings: rank - 1, elemtype 6 f16 / 10 bf16, swizzle 3 = 128 bytes, fill 0 = zeros).
+__device__ __forceinline__ void tmap_encode(u32 sm, const void* g, u32 rows, u32 heads, u32 box_rows) {
+#define TMAP_SET(field, val) asm volatile("tensormap.replace.tile." field ".shared::cta.b1024.b32 [%0], %1;" ::"r"(sm), "n"(val) : "memory")
+#define TMAP_SET_ORD(field, ord, val) \
+    asm volatile("tensormap.replace.tile." field ".shared::cta.b1024.b32 [%0], %1, %2;" ::"r"(sm), "n"(ord), "r"(val) : "memory")
+    asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;" ::"r"(sm), "l"(g) : "memory");
+    TMAP_SET("rank", 2);  // rank, elemtype and the modes are immediates
+    TMAP_SET_ORD("box_dim", 0, 64u);
+    TMAP_SET_ORD("box_dim", 1, box_rows);
+    TMAP_SET_ORD("box_dim", 2, 1u);
+    TMAP_SET_ORD("global_dim", 0, (u32)D);
+    TMAP_SET_ORD("global_dim", 1, rows);
+    TMAP_SET_ORD("global_dim", 2, heads);
+    asm volatile("tensormap.replace.tile.global_stride.shared::cta.b1024.b64 [%0], 0, %1;" ::"r"(sm), "l"((u64)D * 2) : "memory");
+    asm volatile("tensormap.replace.tile.global_stride.shared::cta.b1024.b64 [%0], 1, %1;" ::"r"(sm), "l"((u64)rows * D * 2) : "memory");
+    TMAP_SET_ORD("element_stride", 0, 1u);
+    TMAP_SET_ORD("element_stride", 1, 1u);
+    TMAP_SET_ORD("element_stride", 2, 1u);
+    TMAP_SET("elemtype", OPTFUSE_DTYPE == 1 ? 6 : 10);
+    TMAP_SET("interleave_layout", 0);
+    TMAP_SET("swizzle_mode", 3);
+    TMAP_SET("fill_mode", 0);
+#undef TMAP_SET
+#undef TMAP_SET_ORD
+}
+
+// The warp's copy of a finished map to global memory, where the TMA unit reads it, ordered before
+// this thread's later TMA use of it (release by the copy, acquire by the fence).
+__device__ __forceinline__ void tmap_publish(void* g, u32 sm) {
+    asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned [%0], [%1], 128;"
+                 ::"l"(g), "r"(sm) : "memory");
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(g) : "memory");
+}
+
+// Box (column c0, row c1, head c2) of a map into shared memory; completes on `bar` by bytes.
+__device__ __forceinline__ void tma_load(u32 dst, const void* tmap, int c0, int c1, int c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+
+// This thread's arrival on `bar`, which also expects `bytes` more from TMA transfers.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Rows from row0 of one head, all D columns: D / 64 boxes into the swizzle chunks of a tile whose
+// chunks are chunk_bytes apart (a Q slot: BLOCK_M * 128; a K / V ring slot: BLOCK_N * 128).
+__device__ __forceinline__ void tma_load_rows(u32 dst, u32 chunk_bytes, const void* tmap, int row0, int head, u32 bar) {
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) tma_load(dst + c * chunk_bytes, tmap, 64 * c, row0, head, bar);
+}
+
+// Key rows [row0, row0 + BLOCK_N) of one kv head from a K or V map into ring slot `dst`, counted
+// on `bar`.
+__device__ __forceinline__ void tma_load_kv(u32 dst, const void* tmap, int row0, int head, u32 bar) {
+    mbar_expect_tx(bar, KV_BYTES);
+    tma_load_rows(dst, BLOCK_N * 128, tmap, row0, head, bar);
+}
+
+// ---- cp.async: one tile of rows [row0, row0 + ROWS) into swizzled shared memory ----
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u32 dst, const u16* src, int rows_valid, int ptid) {
+    constexpr int UNITS = D / 8;          // 16-byte units per row
+    constexpr int RSTEP = 128 / UNITS;    // rows one pass of the 128 threads covers (a multiple of 8)
+    // Consecutive threads copy consecutive 16 bytes of a row (coalesced). A thread's row advances
+    // by RSTEP per pass, so its swizzled position (u ^ row % 8) never changes: one address
+    // computation, then constant offsets (the producer runs on few registers).
+    const int r = ptid / UNITS, u = ptid % UNITS;
+    const u32 off = (u >> 3) * (ROWS * 128) + r * 128 + (((u & 7) ^ (r & 7)) << 4);
+    const u16* g = src + r * D + u * 8;
+    // Opaque to the compiler: otherwise it hoists one pointer per pass out of the key loop and the
+    // producer spills; from here every pass is the same register plus an immediate offset.
+    asm volatile("mov.b64 %0, %0;" : "+l"(g));
+#pragma unroll
+    for (int it = 0; it < ROWS / RSTEP; ++it) {
+        const bool ok = r + it * RSTEP < rows_valid;
+        cp_async16(dst + off + it * RSTEP * 128, ok ? g + it * RSTEP * D : src, ok ? 16u : 0u);
+    }
+}

@@ -1,0 +1,207 @@
+// kernel_sm90.cu, the consumers' math between the MMAs: exp2, 16-bit packing, the key bias,
+// masks, the online softmax (plain and as one instruction stream) and the O rescale.
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two fp32 -> packed 16-bit pair (lo in the low half), round to nearest even.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if OPTFUSE_DTYPE == 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float bias_to_float(const void* p, long long i) {
+#if BIAS_DTYPE == 0
+    return ((const float*)p)[i];
+#elif BIAS_DTYPE == 1
+    float f;
+    u16 h = ((const u16*)p)[i];
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return __uint_as_float((u32)((const u16*)p)[i] << 16);
+#endif
+}
+
+// S accumulator layout (m64n128, per thread): s[4n + 0..1] = row r0, cols 8n + 2q + {0,1};
+// s[4n + 2..3] = row r0 + 8, same cols (q = lane % 4, r0 = 16 * warp + lane / 4).
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Scores of key block kv0 that no row may see: keys >= Sk, and (causal) keys > row + causal_off.
+// The limits are taken relative to this thread's first column, so each test is one compare of a
+// register with the constant 8n + j (no per-element column arithmetic).
+__device__ __forceinline__ void apply_mask(float (&s)[64], int kv0, int lim0, int lim1, int q4) {
+    const int rel0 = lim0 - kv0 - 2 * q4, rel1 = lim1 - kv0 - 2 * q4;
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (8 * n + j > rel0) s[4 * n + j] = NEG_INF;
+            if (8 * n + j > rel1) s[4 * n + 2 + j] = NEG_INF;
+        }
+}
+
+// Part one of the online softmax of a block: the key bias (BIAS_MODE 2, in place), the rows' block
+// maxima and the new running maxima. Sets m (the running maxima), ms (what the exponents subtract:
+// m, or 0 while a row has seen no finite score, so that exp2 gives 0, not NaN) and alpha =
+// exp2(m_old - m_new) per row (0 for the first block); returns whether O needs rescaling (false
+// when the warp kept its maxima: alpha = 1, warp-uniform).
+template <bool FIRST>
+__device__ __forceinline__ bool softmax_max(float (&s)[64], float& m0, float& m1, float& ms0, float& ms1,
+                                            float& alpha0, float& alpha1, const float* bias_s, int q4) {
+#if BIAS_MODE == 2
+    // key bias (already in log2 units): t = s * SCALE_LOG2 + b[col]
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const float2 b = *reinterpret_cast<const float2*>(bias_s + 8 * n + 2 * q4);
+        s[4 * n + 0] = fmaf(s[4 * n + 0], SCALE_LOG2, b.x);
+        s[4 * n + 1] = fmaf(s[4 * n + 1], SCALE_LOG2, b.y);
+        s[4 * n + 2] = fmaf(s[4 * n + 2], SCALE_LOG2, b.x);
+        s[4 * n + 3] = fmaf(s[4 * n + 3], SCALE_LOG2, b.y);
+    }
+    const float sc = 1.0f;
+#else
+    const float sc = SCALE_LOG2;  // folded into the exponent's FFMA
+#endif
+#if SOFTMAX_STREAM
+    // four partial maxima per row: a chain of 8 dependent FMNMX instead of 32
+    float x0[4], x1[4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        x0[n] = fmaxf(s[4 * n + 0], s[4 * n + 1]);
+        x1[n] = fmaxf(s[4 * n + 2], s[4 * n + 3]);
+    }
+#pragma unroll
+    for (int n = 4; n < 16; ++n) {
+        x0[n & 3] = fmaxf(x0[n & 3], fmaxf(s[4 * n + 0], s[4 * n + 1]));
+        x1[n & 3] = fmaxf(x1[n & 3], fmaxf(s[4 * n + 2], s[4 * n + 3]));
+    }
+    float mx0 = fmaxf(fmaxf(x0[0], x0[1]), fmaxf(x0[2], x0[3]));
+    float mx1 = fmaxf(fmaxf(x1[0], x1[1]), fmaxf(x1[2], x1[3]));
+#else
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * n + 0], s[4 * n + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+    }
+#endif
+    mx0 = quad_max(mx0) * sc;
+    mx1 = quad_max(mx1) * sc;
+    bool keep = false;
+    if (!FIRST)
+        keep = __all_sync(0xffffffffu, mx0 <= m0 + LAZY_MARGIN && mx1 <= m1 + LAZY_MARGIN);
+    const float mn0 = FIRST ? mx0 : keep ? m0 : fmaxf(m0, mx0);
+    const float mn1 = FIRST ? mx1 : keep ? m1 : fmaxf(m1, mx1);
+    ms0 = mn0 == NEG_INF ? 0.f : mn0;
+    ms1 = mn1 == NEG_INF ? 0.f : mn1;
+    alpha0 = FIRST ? 0.f : keep ? 1.f : ex2(m0 - ms0);
+    alpha1 = FIRST ? 0.f : keep ? 1.f : ex2(m1 - ms1);
+    m0 = mn0;
+    m1 = mn1;
+    return !keep;
+}
+
+// The exponentials of scores n-block n (in place): p = exp2(s * sc - ms); their per-thread row
+// sums (unless ONES_SUM) added to sum0 / sum1.
+__device__ __forceinline__ void exp_nblock(float (&s)[64], int n, float ms0, float ms1, float& sum0, float& sum1) {
+    const float sc = BIAS_MODE == 2 ? 1.0f : SCALE_LOG2;
+    s[4 * n + 0] = ex2(fmaf(s[4 * n + 0], sc, -ms0));
+    s[4 * n + 1] = ex2(fmaf(s[4 * n + 1], sc, -ms0));
+    s[4 * n + 2] = ex2(fmaf(s[4 * n + 2], sc, -ms1));
+    s[4 * n + 3] = ex2(fmaf(s[4 * n + 3], sc, -ms1));
+    if (!ONES_SUM) {
+        sum0 += s[4 * n + 0] + s[4 * n + 1];
+        sum1 += s[4 * n + 2] + s[4 * n + 3];
+    }
+}
+
+// The running row sums take a block's per-thread partial sums: l = l * alpha + sum (the quad
+// reduction happens once, in the epilogue; ONES_SUM: the tensor cores sum, in O's extra columns).
+template <bool FIRST>
+__device__ __forceinline__ void add_row_sums(float& l0, float& l1, float sum0, float sum1, float a0, float a1) {
+    if (!ONES_SUM) {
+        l0 = FIRST ? sum0 : fmaf(l0, a0, sum0);
+        l1 = FIRST ? sum1 : fmaf(l1, a1, sum1);
+    }
+}
+
+// Online softmax of one block, in place: s becomes p = exp2(s * SCALE_LOG2 (+ bias) - m_new).
+// Sets alpha = exp2(m_old - m_new) per row (0 while a row has seen no finite score); returns
+// whether O needs rescaling (false when the warp kept its maxima: alpha = 1, warp-uniform).
+template <bool FIRST>
+__device__ __forceinline__ bool softmax_block(float (&s)[64], float& m0, float& m1, float& l0, float& l1,
+                                              float& alpha0, float& alpha1, const float* bias_s, int q4) {
+    float ms0, ms1;
+    const bool resc = softmax_max<FIRST>(s, m0, m1, ms0, ms1, alpha0, alpha1, bias_s, q4);
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) exp_nblock(s, n, ms0, ms1, sum0, sum1);
+    add_row_sums<FIRST>(l0, l1, sum0, sum1, alpha0, alpha1);
+    return resc;
+}
+
+// p (fp32, S layout) -> 16-bit A fragments of O += P V: k-step kk covers keys 16kk..16kk+15,
+// i.e. n-blocks 2kk and 2kk+1 of S, which is exactly the wgmma A register layout.
+__device__ __forceinline__ void pack_p(const float (&s)[64], u32 (&p)[8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        p[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void rescale(float (&o)[N], float a0, float a1) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        o[4 * i + 0] *= a0;
+        o[4 * i + 1] *= a0;
+        o[4 * i + 2] *= a1;
+        o[4 * i + 3] *= a1;
+    }
+}
+
+#if SOFTMAX_STREAM
+// Part two of the online softmax with the P registers free (SOFTMAX_STREAM): the exponentials in
+// groups of 8 scores (the 16 keys of one P V k-step), each followed by its P packs.
+template <bool FIRST>
+__device__ __forceinline__ void softmax_exp_pack(float (&s)[64], u32 (&p)[8][4], float ms0, float ms1,
+                                                 float a0, float a1, float& l0, float& l1) {
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        // A data dependency on the previous group's first exponentials (ms + 0 * p = ms): without
+        // it ptxas hoists all 64 FFMAs above the first MUFU op (README "Tried").
+        if (kk > 0) {
+            ms0 = fmaf(s[8 * kk - 8], 0.f, ms0);
+            ms1 = fmaf(s[8 * kk - 6], 0.f, ms1);
+        }
+        exp_nblock(s, 2 * kk, ms0, ms1, sum0, sum1);
+        exp_nblock(s, 2 * kk + 1, ms0, ms1, sum0, sum1);
+        p[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    add_row_sums<FIRST>(l0, l1, sum0, sum1, a0, a1);
+}
+#endif
