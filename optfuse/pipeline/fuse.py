@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from ..errors import InputError, VerificationError
+from ..estimate import TrafficEstimate
 from ..recipe import Recipe
 from ..rewrite import FusionResult
 from ..verify import DEFAULT_ITERATIONS, VerifyResult
@@ -43,8 +46,6 @@ class FuseOutcome:
 
 def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, status: Status = noop) -> InspectOutcome:
     """What would fuse and what would not (and why); writes nothing."""
-    from ..estimate import estimate_traffic
-    from ..fusions import fuse_model
     from ..report import build_report
 
     with tempfile.TemporaryDirectory(prefix="optfuse-inspect-") as tmp:  # an export lands here, then goes
@@ -54,15 +55,35 @@ def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, statu
         if model is None and recipe is not None and recipe.model.export is not None:
             e = recipe.model.export
             path = Path(f"<export {e.family} {e.exporter} attn={e.attn}>")
+    run = _fuse_and_estimate(proto, recipe, status)
+    report = build_report(run.result, estimate=run.estimate, model=str(path), recipe=recipe_label(recipe),
+                          dims=run.dims, dims_source=run.dims_source, families=run.families)
+    return InspectOutcome(path, report, run.result)
+
+
+@dataclass
+class _FuseRun:
+    """What the fuse and inspect flows share: the fused model, its fusion result and traffic estimate."""
+
+    fused: onnx.ModelProto
+    result: FusionResult
+    estimate: TrafficEstimate
+    dims: dict[str, int]
+    dims_source: str
+    families: list[str]
+
+
+def _fuse_and_estimate(proto: onnx.ModelProto, recipe: Recipe | None, status: Status) -> _FuseRun:
+    """sanitize -> match -> rewrite (fusions.fuse_model), then the estimate stage at the analysis dims."""
+    from ..estimate import estimate_traffic
+    from ..fusions import fuse_model
+
     dims, dims_source = analysis_dims(proto, recipe)
     families = enabled_families(recipe)
-    status("sanitizing and matching")
+    status("sanitizing, matching, rewriting")
     fused, result = fuse_model(proto, dims=dims, families=families, options=fusion_options(recipe))
     status("estimating HBM traffic")
-    estimate = estimate_traffic(fused, result, dims)
-    report = build_report(result, estimate=estimate, model=str(path), recipe=recipe_label(recipe), dims=dims,
-                          dims_source=dims_source, families=families)
-    return InspectOutcome(path, report, result)
+    return _FuseRun(fused, result, estimate_traffic(fused, result, dims), dims, dims_source, families)
 
 
 def default_output(model: Path) -> Path:
@@ -76,8 +97,6 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
 
     Nothing is written until the fused model exists in memory, so bad input leaves no file behind.
     """
-    from ..estimate import estimate_traffic
-    from ..fusions import fuse_model
     from ..ir import save_model
     from ..report import build_report, write_report
 
@@ -86,29 +105,25 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
     _check_output(path, out)
     status(f"loading {path}")
     proto = load_checked(path)
-    dims, dims_source = analysis_dims(proto, recipe)
-    families = enabled_families(recipe)
-    status("sanitizing, matching, rewriting")
-    fused, result = fuse_model(proto, dims=dims, families=families, options=fusion_options(recipe))
-    status("estimating HBM traffic")
-    estimate = estimate_traffic(fused, result, dims)
+    run = _fuse_and_estimate(proto, recipe, status)
     status(f"writing {out}")
     try:
-        save_model(fused, out)
+        save_model(run.fused, out)
     except OSError as exc:
         raise InputError(f"cannot write {out}: {exc.strerror or exc}") from None
     verification = None
     if verify_after:
         status("verifying")
         verification = verify(path, out, recipe, iterations=iterations, seed=seed)
-    report = build_report(result, estimate=estimate, model=str(path), fused_model=str(out),
-                          recipe=recipe_label(recipe), dims=dims, dims_source=dims_source, families=families,
+    report = build_report(run.result, estimate=run.estimate, model=str(path), fused_model=str(out),
+                          recipe=recipe_label(recipe), dims=run.dims, dims_source=run.dims_source,
+                          families=run.families,
                           verification=verification.to_dict() if verification is not None else None)
     try:
         paths = write_report(report, out.parent)
     except OSError as exc:
         raise InputError(f"cannot write the fusion report next to {out}: {exc.strerror or exc}") from None
-    return FuseOutcome(path, out, report, paths, result, verification)
+    return FuseOutcome(path, out, report, paths, run.result, verification)
 
 
 def _check_output(model: Path, out: Path) -> None:
