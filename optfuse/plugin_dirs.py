@@ -1,6 +1,7 @@
 """Where plugin folders live and how they are imported (no third-party imports here).
 
-Plugin folders import as the package ``optfuse_plugins.<folder>``, rooted at ``plugins/``, so
+Plugin folders import as the package ``optfuse_plugins.<folder>``, rooted at ``plugins/`` of a
+checkout or, installed from the wheel, at the package ``optfuse_plugins`` (the same files), so
 kernels, references and launch code sit next to their spec. This module stays free of pydantic
 and onnx so kernel code and GPU tests can use it where only numpy/triton/cuda-python exist.
 """
@@ -13,8 +14,23 @@ import sys
 import types
 from pathlib import Path
 
-PLUGINS_DIR = Path(__file__).resolve().parent.parent / "plugins"
-SCRIPTS_DIR = PLUGINS_DIR.parent / "scripts"
+_CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def _plugins_dir() -> Path:
+    """``plugins/`` of a source checkout (editable install, PYTHONPATH) or, in an installed wheel,
+    the folder of the package ``optfuse_plugins`` (the same files, shipped as package data)."""
+    checkout = _CHECKOUT / "plugins"
+    if (checkout / "__init__.py").is_file():
+        return checkout
+    spec = importlib.util.find_spec("optfuse_plugins")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0]).resolve()
+    return checkout  # neither: discovery finds no plugins and says so
+
+
+PLUGINS_DIR = _plugins_dir()
+SCRIPTS_DIR = _CHECKOUT / "scripts"
 
 
 def _ensure_plugins_package() -> None:

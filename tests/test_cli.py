@@ -273,3 +273,24 @@ def test_demo(tmp_path, monkeypatch):
     assert set(report["counts"]) == {"LayerNorm", "SkipLayerNorm", "FlashAttention"}
     attention = [f for f in report["fusions"] if f["op"] == "FlashAttention"]
     assert all(f["info"]["mask_class"] == "padding" for f in attention)
+
+
+def test_kernels_build_missing_module_is_one_line_nonzero(monkeypatch):
+    """A plugin whose launch code cannot import (issue 20: ModuleNotFoundError printed, exit 0)."""
+    from optfuse.kernels import registry
+
+    def broken(folder, module):
+        raise ModuleNotFoundError("No module named 'triton'")
+
+    monkeypatch.setattr(registry, "plugin_module", broken)
+    res = invoke("kernels", "build", "-p", "rms_norm")
+    assert_one_line_error(res, 1, "rms_norm", "ModuleNotFoundError", "triton")
+    assert "kernels ready" not in res.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [(["-p", "nosuch"], "unknown plugin 'nosuch'"),
+                                           (["--target", "sm_1"], "cannot parse GPU arch 'sm_1'")])
+def test_kernels_build_bad_input_is_exit_2(args, fragment):
+    res = subprocess.run([sys.executable, "-m", "optfuse", "kernels", "build", *args], capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()] and fragment in res.stderr

@@ -16,7 +16,7 @@ def build(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Engine file (default: MODEL.plan).",
                                           show_default=False),
     recipe: Optional[Path] = RECIPE_OPTION,
-    target: Optional[str] = typer.Option(None, "--target", help="GPU arch, e.g. sm_89 (RTX: sm_80/86/89/120).",
+    target: Optional[str] = typer.Option(None, "--target", help="GPU arch: sm_75 .. sm_121, also 90, 9.0, sm_90a (RTX builds sm_75/80/86/89/120/121).",
                                          show_default=False),
     backend: Optional[str] = typer.Option(None, "--backend", help="auto | tensorrt | tensorrt_rtx (rtx).",
                                           show_default=False),
@@ -40,6 +40,8 @@ def build(
         out.print(f"  plugin {p.name}: {p.namespace}::{p.op} v{p.version}")
     if not r.runnable_here:
         out.print(f"not executable here: {r.not_runnable_reason}")
+    if outcome.target_note:
+        out.print(f"note: {outcome.target_note}")
     for p in outcome.report_paths:
         out.print(f"wrote {p}")
     if r.build_log:
@@ -52,7 +54,7 @@ def convert(
                                            show_default=False),
     recipe: Path = typer.Option(..., "--recipe", "-r", help="Recipe YAML."),
     outdir: Path = typer.Option(..., "--output", "-o", help="Output directory."),
-    target: Optional[str] = typer.Option(None, "--target", help="GPU arch (default: the recipe's).",
+    target: Optional[str] = typer.Option(None, "--target", help="GPU arch, as for build (default: the recipe's; one RTX cannot build falls back with a note).",
                                          show_default=False),
     backend: Optional[str] = typer.Option(None, "--backend", help="auto | tensorrt | tensorrt_rtx.",
                                           show_default=False),

@@ -21,24 +21,30 @@ def build(
 ) -> None:
     """Prebuild every plugin kernel into the cache."""
     from ..kernels.cache import default_cache
-    from ..kernels.registry import all_sources
+    from ..kernels.registry import all_sources, plugin_folders
     from ..kernels.target import resolve_arch
     from ..target import arch_name
 
+    from ..errors import InputError
+
+    known = plugin_folders()
+    unknown = [p for p in plugin or [] if p not in known]
+    if unknown:
+        raise InputError(f"unknown plugin {', '.join(map(repr, unknown))}; known: {', '.join(known) or 'none (no plugins found)'}")
+    try:
+        archs = [resolve_arch(t) for t in target.split(",")] if target else [resolve_arch(None)]
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     cache = default_cache()
-    archs = [resolve_arch(t) for t in target.split(",")] if target else [resolve_arch(None)]
-    failed = False
     for arch in archs:
         errors: list[str] = []
         sources = all_sources(plugin or None, errors, arch=arch)  # a plugin may add arch-specific kernels
-        for err in errors:
-            typer.echo(f"error: plugin {err}", err=True)
-        failed = failed or bool(errors)
+        if errors:  # a plugin whose launch code does not import (e.g. a missing module): one line, exit 1
+            typer.echo(f"error: plugin {'; '.join(e.splitlines()[0] for e in errors)}", err=True)
+            raise typer.Exit(1)
         t0 = time.time()
         arts = cache.build_many(sources, arch, jobs=jobs, force=force)
         typer.echo(f"{arch_name(arch)}: {len(arts)} kernels ready in {cache.root} ({time.time() - t0:.1f} s)")
-    if failed:
-        raise typer.Exit(1)
 
 
 @kernels_app.command("list")

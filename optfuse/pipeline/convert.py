@@ -23,9 +23,8 @@ from ..errors import BuildError, InputError, OptfuseError, VerificationError
 from ..precision import PrecisionResult
 from ..recipe import Recipe
 from ..trt.build import BuildReport
-from ..trt.compat import Backend
 from ..verify import CheckError, NotExecuted, VerifyResult
-from .build import build
+from .build import TargetPlan, build, plan_target
 from .fuse import FuseOutcome, fuse, verify
 from .model import resolve_model
 from .options import Status, noop, precision_options, verify_options
@@ -67,12 +66,14 @@ def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str 
 
     if recipe is None:
         raise InputError("convert needs a recipe (-r RECIPE.yaml): it gives the dims, precision and tolerances")
+    # the target/backend check, before any work (an unknown backend or an unbuildable --target: exit 2)
+    plan = plan_target(target, recipe, backend)
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise InputError(f"output directory {outdir} is a file")
     outdir.mkdir(parents=True, exist_ok=True)
     res = ConvertOutcome(outdir)
-    resolved = compat.resolve_backend(backend or recipe.target.backend)  # InputError for an unknown name
+    resolved = plan.backend
     if resolved is not None:
         polygraphy_env(resolved)  # before verify imports polygraphy
 
@@ -81,7 +82,7 @@ def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str 
     prec_path, prec = _precision_step(res, path.stem, fused.output, recipe, status)
     _verify_step(res, path, prec_path, recipe, iterations, seed, status)
     engine_path = outdir / f"{path.stem}.plan"
-    build_error = _build_step(res, prec_path, engine_path, recipe, resolved, target, skip_build, status)
+    build_error = _build_step(res, prec_path, engine_path, recipe, plan, skip_build, status)
     _engine_step(res, path, engine_path, recipe, resolved, iterations, seed, status)
 
     write_accuracy_report(res.accuracy, outdir)
@@ -143,11 +144,12 @@ def _verify_step(res: ConvertOutcome, path: Path, prec_path: Path, recipe: Recip
                           [str(res.outdir / ACCURACY_MD)]))
 
 
-def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe: Recipe, resolved: str | None,
-                target: str | None, skip_build: bool, status: Status) -> OptfuseError | None:
+def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe: Recipe, plan: TargetPlan,
+                skip_build: bool, status: Status) -> OptfuseError | None:
     """The build step; returns the build's error (re-raised after the reports are written)."""
     from ..trt import compat
 
+    resolved = plan.backend
     if skip_build:
         res.steps.append(Step("build", "skipped", "--skip-build"))
         return None
@@ -156,8 +158,7 @@ def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe:
                               "for CPU-only TensorRT-RTX builds, or tensorrt on a GPU machine)"))
         return None
     be = compat.load(resolved)
-    explicit = target is not None
-    tgt, note = _rtx_target_for(target or recipe.target.arch, explicit, be)
+    explicit, tgt, note = plan.explicit, plan.target, plan.note
     if not be.is_rtx and not explicit:
         tgt = None  # standard TensorRT builds for the GPU present; build checks it against the recipe
     try:
@@ -171,21 +172,6 @@ def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe:
     res.steps.append(Step("build", "ok", detail + (f"; note: {note}" if note else ""),
                           [str(engine_path), *map(str, b.report_paths), str(res.outdir / "build.log")]))
     return None
-
-
-def _rtx_target_for(recipe_target: str | None, explicit: bool, be: Backend) -> tuple[str | None, str]:
-    """RTX cannot build every arch; a recipe's arch it lacks falls back to RTX's defaults (an
-    explicit --target does not: that is an error, from build)."""
-    from ..target import parse_arch
-
-    if recipe_target is None or explicit or not be.is_rtx:
-        return recipe_target, ""
-    cc = parse_arch(recipe_target)
-    if cc in be.compute_capabilities:
-        return recipe_target, ""
-    caps = ", ".join(f"sm_{c}" for c in (80, 86, 89, 120) if c in be.compute_capabilities)
-    return None, (f"the recipe targets {recipe_target}, which TensorRT-RTX cannot build for; the RTX engine targets "
-                  f"its defaults ({caps}) and validates the build path; a {recipe_target} engine needs TensorRT on that GPU")
 
 
 def _engine_step(res: ConvertOutcome, path: Path, engine_path: Path, recipe: Recipe, resolved: str | None,

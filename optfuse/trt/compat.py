@@ -249,13 +249,13 @@ def child_env(env: dict | None = None) -> dict:
 # --- targets ------------------------------------------------------------------------------------
 
 def check_target(be: Backend, arch: int | None) -> None:
-    """Raise InputError (exit 2) when ``arch`` cannot be a target of this backend."""
+    """Raise InputError (exit 2) when ``arch`` cannot be a target of this backend: the rule of
+    :func:`optfuse.target.target_problem`, with the arch list an installed TensorRT-RTX reports."""
+    from ..target import target_problem
+
     if arch is None:
         return
-    if be.is_rtx:
-        if arch not in be.compute_capabilities:
-            supported = ", ".join(f"sm_{c}" for c in be.compute_capabilities)
-            raise InputError(
-                f"TensorRT-RTX {be.version} cannot target sm_{arch}: it builds for {supported} only "
-                f"(no Hopper/datacenter Blackwell such as sm_90/sm_100); use --backend tensorrt for sm_{arch}"
-            )
+    archs = be.compute_capabilities if be.is_rtx and be.compute_capabilities else None
+    problem = target_problem(be.name, arch, archs)
+    if problem:
+        raise InputError(problem)
