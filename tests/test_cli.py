@@ -116,6 +116,8 @@ def test_bad_recipe(tmp_path, models, patch, fragment):
 
 
 def test_recipe_check(tmp_path):
+    (tmp_path / "in").mkdir()
+    onnx.save(graphs.residual_block(n_layers=2), tmp_path / "in" / "res.onnx")  # recipe check wants the model
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump(RECIPE))
     res = invoke("recipe", "check", good)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -44,6 +45,8 @@ def build(
         out.print(f"wrote {p}")
     if r.build_log:
         out.print(f"wrote {r.build_log}")
+    for w in outcome.warnings:
+        sys.stderr.write(f"warning: {w}\n")
 
 
 @guarded

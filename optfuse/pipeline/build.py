@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import DOMAIN
 from ..errors import InputError
 from ..recipe import Recipe
 from ..trt.build import BuildReport
@@ -20,6 +21,8 @@ class BuildOutcome:
     report: BuildReport
     report_paths: tuple[Path, Path]
     notes: list[str] = field(default_factory=list)
+    #: one line each, printed on stderr as ``warning: ...`` (e.g. a model with no optfuse node)
+    warnings: list[str] = field(default_factory=list)
 
 
 def build(model: str | os.PathLike, output: str | os.PathLike | None = None, recipe: Recipe | None = None, *,
@@ -30,9 +33,12 @@ def build(model: str | os.PathLike, output: str | os.PathLike | None = None, rec
     from ..report import write_build_report
     from ..trt.build import build_engine_file
 
+    from .model import load_checked
+
     model = Path(model)
-    if not model.is_file():
-        raise InputError(f"model {model}: file not found")
+    proto = load_checked(model)  # bad input (text, truncated, empty, .data missing, a folder) is exit 2 here
+    optfuse_nodes = sum(1 for n in proto.graph.node if n.domain == DOMAIN)
+    del proto
     engine = Path(output) if output is not None else model.with_suffix(".plan")
     if engine.exists() and engine.is_dir():
         raise InputError(f"output {engine} is a directory; give a file name such as {engine / 'model.plan'}")
@@ -48,4 +54,7 @@ def build(model: str | os.PathLike, output: str | os.PathLike | None = None, rec
         log_path=Path(log_path) if log_path else out_dir / "build.log",
     )
     paths = write_build_report(report, out_dir)
-    return BuildOutcome(model, engine, report, paths, [f"profile dims: {profile.source}"])
+    outcome = BuildOutcome(model, engine, report, paths, [f"profile dims: {profile.source}"])
+    if optfuse_nodes == 0:
+        outcome.warnings.append("0 optfuse nodes: did you mean `optfuse convert`?")
+    return outcome
