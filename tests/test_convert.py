@@ -37,7 +37,7 @@ def test_convert_writes_every_artifact(tmp_path, recipe):
     out = tmp_path / "out"
     res = convert(None, recipe, out)
     assert res.passed
-    for f in ("block.fused.onnx", "block.fp16.onnx", "fusion_report.md", "precision_report.json",
+    for f in ("block.fused.onnx", "block.fp16.onnx", "block.fusion_report.md", "precision_report.json",
               "accuracy_report.md", "accuracy_report.json", "report.md"):
         assert (out / f).is_file(), f
     acc = json.loads((out / "accuracy_report.json").read_text())

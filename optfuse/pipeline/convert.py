@@ -1,6 +1,6 @@
 """The convert flow: the whole pipeline into one directory::
 
-    MODEL (or the recipe's export) -> fuse -> <name>.fused.onnx, fusion_report.{json,md}
+    MODEL (or the recipe's export) -> fuse -> <name>.fused.onnx, <name>.fusion_report.{json,md}
       -> precision -> <name>.<mode>.onnx, precision_report.json
       -> verify (FP32 original vs fused+precision, both onnxruntime CPU)
       -> build (when a TensorRT backend is installed) -> <name>.plan, build_report.{json,md}, build.log

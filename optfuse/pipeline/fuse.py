@@ -1,6 +1,6 @@
 """The inspect, fuse, verify and demo flows.
 
-    model (file, or exported from a recipe)  --fuse-->    fused .onnx + fusion_report.{json,md}
+    model (file, or exported from a recipe)  --fuse-->    fused .onnx + <model>.fusion_report.{json,md}
     model                                    --inspect--> the fusion report, nothing written
     original + candidate                     --verify-->  VerifyResult (per-output errors)
     the tiny BERT                            --demo-->    export, fuse, verify in one directory
@@ -38,7 +38,7 @@ class InspectOutcome:
 class FuseOutcome:
     model: Path
     output: Path
-    report: dict[str, Any]  # the fusion report, as written to fusion_report.json
+    report: dict[str, Any]  # the fusion report, as written to <model>.fusion_report.json
     report_paths: tuple[Path, Path]
     result: FusionResult
     verification: VerifyResult | None = None  # when asked
@@ -98,7 +98,7 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
     Nothing is written until the fused model exists in memory, so bad input leaves no file behind.
     """
     from ..ir import save_model
-    from ..report import build_report, write_report
+    from ..report import build_report, report_stem, write_report
 
     path = resolve_model(model, recipe, workdir=workdir, status=status)
     out = Path(output) if output is not None else default_output(path)
@@ -120,7 +120,7 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
                           families=run.families,
                           verification=verification.to_dict() if verification is not None else None)
     try:
-        paths = write_report(report, out.parent)
+        paths = write_report(report, out.parent, stem=report_stem(path.stem))
     except OSError as exc:
         raise InputError(f"cannot write the fusion report next to {out}: {exc.strerror or exc}") from None
     return FuseOutcome(path, out, report, paths, run.result, verification)
