@@ -46,6 +46,9 @@ def inp(tmp_path):
     onnx.save_model(ext, str(d / "ext.onnx"), save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
     (d / "ext.onnx.data").unlink()
     (d / "adir.onnx").mkdir()
+    empty = onnx.helper.make_model(onnx.helper.make_graph([], "empty", [], []),
+                                   opset_imports=[onnx.helper.make_opsetid("", 17)])
+    onnx.save(empty, d / "emptygraph.onnx")
     return d
 
 
@@ -59,6 +62,7 @@ def leftovers(d: Path) -> list[str]:
     ("empty.onnx", "is not a valid ONNX model"),
     ("ext.onnx", "missing external data file"),
     ("adir.onnx", "is a directory"),
+    ("emptygraph.onnx", "no graph outputs"),
 ])
 def test_build_bad_model(tmp_path, inp, name, fragment):
     before = leftovers(inp)
@@ -84,6 +88,30 @@ def test_convert_into_read_only_directory(tmp_path, inp):
         assert leftovers(ro) == []
     finally:
         ro.chmod(0o755)
+
+
+def _res_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "res", "model": {"path": "in/res.onnx"},
+        "dims": {"batch": {"min": 1, "opt": 2, "max": 4}, "sequence": {"min": 1, "opt": 8, "max": 32}}}))
+    return recipe
+
+
+@pytest.mark.parametrize("command", ["convert", "build"])
+def test_unwritable_output_directory(tmp_path, inp, monkeypatch, command):
+    """What a read-only folder gives (simulated: root ignores the mode bits)."""
+    import tempfile
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    out = tmp_path / "out"
+    args = (["convert", "-r", _res_recipe(tmp_path), "-o", out, "--skip-build"] if command == "convert"
+            else ["build", inp / "res.onnx", "-o", out / "m.plan"])
+    one_line(invoke(*args), 2, "cannot write into", "Permission denied")
+    assert not out.exists()
 
 
 def _npz_recipe(tmp_path, arrays):

@@ -71,12 +71,13 @@ def convert(
         with progress("converting") as status:
             result = pipeline.convert(model, rec, outdir, target=target, backend=backend, skip_build=skip_build,
                                       status=status)
-    except OptfuseError:
-        summary = Path(outdir) / "report.md"
-        if summary.is_file():
-            out.print(f"wrote {summary}")
+    except OptfuseError as exc:
+        partial = getattr(exc, "partial", None)
+        if partial is not None:
+            out.print(f"{outdir} left as it was; this run's files and error.log: {partial}")
         raise
     for s in result.steps:
         colour = {"ok": "green", "failed": "red", "skipped": "yellow"}[s.state]
         out.print(f"[{colour}]{s.state:>7}[/] {s.name}: {s.detail.splitlines()[0] if s.detail else ''}")
     out.print(f"wrote {result.summary}")
+    out.print(f"wrote {Path(outdir) / 'manifest.json'}")
