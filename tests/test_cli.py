@@ -275,3 +275,24 @@ def test_demo(tmp_path, monkeypatch):
     assert set(report["counts"]) == {"LayerNorm", "SkipLayerNorm", "FlashAttention"}
     attention = [f for f in report["fusions"] if f["op"] == "FlashAttention"]
     assert all(f["info"]["mask_class"] == "padding" for f in attention)
+
+
+def test_fuse_is_all_or_nothing(tmp_path, models, monkeypatch):
+    """A fuse that fails after writing (here: verify is interrupted) leaves the previous outputs as they were."""
+    import importlib
+
+    fuse_mod = importlib.import_module("optfuse.pipeline.fuse")
+    out = tmp_path / "out" / "res.fused.onnx"
+    assert invoke("fuse", models / "res.onnx", "-o", out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fuse_mod, "verify", interrupted)
+    res = invoke("fuse", models / "perturbed.onnx", "-o", out, "--verify")
+    assert res.exit_code == 130
+    assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
+    monkeypatch.undo()
+    res = invoke("fuse", models / "missing.onnx", "-o", tmp_path / "new" / "f.onnx")
+    assert res.exit_code == 2 and not (tmp_path / "new").exists()
