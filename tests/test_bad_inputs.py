@@ -153,3 +153,21 @@ def test_debug_after_subcommand(inp):
     assert res.exit_code == 0, res.stderr
     res = invoke("inspect", inp / "missing.onnx", "--debug")
     one_line(res, 2, "model not found")
+
+
+def test_convert_failure_names_its_partial_folder(tmp_path, inp, monkeypatch):
+    """A convert that fails late: one error line; stdout names the partial folder; the output folder has only it."""
+    import importlib
+
+    from optfuse.errors import InputError
+
+    def late(*a, **k):
+        raise InputError("late bad input")
+
+    monkeypatch.setattr(importlib.import_module("optfuse.pipeline.convert"), "_verify_step", late)
+    out = tmp_path / "out"
+    res = invoke("convert", "-r", _res_recipe(tmp_path), "-o", out, "--skip-build")
+    one_line(res, 2, "late bad input")
+    (partial,) = list(out.iterdir())
+    assert partial.name.startswith("partial-") and (partial / "error.log").is_file()
+    assert str(partial) in res.stdout

@@ -81,6 +81,7 @@ def test_convert_manifest_and_no_mixed_runs(tmp_path, recipe):
     out = tmp_path / "out"
     out.mkdir()
     (out / "build_report.md").write_text("an older run's report\n")  # a run from before manifests
+    (out / "block.plan").write_bytes(b"an older engine")
     (out / "notes.txt").write_text("the user's own file\n")
     convert(None, recipe, out, skip_build=True)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -90,7 +91,7 @@ def test_convert_manifest_and_no_mixed_runs(tmp_path, recipe):
     assert "report.md" in listed and "block.fusion_report.json" in listed and "block.fp16.onnx" in listed
     for name, digest in listed.items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
-    assert not (out / "build_report.md").exists()  # not this run's: gone
+    assert not (out / "build_report.md").exists() and not (out / "block.plan").exists()  # not this run's: gone
     assert (out / "notes.txt").is_file()  # not a run file: kept
     assert not [p for p in out.iterdir() if p.name.startswith("partial-")]
     assert str(tmp_path / "out" / "partial-") not in (out / "report.md").read_text()

@@ -147,7 +147,8 @@ def _commit(res: ConvertOutcome, staging: Path, outdir: Path, recipe: Recipe, **
 
     _relocate(staging, outdir)
     new = sorted(p.name for p in staging.iterdir())
-    old = set(manifest_outputs(read_manifest(outdir))) | set(_RUN_FILES)
+    stem = Path(res.model).stem if res.model else None
+    old = set(manifest_outputs(read_manifest(outdir))) | set(_RUN_FILES) | ({f"{stem}.plan"} if stem else set())
     (outdir / MANIFEST).unlink(missing_ok=True)  # a folder without manifest is not a complete run
     for name in sorted(old - set(new)):
         target = outdir / name
