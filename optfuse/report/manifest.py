@@ -15,8 +15,7 @@ from .. import __version__
 from .common import atomic_write
 
 MANIFEST = "manifest.json"
-_PACKAGES = ("onnx", "onnxruntime", "onnx-graphsurgeon", "polygraphy", "numpy", "tensorrt", "tensorrt-rtx",
-             "tensorrt_rtx")
+_PACKAGES = ("onnx", "onnxruntime", "onnx-graphsurgeon", "polygraphy", "numpy", "tensorrt", "tensorrt-rtx")
 
 
 def sha256(path: Path, chunk: int = 1 << 20) -> str:
