@@ -116,6 +116,8 @@ def test_bad_recipe(tmp_path, models, patch, fragment):
 
 
 def test_recipe_check(tmp_path):
+    (tmp_path / "in").mkdir()
+    onnx.save(graphs.residual_block(n_layers=2), tmp_path / "in" / "res.onnx")  # recipe check wants the model
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump(RECIPE))
     res = invoke("recipe", "check", good)
@@ -160,10 +162,10 @@ def test_fuse_writes_model_and_reports(tmp_path, models):
     out = tmp_path / "out" / "res.fused.onnx"
     res = invoke("fuse", models / "res.onnx", "-o", out)
     assert res.exit_code == 0, res.stderr
-    assert _out_files(tmp_path) == ["fusion_report.json", "fusion_report.md", "res.fused.onnx"]
+    assert _out_files(tmp_path) == ["res.fused.onnx", "res.fusion_report.json", "res.fusion_report.md"]
     fused = onnx.load(out)
     assert [n.op_type for n in fused.graph.node].count("SkipLayerNorm") == 2
-    report = json.loads((tmp_path / "out" / "fusion_report.json").read_text())
+    report = json.loads((tmp_path / "out" / "res.fusion_report.json").read_text())
     assert report["counts"] == {"SkipLayerNorm": 2} and report["fused_model"] == str(out)
     assert "SkipLayerNorm" in res.stdout and "wrote" in res.stdout
 
@@ -173,7 +175,7 @@ def test_fuse_with_recipe_dims_and_families(tmp_path, models):
     recipe.write_text(yaml.safe_dump({**RECIPE, "fusions": {"skip_norm": False}}))
     res = invoke("fuse", "-r", recipe, "-o", tmp_path / "out" / "f.onnx")  # model from the recipe
     assert res.exit_code == 0, res.stderr
-    report = json.loads((tmp_path / "out" / "fusion_report.json").read_text())
+    report = json.loads((tmp_path / "out" / "res.fusion_report.json").read_text())
     assert report["counts"] == {"LayerNorm": 2}  # skip_norm off: plain LayerNorms only
     assert report["dims"] == {"b": 2, "s": 8} and report["dims_source"] == "recipe opt shapes"
     assert report["fusions"][0]["hbm_saved_bytes"] is not None
@@ -215,7 +217,7 @@ def test_verify_pass_and_fail(tmp_path, models):
 def test_fuse_verify_flag(tmp_path, models):
     res = invoke("fuse", models / "res.onnx", "-o", tmp_path / "out" / "f.onnx", "--verify")
     assert res.exit_code == 0, res.stderr
-    report = json.loads((tmp_path / "out" / "fusion_report.json").read_text())
+    report = json.loads((tmp_path / "out" / "res.fusion_report.json").read_text())
     assert report["verification"]["passed"] is True
 
 
@@ -267,8 +269,8 @@ def test_demo(tmp_path, monkeypatch):
     res = invoke("demo")
     assert res.exit_code == 0, res.stderr + res.stdout
     files = sorted(p.name for p in (tmp_path / "optfuse-demo").iterdir())
-    assert "fusion_report.json" in files and "fusion_report.md" in files
-    report = json.loads((tmp_path / "optfuse-demo" / "fusion_report.json").read_text())
+    assert "bert.fusion_report.json" in files and "bert.fusion_report.md" in files
+    report = json.loads((tmp_path / "optfuse-demo" / "bert.fusion_report.json").read_text())
     assert report["verification"]["passed"]
     assert set(report["counts"]) == {"LayerNorm", "SkipLayerNorm", "FlashAttention"}
     attention = [f for f in report["fusions"] if f["op"] == "FlashAttention"]
@@ -294,3 +296,24 @@ def test_kernels_build_bad_input_is_exit_2(args, fragment):
     res = subprocess.run([sys.executable, "-m", "optfuse", "kernels", "build", *args], capture_output=True, text=True)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [res.stderr.strip()] and fragment in res.stderr
+
+
+def test_fuse_is_all_or_nothing(tmp_path, models, monkeypatch):
+    """A fuse that fails after writing (here: verify is interrupted) leaves the previous outputs as they were."""
+    import importlib
+
+    fuse_mod = importlib.import_module("optfuse.pipeline.fuse")
+    out = tmp_path / "out" / "res.fused.onnx"
+    assert invoke("fuse", models / "res.onnx", "-o", out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fuse_mod, "verify", interrupted)
+    res = invoke("fuse", models / "perturbed.onnx", "-o", out, "--verify")
+    assert res.exit_code == 130
+    assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
+    monkeypatch.undo()
+    res = invoke("fuse", models / "missing.onnx", "-o", tmp_path / "new" / "f.onnx")
+    assert res.exit_code == 2 and not (tmp_path / "new").exists()

@@ -38,7 +38,7 @@ def test_convert_writes_every_artifact(tmp_path, recipe):
     out = tmp_path / "out"
     res = convert(None, recipe, out)
     assert res.passed
-    for f in ("block.fused.onnx", "block.fp16.onnx", "fusion_report.md", "precision_report.json",
+    for f in ("block.fused.onnx", "block.fp16.onnx", "block.fusion_report.md", "precision_report.json",
               "accuracy_report.md", "accuracy_report.json", "report.md"):
         assert (out / f).is_file(), f
     acc = json.loads((out / "accuracy_report.json").read_text())
@@ -67,3 +67,80 @@ def test_convert_explicit_rtx_sm90_is_an_error(tmp_path, recipe):
     # checked before any work (issue 20): nothing fused, verified or written
     assert time.perf_counter() - t0 < 1.0
     assert not (tmp_path / "out").exists()
+
+
+# -------------------------------------------------------------------------------------------------
+# the output folder is a transaction: a completed run replaces the previous one, a failed one leaves it
+# -------------------------------------------------------------------------------------------------
+def _snapshot(d):
+    return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+
+
+def test_convert_manifest_and_no_mixed_runs(tmp_path, recipe):
+    import hashlib
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "build_report.md").write_text("an older run's report\n")  # a run from before manifests
+    (out / "block.plan").write_bytes(b"an older engine")
+    (out / "notes.txt").write_text("the user's own file\n")
+    convert(None, recipe, out, skip_build=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["command"] == "convert" and manifest["versions"]["optfuse"]
+    assert manifest["parameters"]["skip_build"] is True and manifest["model"].endswith("block.onnx")
+    listed = {o["path"]: o["sha256"] for o in manifest["outputs"]}
+    assert "report.md" in listed and "block.fusion_report.json" in listed and "block.fp16.onnx" in listed
+    for name, digest in listed.items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    assert not (out / "build_report.md").exists() and not (out / "block.plan").exists()  # not this run's: gone
+    assert (out / "notes.txt").is_file()  # not a run file: kept
+    assert not [p for p in out.iterdir() if p.name.startswith("partial-")]
+    assert str(tmp_path / "out" / "partial-") not in (out / "report.md").read_text()
+    # a later run that lists fewer files removes the ones the manifest listed
+    (out / "extra.onnx").write_text("x")
+    manifest["outputs"].append({"path": "extra.onnx", "sha256": "0"})
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    convert(None, recipe, out, skip_build=True)
+    assert not (out / "extra.onnx").exists() and (out / "notes.txt").is_file()
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError("boom")], ids=["interrupted", "crashed"])
+def test_convert_failure_leaves_the_previous_run(tmp_path, recipe, monkeypatch, exc):
+    import importlib
+
+    convert_mod = importlib.import_module("optfuse.pipeline.convert")
+
+    out = tmp_path / "out"
+    convert(None, recipe, out, skip_build=True)
+    before = _snapshot(out)
+
+    def fail(*a, **k):
+        raise exc
+
+    monkeypatch.setattr(convert_mod, "_verify_step", fail)
+    with pytest.raises(type(exc) if isinstance(exc, Exception) else exc):
+        convert(None, recipe, out, skip_build=True)
+    assert _snapshot(out) == before
+    (partial,) = [p for p in out.iterdir() if p.is_dir()]
+    assert partial.name.startswith("partial-")
+    assert (partial / "error.log").is_file() and (partial / "block.fused.onnx").is_file()
+    assert ("interrupted" if exc is KeyboardInterrupt else "boom") in (partial / "error.log").read_text()
+
+
+def test_convert_bad_model_leaves_nothing(tmp_path, recipe):
+    (tmp_path / "block.onnx").write_text("not a model")
+    with pytest.raises(InputError, match="is not a valid ONNX model"):
+        convert(None, recipe, tmp_path / "out", skip_build=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_files_get_the_umask(tmp_path, recipe):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        convert(None, recipe, tmp_path / "out", skip_build=True)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert set(modes.values()) == {0o644}, modes

@@ -94,3 +94,21 @@ def test_absorbed_fusions_report_final_graph():
     assert isinstance(result.accepted[0], Accepted)
     report = build_report(result)
     assert report["counts"] == {"SkipLayerNorm": 1}
+
+
+def test_report_names_follow_the_model_and_the_umask(tmp_path):
+    """`<model>.fusion_report.*` so two models share a folder; the files get the umask's mode, not mkstemp's 0600."""
+    import os
+
+    from optfuse.report import report_stem
+
+    _, result = fuse_model(graphs.layer_norm(), dims={"b": 2, "s": 8})
+    old = os.umask(0o022)
+    try:
+        paths = [*write_report(build_report(result), tmp_path, stem=report_stem("a")),
+                 *write_report(build_report(result), tmp_path, stem=report_stem("b"))]
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.fusion_report.json", "a.fusion_report.md", "b.fusion_report.json", "b.fusion_report.md"]
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in paths)

@@ -10,14 +10,27 @@ from __future__ import annotations
 import sys
 
 import typer
+import typer.core
 
 from .. import __version__
 from ..errors import OptfuseError
 from . import build, fuse, recipe
 from .ui import State, env_debug, fail, internal_error
 
+class _RootGroup(typer.core.TyperGroup):
+    """The root group: ``--debug`` is a global option, accepted after the subcommand too (moved to
+    the front before parsing; not after ``--``)."""
+
+    def parse_args(self, ctx, args):
+        end = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:end]:
+            args = ["--debug"] + [a for i, a in enumerate(args) if not (a == "--debug" and i < end)]
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
     name="optfuse",
+    cls=_RootGroup,
     help="Fuse subgraphs of exported ONNX models into optfuse ops (TensorRT plugins), verify and report.",
     no_args_is_help=True,
     add_completion=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -46,6 +47,8 @@ def build(
         out.print(f"wrote {p}")
     if r.build_log:
         out.print(f"wrote {r.build_log}")
+    for w in outcome.warnings:
+        sys.stderr.write(f"warning: {w}\n")
 
 
 @guarded
@@ -70,12 +73,13 @@ def convert(
         with progress("converting") as status:
             result = pipeline.convert(model, rec, outdir, target=target, backend=backend, skip_build=skip_build,
                                       status=status)
-    except OptfuseError:
-        summary = Path(outdir) / "report.md"
-        if summary.is_file():
-            out.print(f"wrote {summary}")
+    except OptfuseError as exc:
+        partial = getattr(exc, "partial", None)
+        if partial is not None:
+            out.print(f"{outdir} left as it was; this run's files and error.log: {partial}")
         raise
     for s in result.steps:
         colour = {"ok": "green", "failed": "red", "skipped": "yellow"}[s.state]
         out.print(f"[{colour}]{s.state:>7}[/] {s.name}: {s.detail.splitlines()[0] if s.detail else ''}")
     out.print(f"wrote {result.summary}")
+    out.print(f"wrote {Path(outdir) / 'manifest.json'}")

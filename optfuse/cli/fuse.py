@@ -20,7 +20,7 @@ def fuse(
     recipe: Optional[Path] = RECIPE_OPTION,
     verify: bool = typer.Option(False, "--verify", help="Also verify the fused model against the original."),
 ) -> None:
-    """Fuse MODEL into OUTPUT and write fusion_report.json/.md next to it."""
+    """Fuse MODEL into OUTPUT and write MODEL.fusion_report.json/.md next to it."""
     from .. import pipeline
 
     rec = pipeline.read_recipe(recipe)

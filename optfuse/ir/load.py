@@ -26,6 +26,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     path = Path(path)
     if not path.exists():
         raise InputError(f"model not found: {path}")
+    if path.is_dir():
+        raise InputError(f"model {path} is a directory, not an ONNX file")
     if not path.is_file():
         raise InputError(f"model path is not a file: {path}")
     try:

@@ -13,7 +13,7 @@ Layers (imports point down only; the import-linter contract in pyproject.toml)::
 
 Stages and their artifacts (data flows one way)::
 
-    model (file, or exported from a recipe)  --fuse-->    fused .onnx + fusion_report.{json,md}
+    model (file, or exported from a recipe)  --fuse-->    fused .onnx + <model>.fusion_report.{json,md}
     original + candidate                     --verify-->  VerifyResult (per-output errors)
     fused .onnx                              --build-->   TensorRT engine + build report
     model or recipe                          --convert--> fuse -> precision -> verify -> build, one directory

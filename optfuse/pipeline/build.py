@@ -4,9 +4,12 @@ through the TensorRT backend (:mod:`optfuse.trt.build`, imported on use: TensorR
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import DOMAIN
 from ..errors import InputError
 from ..recipe import Recipe
 from ..trt.build import BuildReport
@@ -22,6 +25,8 @@ class BuildOutcome:
     notes: list[str] = field(default_factory=list)
     #: why the engine does not target the recipe's arch (the backend cannot build it), or ""
     target_note: str = ""
+    #: one line each, printed on stderr as ``warning: ...`` (e.g. a model with no optfuse node)
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -68,14 +73,20 @@ def build(model: str | os.PathLike, output: str | os.PathLike | None = None, rec
           target: str | None = None, backend: str | None = None, timing_cache: str | os.PathLike | None = None,
           log_path: str | os.PathLike | None = None, use_recipe_target: bool = True,
           status: Status = noop) -> BuildOutcome:
-    """FUSED.onnx -> engine + build_report.{json,md} + build log next to the engine."""
+    """FUSED.onnx -> engine + build_report.{json,md} + build log next to the engine, all or nothing
+    (built in ``<engine>.partial-*/`` beside it, moved into place when complete)."""
     from ..report import write_build_report
     from ..trt.build import build_engine_file
 
+    from .model import load_checked
+
     plan = plan_target(target, recipe, backend, use_recipe_target=use_recipe_target)  # before any work
     model = Path(model)
-    if not model.is_file():
-        raise InputError(f"model {model}: file not found")
+    proto = load_checked(model)  # bad input (text, truncated, empty, .data missing, a folder) is exit 2 here
+    if not proto.graph.output:
+        raise InputError(f"{model} has no graph outputs (an empty model): nothing to build")
+    optfuse_nodes = sum(1 for n in proto.graph.node if n.domain == DOMAIN)
+    del proto
     engine = Path(output) if output is not None else model.with_suffix(".plan")
     if engine.exists() and engine.is_dir():
         raise InputError(f"output {engine} is a directory; give a file name such as {engine / 'model.plan'}")
@@ -83,11 +94,50 @@ def build(model: str | os.PathLike, output: str | os.PathLike | None = None, rec
     target = plan.target
     profile = build_profile(recipe, model)
     out_dir = engine.parent
+    log_final = Path(log_path) if log_path else out_dir / "build.log"
+    created = not out_dir.exists()
+    try:  # everything is built into a folder beside the engine and moved into place when complete
+        out_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{engine.stem}.partial-", dir=out_dir))
+    except OSError as exc:
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise InputError(f"cannot write into {out_dir}: {exc.strerror or exc}") from None
     status(f"building {engine.name} ({backend or 'auto'} backend)")
-    report = build_engine_file(
-        model, engine, dims=profile.dims, input_shapes=profile.input_shapes, target=target, backend=backend,
-        timing_cache=Path(timing_cache) if timing_cache else out_dir / "timing.cache",
-        log_path=Path(log_path) if log_path else out_dir / "build.log",
-    )
-    paths = write_build_report(report, out_dir)
-    return BuildOutcome(model, engine, report, paths, [f"profile dims: {profile.source}"], plan.note)
+    try:
+        report = build_engine_file(
+            model, staging / engine.name, dims=profile.dims, input_shapes=profile.input_shapes, target=target,
+            backend=backend, timing_cache=Path(timing_cache) if timing_cache else out_dir / "timing.cache",
+            log_path=staging / "build.log",
+        )
+        report.engine = str(engine)
+        if report.build_log:
+            report.build_log = str(log_final)
+        staged = write_build_report(report, staging)
+        paths = (out_dir / staged[0].name, out_dir / staged[1].name)
+        moves = [(staging / engine.name, engine), *zip(staged, paths)]
+        if (staging / "build.log").is_file():
+            moves.append((staging / "build.log", log_final))
+        for src, dst in moves:
+            os.replace(src, dst)
+    except OSError as exc:
+        _discard(staging, out_dir, created)
+        raise InputError(f"cannot write into {out_dir}: {exc.strerror or exc}") from None
+    except BaseException:
+        _discard(staging, out_dir, created)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    outcome = BuildOutcome(model, engine, report, paths, [f"profile dims: {profile.source}"], plan.note)
+    if optfuse_nodes == 0:
+        outcome.warnings.append("0 optfuse nodes: did you mean `optfuse convert`?")
+    return outcome
+
+
+def _discard(staging: Path, out_dir: Path, created: bool) -> None:
+    """A failed build leaves nothing: no engine, no report, no build log (the error names the problem)."""
+    shutil.rmtree(staging, ignore_errors=True)
+    if created:
+        try:
+            out_dir.rmdir()
+        except OSError:
+            pass

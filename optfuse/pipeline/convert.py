@@ -1,6 +1,6 @@
 """The convert flow: the whole pipeline into one directory::
 
-    MODEL (or the recipe's export) -> fuse -> <name>.fused.onnx, fusion_report.{json,md}
+    MODEL (or the recipe's export) -> fuse -> <name>.fused.onnx, <name>.fusion_report.{json,md}
       -> precision -> <name>.<mode>.onnx, precision_report.json
       -> verify (FP32 original vs fused+precision, both onnxruntime CPU)
       -> build (when a TensorRT backend is installed) -> <name>.plan, build_report.{json,md}, build.log
@@ -16,12 +16,15 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BuildError, InputError, OptfuseError, VerificationError
 from ..precision import PrecisionResult
 from ..recipe import Recipe
+from ..report.common import user_mode
 from ..trt.build import BuildReport
 from ..verify import CheckError, NotExecuted, VerifyResult
 from .build import TargetPlan, build, plan_target
@@ -46,6 +49,7 @@ class ConvertOutcome:
     #: "onnxruntime" / "engine" -> the comparison, or why there is none
     accuracy: dict[str, VerifyResult | CheckError | NotExecuted] = field(default_factory=dict)
     build_report: BuildReport | None = None
+    model: str | None = None  # the model converted (the export, when the recipe exports one)
 
     @property
     def passed(self) -> bool:
@@ -58,12 +62,16 @@ class ConvertOutcome:
 def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str | os.PathLike, *,
             target: str | None = None, backend: str | None = None, iterations: int | None = None, seed: int = 0,
             skip_build: bool = False, status: Status = noop) -> ConvertOutcome:
-    """The whole pipeline (see module doc). Raises VerificationError (exit 1) / BuildError (exit 2)
-    after writing every report when a step that ran failed."""
-    from ..report import write_accuracy_report, write_summary
-    from ..trt import compat
-    from ..trt.run import polygraphy_env
+    """The whole pipeline (see module doc), as a transaction on `outdir`.
 
+    Every file is written into ``<outdir>/partial-<stamp>/`` first. A run that completes moves its
+    files into `outdir` (removing what the previous run listed in its ``manifest.json``, and the
+    fixed-name reports of a run before manifests, so the folder never mixes two runs) and writes
+    ``manifest.json``. A run that fails or is interrupted leaves `outdir` as it was, plus that
+    partial folder with ``error.log``; a bad input found before anything was written leaves nothing.
+
+    Raises VerificationError (exit 1) / BuildError (exit 2) after writing every report (into the
+    partial folder) when a step that ran failed."""
     if recipe is None:
         raise InputError("convert needs a recipe (-r RECIPE.yaml): it gives the dims, precision and tolerances")
     # the target/backend check, before any work (an unknown backend or an unbuildable --target: exit 2)
@@ -71,13 +79,108 @@ def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str 
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise InputError(f"output directory {outdir} is a file")
-    outdir.mkdir(parents=True, exist_ok=True)
+    created = not outdir.exists()
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"partial-{time.strftime('%Y%m%d-%H%M%S')}-", dir=outdir))
+        os.chmod(staging, user_mode(0o777))
+    except OSError as exc:
+        if created and outdir.is_dir() and not any(outdir.iterdir()):
+            outdir.rmdir()
+        raise InputError(f"cannot write into {outdir}: {exc.strerror or exc}") from None
+    try:
+        res = _convert_into(staging, model, recipe, plan=plan, iterations=iterations, seed=seed,
+                            skip_build=skip_build, status=status)
+    except BaseException as exc:
+        _keep_partial(staging, outdir, created, exc)
+        raise
+    try:
+        return _commit(res, staging, outdir, recipe, target=target, backend=backend, iterations=iterations,
+                       seed=seed, skip_build=skip_build)
+    except OSError as exc:
+        _keep_partial(staging, outdir, created, exc)
+        raise InputError(f"cannot write into {outdir}: {exc.strerror or exc} (this run's files are in {staging})") \
+            from None
+
+
+#: the fixed-name files a convert run writes (removed from the folder a new run completes into)
+_RUN_FILES = ("report.md", "accuracy_report.json", "accuracy_report.md", "precision_report.json",
+              "build_report.json", "build_report.md", "build.log", "fusion_report.json", "fusion_report.md")
+
+
+def _keep_partial(staging: Path, outdir: Path, created: bool, exc: BaseException) -> None:
+    """A failed run: its partial folder stays with error.log, unless nothing was written at all."""
+    if not staging.exists():
+        return
+    if not any(staging.iterdir()):
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            try:
+                outdir.rmdir()  # only when empty: the run made it
+            except OSError:
+                pass
+        return
+    what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+    try:
+        (staging / "error.log").write_text(f"optfuse convert did not complete; {outdir} was left as it was.\n"
+                                           f"{what}\n")
+    except OSError:
+        pass
+    try:
+        exc.partial = staging  # the CLI names it
+    except AttributeError:
+        pass
+
+
+def _relocate(staging: Path, dest: Path) -> None:
+    """Rewrite the staging folder's name in its text reports to `dest` (where the files end up)."""
+    for f in staging.iterdir():
+        if f.suffix in (".md", ".json") and f.is_file():
+            text = f.read_text(encoding="utf-8", errors="replace")
+            if str(staging) in text:
+                f.write_text(text.replace(str(staging), str(dest)))
+
+
+def _commit(res: ConvertOutcome, staging: Path, outdir: Path, recipe: Recipe, **params) -> ConvertOutcome:
+    """Move a completed run into `outdir`: the previous run's files go, this run's come, manifest.json last."""
+    from ..report import MANIFEST, manifest_outputs, read_manifest, write_manifest
+    from .options import recipe_label
+
+    _relocate(staging, outdir)
+    new = sorted(p.name for p in staging.iterdir())
+    stem = Path(res.model).stem if res.model else None
+    old = set(manifest_outputs(read_manifest(outdir))) | set(_RUN_FILES) | ({f"{stem}.plan"} if stem else set())
+    (outdir / MANIFEST).unlink(missing_ok=True)  # a folder without manifest is not a complete run
+    for name in sorted(old - set(new)):
+        target = outdir / name
+        if target.is_file() and target.parent == outdir:
+            target.unlink()
+    for name in new:
+        os.replace(staging / name, outdir / name)
+    shutil.rmtree(staging, ignore_errors=True)
+    res.outdir = outdir
+    res.summary = outdir / res.summary.name if res.summary is not None else None
+    for s in res.steps:
+        s.artifacts = [a.replace(str(staging), str(outdir)) for a in s.artifacts]
+    model = res.model.replace(str(staging), str(outdir)) if res.model else None
+    write_manifest(outdir, [outdir / n for n in new], command="convert",
+                   parameters={"model": model, "recipe": recipe_label(recipe), "parameters": params})
+    return res
+
+
+def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe, *, plan: TargetPlan,
+                  iterations: int | None, seed: int, skip_build: bool, status: Status) -> ConvertOutcome:
+    """fuse -> precision -> verify -> build -> engine check -> reports, every file into `outdir`."""
+    from ..report import write_accuracy_report, write_summary
+    from ..trt.run import polygraphy_env
+
     res = ConvertOutcome(outdir)
     resolved = plan.backend
     if resolved is not None:
         polygraphy_env(resolved)  # before verify imports polygraphy
 
     path = resolve_model(model, recipe, workdir=outdir, status=status)
+    res.model = str(path)
     fused = _fuse_step(res, path, recipe, status)
     prec_path, prec = _precision_step(res, path.stem, fused.output, recipe, status)
     _verify_step(res, path, prec_path, recipe, iterations, seed, status)

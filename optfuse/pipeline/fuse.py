@@ -1,6 +1,6 @@
 """The inspect, fuse, verify and demo flows.
 
-    model (file, or exported from a recipe)  --fuse-->    fused .onnx + fusion_report.{json,md}
+    model (file, or exported from a recipe)  --fuse-->    fused .onnx + <model>.fusion_report.{json,md}
     model                                    --inspect--> the fusion report, nothing written
     original + candidate                     --verify-->  VerifyResult (per-output errors)
     the tiny BERT                            --demo-->    export, fuse, verify in one directory
@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ class InspectOutcome:
 class FuseOutcome:
     model: Path
     output: Path
-    report: dict[str, Any]  # the fusion report, as written to fusion_report.json
+    report: dict[str, Any]  # the fusion report, as written to <model>.fusion_report.json
     report_paths: tuple[Path, Path]
     result: FusionResult
     verification: VerifyResult | None = None  # when asked
@@ -93,12 +94,14 @@ def default_output(model: Path) -> Path:
 def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = None, recipe: Recipe | None = None,
          verify_after: bool = False, iterations: int | None = None, seed: int = 0,
          workdir: Path | None = None, status: Status = noop) -> FuseOutcome:
-    """load -> sanitize -> match -> rewrite -> save (atomic) -> report; optionally verify the result.
+    """load -> sanitize -> match -> rewrite -> save -> report; optionally verify the result.
 
-    Nothing is written until the fused model exists in memory, so bad input leaves no file behind.
+    Nothing is written until the fused model exists in memory, so bad input leaves no file behind;
+    the model, its external data and the reports are written into ``<output>.partial-*/`` beside
+    OUTPUT and moved into place together when complete (a failure or an interrupt leaves none of them).
     """
     from ..ir import save_model
-    from ..report import build_report, write_report
+    from ..report import build_report, report_stem, write_report
 
     path = resolve_model(model, recipe, workdir=workdir, status=status)
     out = Path(output) if output is not None else default_output(path)
@@ -107,23 +110,53 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
     proto = load_checked(path)
     run = _fuse_and_estimate(proto, recipe, status)
     status(f"writing {out}")
-    try:
-        save_model(run.fused, out)
+    created = not out.parent.exists()
+    try:  # the model, its external data and the reports go into a folder beside OUTPUT, then into place
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{out.stem}.partial-", dir=out.parent))
     except OSError as exc:
         raise InputError(f"cannot write {out}: {exc.strerror or exc}") from None
-    verification = None
-    if verify_after:
-        status("verifying")
-        verification = verify(path, out, recipe, iterations=iterations, seed=seed)
-    report = build_report(run.result, estimate=run.estimate, model=str(path), fused_model=str(out),
-                          recipe=recipe_label(recipe), dims=run.dims, dims_source=run.dims_source,
-                          families=run.families,
-                          verification=verification.to_dict() if verification is not None else None)
     try:
-        paths = write_report(report, out.parent)
+        staged = staging / out.name
+        save_model(run.fused, staged)
+        verification = None
+        if verify_after:
+            status("verifying")
+            verification = verify(path, staged, recipe, iterations=iterations, seed=seed)
+        report = build_report(run.result, estimate=run.estimate, model=str(path), fused_model=str(out),
+                              recipe=recipe_label(recipe), dims=run.dims, dims_source=run.dims_source,
+                              families=run.families,
+                              verification=verification.to_dict() if verification is not None else None)
+        staged_reports = write_report(report, staging, stem=report_stem(path.stem))
+        data = out.parent / f"{out.name}.data"
+        for f in sorted(staging.iterdir(), key=lambda p: p.name == out.name):  # the model itself last
+            os.replace(f, out.parent / f.name)
+        if data.exists() and not (staging / data.name).exists() and not _uses_external_data(out):
+            data.unlink()  # an older fused model's weights, not this one's
     except OSError as exc:
-        raise InputError(f"cannot write the fusion report next to {out}: {exc.strerror or exc}") from None
+        _discard(staging, out.parent, created)
+        raise InputError(f"cannot write {out}: {exc.strerror or exc}") from None
+    except BaseException:
+        _discard(staging, out.parent, created)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    paths = (out.parent / staged_reports[0].name, out.parent / staged_reports[1].name)
     return FuseOutcome(path, out, report, paths, run.result, verification)
+
+
+def _uses_external_data(path: Path) -> bool:
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    return any(uses_external_data(t) for t in _get_all_tensors(onnx.load(str(path), load_external_data=False)))
+
+
+def _discard(staging: Path, directory: Path, created: bool) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+    if created:
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
 
 
 def _check_output(model: Path, out: Path) -> None:

@@ -24,11 +24,21 @@ def format_bytes(n: int | None) -> str:
     return f"{sign}{n:.1f} GiB"
 
 
+def user_mode(mode: int = 0o666) -> int:
+    """`mode` under the process umask (what open() would give a new file)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mode & ~mask
+
+
 def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to a temp file beside `path`, then rename it into place; the file gets the
+    user's umask (mkstemp alone would leave it 0600)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, user_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -44,7 +44,7 @@ def summary_markdown(name: str, model: Path, outdir: Path, steps: Sequence[StepL
     for f in fusion.get("fusions", []):
         per_op[f["op"]] = per_op.get(f["op"], 0) + 1
     lines += [f"- {op}: {n}" for op, n in sorted(per_op.items())] or ["- nothing fused"]
-    lines += ["", "See fusion_report.md.", "", precision_markdown(precision),
+    lines += ["", f"See {model.stem}.fusion_report.md.", "", precision_markdown(precision),
               accuracy_markdown(accuracy, title="## Accuracy")]
     if build is not None:
         lines += ["", build_markdown(build)]

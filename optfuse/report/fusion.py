@@ -23,6 +23,11 @@ REPORT_JSON = "fusion_report.json"
 REPORT_MD = "fusion_report.md"
 
 
+def report_stem(model_name: str | None = None) -> str:
+    """``<model>.fusion_report`` (so two models can share a folder), or ``fusion_report``."""
+    return f"{model_name}.fusion_report" if model_name else "fusion_report"
+
+
 def build_report(result: FusionResult, *, estimate: TrafficEstimate | None = None, model: str | None = None,
                  fused_model: str | None = None, recipe: str | None = None, dims: dict[str, int] | None = None,
                  dims_source: str = "", families: list[str] | None = None,

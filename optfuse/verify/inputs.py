@@ -126,7 +126,10 @@ def plan_inputs(model: onnx.ModelProto, options: VerifyOptions | None = None) ->
                 raise InputError(f"input {inp.name!r} has no shape in the model; give it one in a recipe")
             shape = [d if isinstance(d, int) else dims.get(d, DEFAULT_DIM) if isinstance(d, str)
                      else (DEFAULT_BATCH if i == 0 else DEFAULT_DIM) for i, d in enumerate(raw)]
-        plans.append(_plan_one(inp.name, np.dtype(dtype), shape, spec, rows.get(inp.name)))
+        plan = _plan_one(inp.name, np.dtype(dtype), shape, spec, rows.get(inp.name))
+        if plan.kind == "npz":
+            _check_npz_shape(inp, plan.shape, spec.npz_label or str(spec.npz))
+        plans.append(plan)
     return plans
 
 
@@ -144,6 +147,20 @@ def _check_against_model(inp: onnx.ValueInfoProto, dtype: np.dtype, shape: list[
     for axis, (m, r) in enumerate(zip(raw, shape)):
         if isinstance(m, int) and m != r:
             raise InputError(f"recipe input {inp.name!r}: axis {axis} is {r}, but the model fixes it to {m}")
+
+
+def _check_npz_shape(inp: onnx.ValueInfoProto, shape: list[int], label: str) -> None:
+    """An npz array must have the model input's rank and its fixed axes."""
+    raw = value_shape(inp)
+    if raw is None:
+        return
+    if len(raw) != len(shape):
+        raise InputError(f"input {inp.name!r}: the array in {label} has shape {shape} (rank {len(shape)}), "
+                         f"but the model's input has rank {len(raw)} ({raw})")
+    for axis, (m, r) in enumerate(zip(raw, shape)):
+        if isinstance(m, int) and m != r:
+            raise InputError(f"input {inp.name!r}: axis {axis} of the array in {label} is {r}, "
+                             f"but the model fixes it to {m}")
 
 
 def _plan_one(name: str, dtype: np.dtype, shape: list[int], spec: FeedSpec | None, rows: int | None) -> InputPlan:
@@ -203,8 +220,6 @@ def _load_npz(path: Path, name: str, dtype: np.dtype) -> np.ndarray:
             keys = list(z.keys())
             if name in keys:
                 arr = z[name]
-            elif len(keys) == 1:
-                arr = z[keys[0]]
             else:
                 raise InputError(f"input {name!r}: {path} holds {keys}, none named {name!r}")
     except InputError:

@@ -1,0 +1,173 @@
+"""The bad-input corpus (issue 20): each case gives its exit code, exactly one line on stderr, no
+traceback, and leaves nothing behind in the output folder."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from optfuse.cli import app
+
+import graphs
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line(res, code, *fragments, prefix="error: "):
+    assert res.exit_code == code, (res.exit_code, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith(prefix), lines[0]
+    assert "Traceback" not in res.stderr + res.stdout
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def inp(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    model = graphs.residual_block(n_layers=2)
+    onnx.save(model, d / "res.onnx")
+    (d / "text.onnx").write_text("this is not an onnx model\n")
+    data = (d / "res.onnx").read_bytes()
+    (d / "truncated.onnx").write_bytes(data[: len(data) // 2])
+    (d / "empty.onnx").write_bytes(b"")
+    ext = onnx.ModelProto.FromString(model.SerializeToString())
+    onnx.save_model(ext, str(d / "ext.onnx"), save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
+    (d / "ext.onnx.data").unlink()
+    (d / "adir.onnx").mkdir()
+    empty = onnx.helper.make_model(onnx.helper.make_graph([], "empty", [], []),
+                                   opset_imports=[onnx.helper.make_opsetid("", 17)])
+    onnx.save(empty, d / "emptygraph.onnx")
+    return d
+
+
+def leftovers(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("text.onnx", "is not a valid ONNX model"),
+    ("truncated.onnx", "is not a valid ONNX model"),
+    ("empty.onnx", "is not a valid ONNX model"),
+    ("ext.onnx", "missing external data file"),
+    ("adir.onnx", "is a directory"),
+    ("emptygraph.onnx", "no graph outputs"),
+])
+def test_build_bad_model(tmp_path, inp, name, fragment):
+    before = leftovers(inp)
+    out = tmp_path / "out"
+    one_line(invoke("build", inp / name, "-o", out / "m.plan"), 2, fragment, name)
+    assert leftovers(out) == []
+    assert leftovers(inp) == before
+
+
+def test_convert_into_read_only_directory(tmp_path, inp):
+    if os.geteuid() == 0:
+        pytest.skip("root ignores directory permissions")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "res", "model": {"path": "in/res.onnx"},
+        "dims": {"batch": {"min": 1, "opt": 2, "max": 4}, "sequence": {"min": 1, "opt": 8, "max": 32}}}))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        one_line(invoke("convert", "-r", recipe, "-o", ro / "out", "--skip-build"), 2, "cannot write", str(ro))
+        one_line(invoke("convert", "-r", recipe, "-o", ro, "--skip-build"), 2, "cannot write", str(ro))
+        assert leftovers(ro) == []
+    finally:
+        ro.chmod(0o755)
+
+
+def _res_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "res", "model": {"path": "in/res.onnx"},
+        "dims": {"batch": {"min": 1, "opt": 2, "max": 4}, "sequence": {"min": 1, "opt": 8, "max": 32}}}))
+    return recipe
+
+
+@pytest.mark.parametrize("command", ["convert", "build"])
+def test_unwritable_output_directory(tmp_path, inp, monkeypatch, command):
+    """What a read-only folder gives (simulated: root ignores the mode bits)."""
+    import tempfile
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    out = tmp_path / "out"
+    args = (["convert", "-r", _res_recipe(tmp_path), "-o", out, "--skip-build"] if command == "convert"
+            else ["build", inp / "res.onnx", "-o", out / "m.plan"])
+    one_line(invoke(*args), 2, "cannot write into", "Permission denied")
+    assert not out.exists()
+
+
+def _npz_recipe(tmp_path, arrays):
+    np.savez(tmp_path / "x.npz", **arrays)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "res", "model": {"path": "in/res.onnx"},
+        "inputs": {"x": {"dtype": "float32", "shape": ["b", "s", 64], "npz": "x.npz"}},
+        "dims": {"b": {"min": 1, "opt": 2, "max": 4}, "s": {"min": 1, "opt": 8, "max": 32}}}))
+    return recipe
+
+
+@pytest.mark.parametrize("arrays, fragment", [
+    ({"y": np.zeros((2, 8, 64), np.float32)}, "none named 'x'"),
+    ({"x": np.zeros((2, 8), np.float32)}, "rank"),
+    ({"x": np.zeros((2, 8, 32), np.float32)}, "axis 2"),
+], ids=["one-other-key", "wrong-rank", "wrong-axis"])
+def test_verify_bad_npz(tmp_path, inp, arrays, fragment):
+    recipe = _npz_recipe(tmp_path, arrays)
+    one_line(invoke("verify", inp / "res.onnx", inp / "res.onnx", "-r", recipe), 2, fragment)
+
+
+def test_recipe_check_missing_model(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "res", "model": {"path": "nowhere/res.onnx"}}))
+    one_line(invoke("recipe", "check", recipe), 2, "nowhere/res.onnx", "not found")
+
+
+def test_build_unfused_model_warns(tmp_path, inp):
+    pytest.importorskip("tensorrt_rtx")
+    out = tmp_path / "out"
+    res = invoke("build", inp / "res.onnx", "-o", out / "m.plan", "--backend", "rtx")
+    line = one_line(res, 0, "0 optfuse nodes: did you mean `optfuse convert`?", prefix="warning: ")
+    assert (out / "m.plan").is_file(), line
+
+
+def test_debug_after_subcommand(inp):
+    res = invoke("inspect", inp / "res.onnx", "--debug")
+    assert res.exit_code == 0, res.stderr
+    res = invoke("inspect", inp / "missing.onnx", "--debug")
+    one_line(res, 2, "model not found")
+
+
+def test_convert_failure_names_its_partial_folder(tmp_path, inp, monkeypatch):
+    """A convert that fails late: one error line; stdout names the partial folder; the output folder has only it."""
+    import importlib
+
+    from optfuse.errors import InputError
+
+    def late(*a, **k):
+        raise InputError("late bad input")
+
+    monkeypatch.setattr(importlib.import_module("optfuse.pipeline.convert"), "_verify_step", late)
+    out = tmp_path / "out"
+    res = invoke("convert", "-r", _res_recipe(tmp_path), "-o", out, "--skip-build")
+    one_line(res, 2, "late bad input")
+    (partial,) = list(out.iterdir())
+    assert partial.name.startswith("partial-") and (partial / "error.log").is_file()
+    assert str(partial) in res.stdout
