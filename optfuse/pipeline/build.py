@@ -13,6 +13,7 @@ from .. import DOMAIN
 from ..errors import InputError
 from ..recipe import Recipe
 from ..trt.build import BuildReport
+from .model import discard_staging, load_checked
 from .options import Status, build_profile, noop
 
 
@@ -78,8 +79,6 @@ def build(model: str | os.PathLike, output: str | os.PathLike | None = None, rec
     from ..report import write_build_report
     from ..trt.build import build_engine_file
 
-    from .model import load_checked
-
     plan = plan_target(target, recipe, backend, use_recipe_target=use_recipe_target)  # before any work
     model = Path(model)
     proto = load_checked(model)  # bad input (text, truncated, empty, .data missing, a folder) is exit 2 here
@@ -121,23 +120,13 @@ def build(model: str | os.PathLike, output: str | os.PathLike | None = None, rec
         for src, dst in moves:
             os.replace(src, dst)
     except OSError as exc:
-        _discard(staging, out_dir, created)
+        discard_staging(staging, out_dir, created)
         raise InputError(f"cannot write into {out_dir}: {exc.strerror or exc}") from None
     except BaseException:
-        _discard(staging, out_dir, created)
+        discard_staging(staging, out_dir, created)
         raise
     shutil.rmtree(staging, ignore_errors=True)
     outcome = BuildOutcome(model, engine, report, paths, [f"profile dims: {profile.source}"], plan.note)
     if optfuse_nodes == 0:
         outcome.warnings.append("0 optfuse nodes: did you mean `optfuse convert`?")
     return outcome
-
-
-def _discard(staging: Path, out_dir: Path, created: bool) -> None:
-    """A failed build leaves nothing: no engine, no report, no build log (the error names the problem)."""
-    shutil.rmtree(staging, ignore_errors=True)
-    if created:
-        try:
-            out_dir.rmdir()
-        except OSError:
-            pass

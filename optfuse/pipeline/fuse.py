@@ -22,7 +22,7 @@ from ..estimate import TrafficEstimate
 from ..recipe import Recipe
 from ..rewrite import FusionResult
 from ..verify import DEFAULT_ITERATIONS, VerifyResult
-from .model import load_checked, resolve_model
+from .model import discard_staging, load_checked, resolve_model
 from .options import Status, analysis_dims, enabled_families, fusion_options, noop, recipe_label, verify_options
 
 DEMO_DIR = Path("optfuse-demo")
@@ -134,10 +134,10 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
         if data.exists() and not (staging / data.name).exists() and not _uses_external_data(out):
             data.unlink()  # an older fused model's weights, not this one's
     except OSError as exc:
-        _discard(staging, out.parent, created)
+        discard_staging(staging, out.parent, created)
         raise InputError(f"cannot write {out}: {exc.strerror or exc}") from None
     except BaseException:
-        _discard(staging, out.parent, created)
+        discard_staging(staging, out.parent, created)
         raise
     shutil.rmtree(staging, ignore_errors=True)
     paths = (out.parent / staged_reports[0].name, out.parent / staged_reports[1].name)
@@ -148,15 +148,6 @@ def _uses_external_data(path: Path) -> bool:
     from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
     return any(uses_external_data(t) for t in _get_all_tensors(onnx.load(str(path), load_external_data=False)))
-
-
-def _discard(staging: Path, directory: Path, created: bool) -> None:
-    shutil.rmtree(staging, ignore_errors=True)
-    if created:
-        try:
-            directory.rmdir()
-        except OSError:
-            pass
 
 
 def _check_output(model: Path, out: Path) -> None:

@@ -1,10 +1,12 @@
 """Where a flow's model comes from (the argument, the recipe's path, or an export through
 :mod:`optfuse.models`) and how it is loaded: :func:`load_checked` adds a structural check, so a
-graph that does not hold together is bad input (exit 2) before any stage runs."""
+graph that does not hold together is bad input (exit 2) before any stage runs; and
+:func:`discard_staging`, how a failed build or fuse leaves nothing behind."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import onnx
@@ -93,3 +95,14 @@ def graph_problem(graph: onnx.GraphProto) -> str | None:
         if o.name not in available:
             return f"graph output {o.name!r} is not produced by any node"
     return None
+
+
+def discard_staging(staging: Path, directory: Path, created: bool) -> None:
+    """A failed run leaves nothing: its staging folder goes, and `directory` too when the run made it
+    (only if empty)."""
+    shutil.rmtree(staging, ignore_errors=True)
+    if created:
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
