@@ -8,28 +8,9 @@ import numpy as np
 import onnx
 import pytest
 import yaml
-from typer.testing import CliRunner
-
-from optfuse.cli import app
 
 import graphs
-
-runner = CliRunner()
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line(res, code, *fragments, prefix="error: "):
-    assert res.exit_code == code, (res.exit_code, res.stdout, res.stderr)
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith(prefix), lines[0]
-    assert "Traceback" not in res.stderr + res.stdout
-    for f in fragments:
-        assert f in lines[0], lines[0]
-    return lines[0]
+from cli_checks import invoke, one_line
 
 
 @pytest.fixture

@@ -10,28 +10,12 @@ import numpy as np
 import onnx
 import pytest
 import yaml
-from typer.testing import CliRunner
-
-from optfuse.cli import app
 
 import graphs
+from cli_checks import invoke
+from cli_checks import one_line as assert_one_line_error
 
-runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def invoke(*args, env=None):
-    return runner.invoke(app, [str(a) for a in args], env=env)
-
-
-def assert_one_line_error(res, code, *fragments):
-    assert res.exit_code == code, (res.exit_code, res.stdout, res.stderr)
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in res.stderr + res.stdout
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 @pytest.fixture
