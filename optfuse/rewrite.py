@@ -261,7 +261,7 @@ _ATTR_TYPES = {"float": (float, np.floating), "int": (int, np.integer), "string"
 def check_rewrite(rw: Rewrite, spec: OpSpec, rule: str) -> None:
     """A rewrite fits its op's spec: input count within [required, total] with every required input
     present, at most the spec's outputs, only spec attributes, every attribute without a default
-    given, each value of the spec's type. A violation is a bug in the rule: ValueError naming the
+    given, each value of the spec's type (and among its choices, where it lists them). A violation is a bug in the rule: ValueError naming the
     op, the rule and the field."""
 
     def fail(what: str) -> None:
@@ -280,6 +280,8 @@ def check_rewrite(rw: Rewrite, spec: OpSpec, rule: str) -> None:
             fail(f"attribute {key!r} is not in the spec (attributes: {sorted(names)})")
         if not _fits(value, spec.attr(key).type):
             fail(f"attribute {key!r} = {value!r} is not of type {spec.attr(key).type}")
+        if spec.attr(key).choices and value not in spec.attr(key).choices:
+            fail(f"attribute {key!r} = {value!r} is not one of {', '.join(spec.attr(key).choices)}")
     for a in spec.attributes:
         if a.default is None and a.name not in rw.attrs:
             fail(f"attribute {a.name!r} has no default and is missing")

@@ -42,8 +42,11 @@ class TensorSpec:
     name: str
     dtypes: tuple[str, ...]
     optional: bool = False
-    # Output shape/dtype rule: the output has the shape and dtype of this input.
+    # Output shape/dtype rule: the output has the shape and dtype of this input ...
     like: str | None = None
+    # ... except its last dim, which is dim `axis` of input `input` (a GEMM's [..., K] x [N, K]
+    # gives [..., N]): (input name, axis), or None.
+    last_dim: tuple[str, int] | None = None
     doc: str = ""
 
 
@@ -52,6 +55,8 @@ class AttrSpec:
     name: str
     type: str
     default: Any = None
+    # string attributes: the values a node may carry (empty: any)
+    choices: tuple[str, ...] = ()
     doc: str = ""
 
 
@@ -90,8 +95,9 @@ class OpSpec:
 # -- validation --------------------------------------------------------------------------------
 _OP_KEYS = {"op": True, "doc": True, "inputs": True, "outputs": True, "attributes": False, "domain": False,
             "version": False, "limits": False}
-_TENSOR_KEYS = {"name": True, "dtypes": True, "optional": False, "like": False, "doc": False}
-_ATTR_KEYS = {"name": True, "type": True, "default": False, "doc": False}
+_TENSOR_KEYS = {"name": True, "dtypes": True, "optional": False, "like": False, "last_dim": False, "doc": False}
+_LAST_DIM_KEYS = {"input": True, "axis": True}
+_ATTR_KEYS = {"name": True, "type": True, "default": False, "choices": False, "doc": False}
 
 
 def _fail(where: str, what: str) -> None:
@@ -139,11 +145,18 @@ def _tensor(raw: Any, where: str) -> TensorSpec:
         if d not in DTYPES:
             _fail(f"{where}.dtypes[{j}]", f"unknown dtype {d!r} (known: {', '.join(DTYPES)})")
     like = raw.get("like")
+    last_dim = None
+    if raw.get("last_dim") is not None:
+        ld = _mapping(raw["last_dim"], _LAST_DIM_KEYS, f"{where}.last_dim")
+        last_dim = (_typed(ld["input"], str, f"{where}.last_dim.input"), _typed(ld["axis"], int, f"{where}.last_dim.axis"))
+        if like is None:
+            _fail(f"{where}.last_dim", "needs a 'like' rule (the other dims and the dtype)")
     return TensorSpec(
         name=_typed(raw["name"], str, f"{where}.name"),
         dtypes=tuple(dtypes),
         optional=_typed(raw.get("optional", False), bool, f"{where}.optional"),
         like=None if like is None else _typed(like, str, f"{where}.like"),
+        last_dim=last_dim,
         doc=_typed(raw.get("doc", ""), str, f"{where}.doc"),
     )
 
@@ -167,10 +180,18 @@ def _attr(raw: Any, where: str) -> AttrSpec:
     kind = _typed(raw["type"], str, f"{where}.type")
     if kind not in ATTR_TYPES:
         _fail(f"{where}.type", f"unknown attribute type {kind!r} (known: {', '.join(ATTR_TYPES)})")
+    choices = tuple(_typed(c, str, f"{where}.choices[{j}]")
+                    for j, c in enumerate(_typed(raw.get("choices", []), list, f"{where}.choices")))
+    if choices and kind != "string":
+        _fail(f"{where}.choices", f"only string attributes take choices (type is {kind})")
+    default = _default(kind, raw.get("default"), f"{where}.default")
+    if choices and default is not None and default not in choices:
+        _fail(f"{where}.default", f"{default!r} is not one of the choices ({', '.join(choices)})")
     return AttrSpec(
         name=_typed(raw["name"], str, f"{where}.name"),
         type=kind,
-        default=_default(kind, raw.get("default"), f"{where}.default"),
+        default=default,
+        choices=choices,
         doc=_typed(raw.get("doc", ""), str, f"{where}.doc"),
     )
 
@@ -210,6 +231,8 @@ def parse_spec(raw: Any, folder: str, where: str) -> OpSpec:
     for i, t in enumerate(outputs):
         if t.like is not None and t.like not in in_names:
             _fail(f"{where}: outputs[{i}].like", f"{t.like!r} names no input (inputs: {', '.join(in_names)})")
+        if t.last_dim is not None and t.last_dim[0] not in in_names:
+            _fail(f"{where}: outputs[{i}].last_dim.input", f"{t.last_dim[0]!r} names no input (inputs: {', '.join(in_names)})")
     reserved = [a.name for a in attributes if a.name in ("plugin_namespace", "plugin_version")]
     if reserved:
         _fail(f"{where}: attributes", f"{reserved[0]!r} is set by optfuse on every node, not declared")

@@ -55,6 +55,10 @@ def test_specs_load_as_before():
         (lambda t: t.replace("limits: {min_hidden: 1,", "limits: {min_hidden: one,"),
          r"limits\.min_hidden: expected int or float"),
         (lambda t: t.replace("{name: epsilon,", "{name: plugin_version,"), r"'plugin_version' is set by optfuse"),
+        (lambda t: t.replace("like: x}", "like: x, last_dim: {input: z, axis: 0}}"),
+         r"outputs\[0\]\.last_dim\.input: 'z' names no input"),
+        (lambda t: t.replace("like: x}", "last_dim: {input: x, axis: 0}}"), r"last_dim: needs a 'like' rule"),
+        (lambda t: t.replace("type: float", "type: float, choices: [a]"), r"only string attributes take choices"),
     ],
 )
 def test_bad_specs_are_rejected_naming_file_and_field(tmp_path, edit, message):
