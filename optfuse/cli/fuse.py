@@ -56,14 +56,16 @@ def inspect(
     model: Optional[Path] = typer.Argument(None, help="Exported ONNX model.", show_default=False),
     recipe: Optional[Path] = RECIPE_OPTION,
     shapes: Optional[list[str]] = args.SHAPES,
+    min_shapes: Optional[list[str]] = args.MIN_SHAPES,
     opt_shapes: Optional[list[str]] = args.OPT_SHAPES,
+    max_shapes: Optional[list[str]] = args.MAX_SHAPES,
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
 ) -> None:
     """Show what would fuse and what would not, and why. Writes nothing."""
     from .. import pipeline
 
     json_mode(json_out)
-    over = args.overrides(shapes=shapes, opt_shapes=opt_shapes)
+    over = args.overrides(shapes=shapes, min_shapes=min_shapes, opt_shapes=opt_shapes, max_shapes=max_shapes)
     rec = pipeline.read_recipe(recipe)
     with progress("inspecting") as status:
         outcome = pipeline.inspect(model, rec, status=status, overrides=over)
@@ -88,7 +90,9 @@ def verify(
     atol: Optional[list[str]] = args.ATOL,
     rtol: Optional[list[str]] = args.RTOL,
     shapes: Optional[list[str]] = args.SHAPES,
+    min_shapes: Optional[list[str]] = args.MIN_SHAPES,
     opt_shapes: Optional[list[str]] = args.OPT_SHAPES,
+    max_shapes: Optional[list[str]] = args.MAX_SHAPES,
     load_inputs: Optional[list[Path]] = args.LOAD_INPUTS,
     save_inputs: Optional[Path] = args.SAVE_INPUTS,
     save_outputs: Optional[Path] = args.SAVE_OUTPUTS,
@@ -99,7 +103,8 @@ def verify(
     from .. import pipeline
 
     json_mode(json_out)
-    over = args.overrides(shapes=shapes, opt_shapes=opt_shapes, atol=atol, rtol=rtol)
+    over = args.overrides(shapes=shapes, min_shapes=min_shapes, opt_shapes=opt_shapes, max_shapes=max_shapes,
+                          atol=atol, rtol=rtol)
     rec = pipeline.read_recipe(recipe)
     with progress("verifying") as status:
         result = pipeline.verify(original, candidate, rec, iterations=iterations, seed=seed, status=status,

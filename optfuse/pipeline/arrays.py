@@ -70,9 +70,16 @@ def _read_npz_feeds(path: Path) -> list[dict[str, np.ndarray]]:
     return [arrays]
 
 
+def _quiet_polygraphy() -> None:
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR  # no "[I] Loading input data from ..." lines
+
+
 def _read_json_feeds(path: Path) -> list[dict[str, np.ndarray]]:
     from polygraphy.json import load_json
 
+    _quiet_polygraphy()
     try:
         data = load_json(str(path), description="input data")
     except Exception as exc:  # noqa: BLE001
@@ -119,6 +126,7 @@ def save_feeds(path: str | os.PathLike, feeds: Feeds) -> Path:
     if _is_json(path):
         from polygraphy.json import save_json
 
+        _quiet_polygraphy()
         return _atomic(path, lambda tmp: save_json(list(feeds), str(tmp), description="input data"))
     arrays = dict(feeds[0]) if len(feeds) == 1 else {f"{i}/{k}": v for i, f in enumerate(feeds) for k, v in f.items()}
     return _atomic(path, lambda tmp: _savez(tmp, arrays))
@@ -130,6 +138,7 @@ def save_outputs(path: str | os.PathLike, outputs: Mapping[str, Feeds]) -> Path:
     if _is_json(path):
         from polygraphy.comparator import IterationResult, RunResults
 
+        _quiet_polygraphy()
         results = RunResults()
         for runner, iters in outputs.items():
             results.append((runner, [IterationResult(outputs=dict(it), runner_name=runner) for it in iters]))

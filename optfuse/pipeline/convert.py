@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx
+
 from ..errors import BuildError, InputError, OptfuseError, VerificationError
 from ..precision import PrecisionResult
 from ..recipe import Recipe
@@ -204,7 +206,7 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
         res.model = str(path)
         header = model_header(path)  # the shapes and tolerances are checked against it before any work
         _, dims = build_profile(recipe, path, overrides)
-        verify_options(recipe, overrides, header)
+        _check_run_inputs(header, recipe, overrides, arrays)
         res.options = options_record(recipe, overrides, dims)
         res.profile_warning = (dims.guess_warning() or "") if dims is not None and not skip_build else ""
         step.detail = f"{len(header.graph.node)} nodes; dims {dims.source() if dims is not None else 'static'}"
@@ -235,6 +237,18 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
         raise VerificationError("; ".join(f"{s.name}: {s.detail.splitlines()[0] if s.detail else 'failed'}" for s in failed)
                                 + f" (see {res.summary})")
     return res
+
+
+def _check_run_inputs(header: onnx.ModelProto, recipe: Recipe | None, overrides: Overrides, arrays: RunArrays) -> None:
+    """The command line's shapes, tolerances and --load-inputs against the model, before any work."""
+    from ..verify import plan_inputs
+    from .arrays import load_feeds
+    from .options import check_output_names
+
+    check_output_names(header, overrides)
+    options = verify_options(recipe, overrides, header)
+    if arrays.load_inputs:
+        load_feeds(arrays.load_inputs, plan_inputs(header, options), header)
 
 
 def _fuse_step(res: ConvertOutcome, path: Path, recipe: Recipe | None, status: Status,

@@ -132,6 +132,8 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
         _check_output(path, out)
         progress(f"loading {path}")
         proto = load_checked(path)
+        if verify_after:  # a tolerance for an output the model lacks is bad input before any work
+            check_output_names(proto, overrides)
         step.detail = f"{len(proto.graph.node)} nodes"
     run = _fuse_and_estimate(proto, recipe, progress, overrides)
     progress(f"writing {out}")
@@ -198,7 +200,7 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
     feeds; `save_inputs`/`save_outputs` write the feeds and both runs' outputs (:mod:`.arrays`)."""
     from dataclasses import replace
 
-    from ..verify import make_feed, plan_inputs
+    from ..verify import InputInfo, make_feed, plan_inputs
     from ..verify import verify as run_verify
     from .arrays import load_feeds, save_feeds
     from .arrays import save_outputs as write_outputs
@@ -226,6 +228,9 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
                             on_outputs=outputs.update if save_outputs is not None else None)
         step.detail = (f"{result.iterations} iteration(s), {len(result.outputs) - len(result.failed)}/"
                        f"{len(result.outputs)} output(s) within tolerance")
+    if load_inputs:  # the inputs table names the files, not the generator verify did not use
+        result.inputs = [InputInfo(name, arr.dtype.name, list(arr.shape), f"--load-inputs {', '.join(map(str, load_inputs))}")
+                         for name, arr in feeds[0].items()]
     if save_inputs is not None:
         save_feeds(save_inputs, feeds)
     if save_outputs is not None:
