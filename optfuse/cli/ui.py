@@ -167,6 +167,7 @@ def _live_progress(title: str, out: Console):
         def finished(self, index: int, total: int, name: str, detail: str, seconds: float) -> None:
             bar.console.print(step_line(index, total, name, _finished_text(detail, seconds)), highlight=False,
                               markup=False)
+            bar.update(task, description=title)
 
     with bar:
         yield LiveProgress()

@@ -18,11 +18,13 @@ Stages and their artifacts (data flows one way)::
     fused .onnx                              --build-->   TensorRT engine + build report
     model or recipe                          --convert--> fuse -> precision -> verify -> build, one directory
 
-Every flow takes its inputs, the recipe, options and a `status` callback (progress text) and
-returns a typed outcome. The recipe stops here: :mod:`.options` turns it into the typed options
-each stage takes (FusionOptions, VerifyOptions, PrecisionOptions, BuildProfile). Modules:
-:mod:`.options`, :mod:`.model` (where the model comes from), :mod:`.fuse` (inspect, fuse, verify,
-demo), :mod:`.build`, :mod:`.convert`.
+Every flow takes its inputs, the recipe, the command line's :class:`Overrides` and a `status`
+(a :class:`Progress`: numbered steps with counts and elapsed time, or a plain callable given
+progress text) and returns a typed outcome. The recipe stops here: :mod:`.options` turns it and
+the overrides into the typed options each stage takes (FusionOptions, VerifyOptions,
+PrecisionOptions, BuildProfile). Modules: :mod:`.options`, :mod:`.model` (where the model comes
+from), :mod:`.fuse` (inspect, fuse, verify, demo), :mod:`.build`, :mod:`.convert`, :mod:`.arrays`
+(input and output files of verify), :mod:`.starter` (``recipe init``).
 """
 
 from .build import BuildOutcome, build
