@@ -200,6 +200,12 @@ def test_precision_flags(tmp_path, inp, flags, fragment):
     assert not out.exists()
 
 
+def test_build_precision_flag_points_to_convert(tmp_path, inp):
+    out = tmp_path / "out"
+    one_line(invoke("build", inp / "res.onnx", "-o", out / "m.plan", "--fp16"), 2, "optfuse convert", "--fp16")
+    assert not out.exists()
+
+
 def _arrays(tmp_path, name, **arrays):
     path = tmp_path / name
     np.savez(path, **arrays)

@@ -29,12 +29,20 @@ def build(
     min_shapes: Optional[list[str]] = args.MIN_SHAPES,
     opt_shapes: Optional[list[str]] = args.OPT_SHAPES,
     max_shapes: Optional[list[str]] = args.MAX_SHAPES,
+    fp16: bool = typer.Option(False, "--fp16", help="Not a build option here: the engine keeps the model's own "
+                              "precision (optfuse convert --fp16 makes and builds an FP16 model)."),
+    bf16: bool = typer.Option(False, "--bf16", help="As --fp16 (optfuse convert --bf16)."),
     json_out: bool = args.JSON,
 ) -> None:
     """Build a TensorRT engine; fails (exit 2) if any optfuse node does not become a plugin layer."""
     from .. import pipeline
+    from ..errors import InputError
 
     json_mode(json_out)
+    if fp16 or bf16:
+        flag = "--fp16" if fp16 else "--bf16"
+        raise InputError(f"build {flag}: the engine keeps the precision the model already has; "
+                         f"run `optfuse convert {model} {flag} -o DIR` to make and build a {flag[2:]} model")
     over = args.overrides(shapes=shapes, min_shapes=min_shapes, opt_shapes=opt_shapes, max_shapes=max_shapes)
     rec = pipeline.read_recipe(recipe)
     with progress("building") as status:
