@@ -24,28 +24,28 @@ from ..errors import InputError
 _DIMS = re.compile(r"^\d+(x\d+)*$")
 
 SHAPES = typer.Option(None, "--shapes", help="Input shapes, min = opt = max: name:1x128[,name2:1x128] (repeatable).",
-                      show_default=False)
+                      metavar="NAME:DIMS", show_default=False)
 MIN_SHAPES = typer.Option(None, "--min-shapes", help="Minimum input shapes of the profile (trtexec syntax).",
-                          show_default=False)
+                          metavar="NAME:DIMS", show_default=False)
 OPT_SHAPES = typer.Option(None, "--opt-shapes", help="Opt input shapes: what verify feeds and estimates assume.",
-                          show_default=False)
+                          metavar="NAME:DIMS", show_default=False)
 MAX_SHAPES = typer.Option(None, "--max-shapes", help="Maximum input shapes of the profile (trtexec syntax).",
-                          show_default=False)
+                          metavar="NAME:DIMS", show_default=False)
 ATOL = typer.Option(None, "--atol", help="Absolute tolerance: VALUE for every output or OUTPUT:VALUE (repeatable).",
-                    show_default=False)
+                    metavar="[OUT:]X", show_default=False)
 RTOL = typer.Option(None, "--rtol", help="Relative tolerance: VALUE for every output or OUTPUT:VALUE (repeatable).",
-                    show_default=False)
+                    metavar="[OUT:]X", show_default=False)
 FP16 = typer.Option(False, "--fp16", help="Precision fp16 (over the recipe's precision.mode).")
 BF16 = typer.Option(False, "--bf16", help="Precision bf16 (over the recipe's precision.mode).")
 FP8 = typer.Option(False, "--fp8", help="Precision fp8 (not available yet).")
 KEEP_FP32 = typer.Option(None, "--keep-fp32", help="Op type, node name or glob kept in FP32 (repeatable; "
-                         "replaces the recipe's precision.keep_fp32).", show_default=False)
+                         "replaces the recipe's precision.keep_fp32).", metavar="PATTERN", show_default=False)
 SAVE_INPUTS = typer.Option(None, "--save-inputs", help="Write the verify inputs (.npz, or .json: polygraphy's format).",
-                           show_default=False)
+                           metavar="FILE", show_default=False)
 LOAD_INPUTS = typer.Option(None, "--load-inputs", help="Verify on these inputs (.npz, or polygraphy .json; repeatable).",
-                           show_default=False)
+                           metavar="FILE", show_default=False)
 SAVE_OUTPUTS = typer.Option(None, "--save-outputs", help="Write both models' outputs (.npz, or .json: polygraphy's "
-                            "RunResults).", show_default=False)
+                            "RunResults).", metavar="FILE", show_default=False)
 JSON = typer.Option(False, "--json", help="Print the result as JSON on stdout (progress stays on stderr).")
 
 

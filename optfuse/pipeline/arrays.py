@@ -60,7 +60,7 @@ def _read_npz_feeds(path: Path) -> list[dict[str, np.ndarray]]:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except Exception as exc:  # noqa: BLE001 - any unreadable file is bad input
-        raise InputError(f"--load-inputs: cannot read {path} as npz: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise InputError(f"--load-inputs: cannot read {path} as npz: {_first_line(exc)}") from None
     keyed = {k: _ITERATION_KEY.match(k) for k in arrays}
     if arrays and all(keyed.values()):
         per: dict[int, dict[str, np.ndarray]] = {}
@@ -84,12 +84,17 @@ def _read_json_feeds(path: Path) -> list[dict[str, np.ndarray]]:
         data = load_json(str(path), description="input data")
     except Exception as exc:  # noqa: BLE001
         raise InputError(f"--load-inputs: cannot read {path} as polygraphy input data (JSON): "
-                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+                         f"{_first_line(exc)}") from None
     if isinstance(data, Mapping):
         data = [data]
     if not isinstance(data, list) or not all(isinstance(d, Mapping) for d in data):
         raise InputError(f"--load-inputs: {path} is not polygraphy input data (a list of name -> array dicts)")
     return [{k: np.asarray(v) for k, v in d.items()} for d in data]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _checked_feed(feed: Mapping[str, np.ndarray], plans: Sequence[InputPlan],

@@ -229,8 +229,8 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
         step.detail = (f"{result.iterations} iteration(s), {len(result.outputs) - len(result.failed)}/"
                        f"{len(result.outputs)} output(s) within tolerance")
     if load_inputs:  # the inputs table names the files, not the generator verify did not use
-        result.inputs = [InputInfo(name, arr.dtype.name, list(arr.shape), f"--load-inputs {', '.join(map(str, load_inputs))}")
-                         for name, arr in feeds[0].items()]
+        source = f"--load-inputs {', '.join(map(str, load_inputs))}"
+        result.inputs = [InputInfo(name, arr.dtype.name, list(arr.shape), source) for name, arr in feeds[0].items()]
     if save_inputs is not None:
         save_feeds(save_inputs, feeds)
     if save_outputs is not None:
