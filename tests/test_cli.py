@@ -492,3 +492,30 @@ def test_convert_progress_counts_its_steps(tmp_path, models):
     assert names == ["[1/6] load", "[2/6] fuse", "[3/6] precision", "[4/6] verify", "[5/6] build",
                      "[6/6] verify engine"]
     json.loads(res.stdout)
+
+
+def test_live_progress_on_a_terminal(tmp_path, models, monkeypatch):
+    """On a terminal: a live line, and each finished step printed above it (here into a buffer)."""
+    import io
+
+    from rich.console import Console
+
+    from optfuse.cli import ui
+
+    buf = io.StringIO()
+    terminal = Console(file=buf, force_terminal=True, width=120)
+    monkeypatch.setattr(ui, "console", lambda stderr=False: terminal if stderr else Console(file=io.StringIO()))
+    res = invoke("fuse", models / "res.onnx", "-o", tmp_path / "out" / "f.onnx")
+    assert res.exit_code == 0, res.stderr
+    shown = buf.getvalue()
+    for line in ("[1/4] load: 8 nodes", "[2/4] fuse: 2 matched (4 nodes replaced), 0 rejected",
+                 "[3/4] estimate:", "[4/4] write:"):
+        assert line in shown, shown
+    assert "\x1b[" in shown  # drawn with terminal control codes, not plain lines
+
+
+def test_kernels_list_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path))
+    res = invoke("kernels", "list", "--json")
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout) == {"cache": str(tmp_path), "kernels": []}
