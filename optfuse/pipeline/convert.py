@@ -32,8 +32,8 @@ from ..verify import CheckError, NotExecuted, VerifyResult
 from .build import TargetPlan, build, plan_target
 from .fuse import FuseOutcome, fuse, verify
 from .model import resolve_model
-from .options import (NO_OVERRIDES, Overrides, Status, as_progress, build_profile, model_header, noop,
-                      options_record, precision_options, verify_options)
+from .options import (NO_OVERRIDES, Overrides, Status, as_progress, model_header, noop, options_record,
+                      precision_options, resolve_dims, verify_options)
 
 
 @dataclass
@@ -205,11 +205,12 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
         path = resolve_model(model, recipe, workdir=outdir, status=progress)
         res.model = str(path)
         header = model_header(path)  # the shapes and tolerances are checked against it before any work
-        _, dims = build_profile(recipe, path, overrides)
+        dims = resolve_dims(header, recipe, overrides)
         _check_run_inputs(header, recipe, overrides, arrays)
         res.options = options_record(recipe, overrides, dims)
-        res.profile_warning = (dims.guess_warning() or "") if dims is not None and not skip_build else ""
-        step.detail = f"{len(header.graph.node)} nodes; dims {dims.source() if dims is not None else 'static'}"
+        res.profile_warning = "" if skip_build else dims.guess_warning() or ""
+        step.detail = f"{len(header.graph.node)} nodes; dims {dims.source()}"
+        del header  # a model with its weights inside holds them: not for the rest of the run
     with progress.step("fuse") as step:
         fused = _fuse_step(res, path, recipe, progress, overrides)
         step.detail = res.steps[-1].detail

@@ -221,6 +221,7 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
         plans = plan_inputs(header, options)
         rng = np.random.default_rng(seed)
         feeds = [make_feed(plans, rng) for _ in range(n)]
+    del header  # a model with its weights inside holds them: the stage loads its own
     outputs: dict = {}
     with progress.step("verify") as step:
         result = run_verify(original, candidate, options, iterations=n, seed=seed, feeds=feeds,
