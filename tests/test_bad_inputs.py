@@ -255,3 +255,19 @@ def test_recipe_init_does_not_overwrite(tmp_path, inp):
     assert (tmp_path / "r.yaml").read_text() == "keep me\n"
     one_line(invoke("recipe", "init", inp / "text.onnx", "-o", tmp_path / "t.yaml"), 2, "is not a valid ONNX model")
     assert not (tmp_path / "t.yaml").exists()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["fuse", "m.onnx", "--shape", "x:1"], "No such option: --shape"),
+    (["verify", "m.onnx"], "Missing argument 'candidate'"),
+    (["fuse", "m.onnx", "--shapes"], "'--shapes' requires an argument"),
+    (["verify", "a.onnx", "b.onnx", "-n", "0"], "'--iterations'"),
+    (["nosuch"], "No such command 'nosuch'"),
+], ids=["unknown-option", "missing-argument", "missing-value", "out-of-range", "unknown-command"])
+def test_usage_errors_are_one_line(args, fragment):
+    one_line(invoke(*args), 2, fragment)
+
+
+def test_bare_command_group_shows_its_help():
+    res = invoke("recipe")
+    assert "Usage: optfuse recipe" in res.output and "Traceback" not in res.output

@@ -35,6 +35,25 @@ class _RootGroup(typer.core.TyperGroup):
         args = moved + [a for a, g in zip(args, is_global) if not g]
         return super().parse_args(ctx, args)
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """A usage error (unknown option, missing argument or value) is one line, exit 2."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.Abort:
+            sys.stderr.write("aborted\n")
+            sys.exit(1)
+        except typer.TyperException as exc:  # typer's click errors: usage errors and the help of a bare group
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `optfuse` alone: the help
+                exc.show()
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} -h`)" if ctx is not None else ""
+            sys.stderr.write(f"error: {exc.format_message()}{hint}\n")
+            sys.exit(exc.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
     name="optfuse",
