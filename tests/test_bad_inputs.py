@@ -152,3 +152,122 @@ def test_convert_failure_names_its_partial_folder(tmp_path, inp, monkeypatch):
     (partial,) = list(out.iterdir())
     assert partial.name.startswith("partial-") and (partial / "error.log").is_file()
     assert str(partial) in res.stdout
+
+
+# -------------------------------------------------------------------------------------------------
+# command-line shapes, precisions, tolerances and input files (issue 20 item 2)
+# -------------------------------------------------------------------------------------------------
+OPTION_CASES = [
+    (["--shapes", "x:1x"], "--shapes: cannot parse 'x:1x'"),
+    (["--shapes", "x1x32x64"], "expected name:DIMS"),
+    (["--shapes", "x:0x8x64"], "every dim must be >= 1"),
+    (["--shapes", "nope:1x8x64"], "'nope' is not an input of the model (its inputs: x)"),
+    (["--shapes", "x:1x8"], "2 dims given, but the input has rank 3"),
+    (["--shapes", "x:1x8x32"], "axis 2 is fixed to 64 by the model"),
+    (["--min-shapes", "x:4x8x64", "--opt-shapes", "x:2x8x64", "--max-shapes", "x:8x8x64"],
+     "axis 0 needs min <= opt <= max, got 4, 2, 8"),
+    (["--opt-shapes", "x:4x8x64", "--max-shapes", "x:2x8x64"], "got 4, 4, 2"),
+    (["--max-shapes", "x:4x8x64"], "needs --opt-shapes x:... too"),
+    (["--shapes", "x:1x8x64", "--opt-shapes", "x:1x8x64"], "not both"),
+    (["--atol", "y:abc"], "--atol: cannot parse 'y:abc'"),
+    (["--rtol", ":1e-3"], "--rtol: cannot parse ':1e-3'"),
+    (["--atol", "inf"], "expected a number >= 0"),
+    (["--rtol", "nope:1e-3"], "'nope' is not an output of the model (its outputs: y)"),
+]
+
+
+@pytest.mark.parametrize("extra, fragment", OPTION_CASES, ids=[f"case{i}" for i in range(len(OPTION_CASES))])
+@pytest.mark.parametrize("command", ["fuse", "verify", "convert", "build"])
+def test_bad_command_line_option(tmp_path, inp, command, extra, fragment):
+    tolerance = extra[0] in ("--atol", "--rtol")
+    if command == "build" and tolerance:
+        pytest.skip("build takes no tolerances")
+    out = tmp_path / "out"
+    args = {"fuse": ["fuse", inp / "res.onnx", "-o", out / "f.onnx", "--verify"],
+            "verify": ["verify", inp / "res.onnx", inp / "res.onnx"],
+            "convert": ["convert", inp / "res.onnx", "-o", out, "--skip-build"],
+            "build": ["build", inp / "res.onnx", "-o", out / "m.plan"]}[command]
+    before = leftovers(inp)
+    one_line(invoke(*args, *extra), 2, fragment)
+    assert leftovers(out) == [] and leftovers(inp) == before
+
+
+@pytest.mark.parametrize("flags, fragment", [(["--fp8"], "--fp8: FP8 is not available yet"),
+                                             (["--fp16", "--bf16"], "exclude each other")])
+def test_precision_flags(tmp_path, inp, flags, fragment):
+    out = tmp_path / "out"
+    one_line(invoke("convert", inp / "res.onnx", "-o", out, *flags), 2, fragment)
+    assert not out.exists()
+
+
+def test_build_precision_flag_points_to_convert(tmp_path, inp):
+    out = tmp_path / "out"
+    one_line(invoke("build", inp / "res.onnx", "-o", out / "m.plan", "--fp16"), 2, "optfuse convert", "--fp16")
+    assert not out.exists()
+
+
+def _arrays(tmp_path, name, **arrays):
+    path = tmp_path / name
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("arrays, fragment", [
+    ({"y": np.zeros((2, 8, 64), np.float32)}, "has no array for input 'x' (it holds y"),
+    ({"x": np.zeros((2, 8, 64), np.float32), "z": np.zeros(2, np.float32)}, "holds 'z', which is not an input"),
+    ({"x": np.zeros((2, 8), np.float32)}, "has shape [2, 8] (rank 2), but the model's input has rank 3"),
+    ({"x": np.zeros((2, 8, 32), np.float32)}, "axis 2 is 32, but the model fixes it to 64"),
+    ({"x": np.zeros((2, 8, 64), np.float64)}, "is float64, but the model takes float32"),
+    ({"0/x": np.zeros((2, 8, 64), np.float32), "1/y": np.zeros((2, 8, 64), np.float32)}, "(iteration 1)"),
+], ids=["wrong-key", "extra-key", "wrong-rank", "wrong-axis", "wrong-dtype", "second-iteration"])
+@pytest.mark.parametrize("command", ["verify", "convert"])
+def test_load_inputs_bad_npz(tmp_path, inp, arrays, fragment, command):
+    path = _arrays(tmp_path, "feeds.npz", **arrays)
+    out = tmp_path / "out"
+    args = (["verify", inp / "res.onnx", inp / "res.onnx"] if command == "verify"
+            else ["convert", inp / "res.onnx", "-o", out, "--skip-build"])
+    one_line(invoke(*args, "--load-inputs", path), 2, "--load-inputs", fragment)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name, content, fragment", [
+    ("missing.npz", None, "missing.npz not found"),
+    ("text.npz", "not an npz", "cannot read"),
+    ("text.json", "{not json", "cannot read"),
+    ("list.json", "[1, 2]", "is not polygraphy input data"),
+])
+def test_load_inputs_bad_file(tmp_path, inp, name, content, fragment):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    one_line(invoke("verify", inp / "res.onnx", inp / "res.onnx", "--load-inputs", path), 2, fragment, name)
+
+
+def test_save_into_unwritable_place_is_one_line(tmp_path, inp):
+    (tmp_path / "file").write_text("")
+    one_line(invoke("verify", inp / "res.onnx", inp / "res.onnx", "--save-inputs", tmp_path / "file" / "x.npz"), 2,
+             "cannot write")
+
+
+def test_recipe_init_does_not_overwrite(tmp_path, inp):
+    (tmp_path / "r.yaml").write_text("keep me\n")
+    one_line(invoke("recipe", "init", inp / "res.onnx", "-o", tmp_path / "r.yaml"), 2, "exists", "--force")
+    assert (tmp_path / "r.yaml").read_text() == "keep me\n"
+    one_line(invoke("recipe", "init", inp / "text.onnx", "-o", tmp_path / "t.yaml"), 2, "is not a valid ONNX model")
+    assert not (tmp_path / "t.yaml").exists()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["fuse", "m.onnx", "--shape", "x:1"], "No such option: --shape"),
+    (["verify", "m.onnx"], "Missing argument 'candidate'"),
+    (["fuse", "m.onnx", "--shapes"], "'--shapes' requires an argument"),
+    (["verify", "a.onnx", "b.onnx", "-n", "0"], "'--iterations'"),
+    (["nosuch"], "No such command 'nosuch'"),
+], ids=["unknown-option", "missing-argument", "missing-value", "out-of-range", "unknown-command"])
+def test_usage_errors_are_one_line(args, fragment):
+    one_line(invoke(*args), 2, fragment)
+
+
+def test_bare_command_group_shows_its_help():
+    res = invoke("recipe")
+    assert "Usage: optfuse recipe" in res.output and "Traceback" not in res.output

@@ -204,3 +204,63 @@ def test_attention_full_mask_reaches_the_fusion_options(tmp_path):
     assert fusion_options(r).attention_full_mask is True
     assert "attention_full_mask" not in r.fusions.enabled()
     assert fusion_options(load_recipe(_write(tmp_path, GOOD, "g.yaml"))).attention_full_mask is False
+
+
+# -------------------------------------------------------------------------------------------------
+# optfuse recipe init: a starter recipe from a model's inputs
+# -------------------------------------------------------------------------------------------------
+def _token_model(path):
+    """input_ids (Gather over a 50-row table) and attention_mask, [batch, seq]; an input with an unnamed axis."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto
+
+    import graphs
+
+    b = graphs.Builder(17)
+    emb = b.node("Gather", b.const(np.ones((50, 8)), "word_emb"), "input_ids")
+    m = b.node("Cast", b.node("Unsqueeze", "attention_mask", b.const(np.array([2]), dtype=np.int64)),
+               to=TensorProto.FLOAT)
+    b.node("Mul", emb, m, out="y")
+    b.node("Identity", "extra", out="z")
+    extra = onnx.helper.make_tensor_value_info("extra", TensorProto.FLOAT, [None, 8])
+    model = b.model([graphs.io("input_ids", ["batch", "seq"], TensorProto.INT64),
+                     graphs.io("attention_mask", ["batch", "seq"], TensorProto.INT64), extra],
+                    [graphs.io("y", ["batch", "seq", 8]), onnx.helper.make_tensor_value_info("z", TensorProto.FLOAT, [None, 8])])
+    onnx.save(model, path)
+    return path
+
+
+def test_recipe_init_describes_the_inputs(tmp_path):
+    from cli_checks import invoke
+
+    model = _token_model(tmp_path / "m.onnx")
+    res = invoke("recipe", "init", model, "-o", tmp_path / "recipes" / "m.yaml")
+    assert res.exit_code == 0, res.stderr
+    recipe = load_recipe(tmp_path / "recipes" / "m.yaml")
+    assert recipe.resolve_path(recipe.model.path).resolve() == model.resolve()
+    ids, mask, extra = recipe.inputs["input_ids"], recipe.inputs["attention_mask"], recipe.inputs["extra"]
+    assert (ids.dtype, ids.shape, ids.kind, ids.range) == ("int64", ["batch", "seq"], "tokens", [0, 50])
+    assert (mask.kind, mask.shape) == ("mask", ["batch", "seq"])
+    assert extra.shape == ["extra_0", 8] and extra.kind is None  # an axis with no name gets one
+    assert {k: (v.min, v.opt, v.max) for k, v in recipe.dims.items()} == {
+        "batch": (1, 2, 8), "seq": (1, 16, 128), "extra_0": (1, 2, 8)}
+    check = invoke("recipe", "check", tmp_path / "recipes" / "m.yaml")
+    assert check.exit_code == 0 and "ok:" in check.stdout
+    # the recipe works: verify the model against itself with it
+    assert invoke("verify", model, model, "-r", tmp_path / "recipes" / "m.yaml").exit_code == 0
+
+
+def test_recipe_init_takes_the_profile_from_the_command_line(tmp_path):
+    import json
+
+    from cli_checks import invoke
+
+    model = _token_model(tmp_path / "m.onnx")
+    res = invoke("recipe", "init", model, "--min-shapes", "input_ids:1x1", "--opt-shapes", "input_ids:4x64",
+                 "--max-shapes", "input_ids:8x256", "--json")
+    assert res.exit_code == 0, res.stderr
+    made = json.loads(res.stdout)
+    assert made["recipe"] == str(tmp_path / "m.recipe.yaml")
+    assert made["dims"]["seq"] == {"min": 1, "opt": 64, "max": 256}
+    assert load_recipe(tmp_path / "m.recipe.yaml").dims["batch"].opt == 4

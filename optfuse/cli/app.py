@@ -1,5 +1,6 @@
-"""The ``optfuse`` typer app: the root options (``--debug``, ``--version``), every command
-registered from its module, and :func:`main` (console script and ``python -m optfuse``).
+"""The ``optfuse`` typer app: the root options (``--debug``, ``-v``/``--verbose``, ``-q``/``--quiet``,
+``--version``; all but ``--version`` also accepted after the subcommand), every command registered
+from its module, and :func:`main` (console script and ``python -m optfuse``).
 
 Exit codes: 0 ok, 1 verification failed (or an internal error), 2 bad input; errors are one line
 each (:mod:`optfuse.cli.ui`).
@@ -7,6 +8,7 @@ each (:mod:`optfuse.cli.ui`).
 
 from __future__ import annotations
 
+import re
 import sys
 
 import typer
@@ -17,15 +19,40 @@ from ..errors import OptfuseError
 from . import build, fuse, recipe
 from .ui import State, env_debug, fail, internal_error
 
+#: the root's options that may also follow the subcommand
+GLOBAL_FLAGS = ("--debug", "--verbose", "--quiet", "-q")
+_VERBOSE = re.compile(r"^-v+$")
+
+
 class _RootGroup(typer.core.TyperGroup):
-    """The root group: ``--debug`` is a global option, accepted after the subcommand too (moved to
-    the front before parsing; not after ``--``)."""
+    """The root group: ``--debug``, ``-v`` and ``-q`` are global options, accepted after the
+    subcommand too (moved to the front before parsing; not after ``--``)."""
 
     def parse_args(self, ctx, args):
         end = args.index("--") if "--" in args else len(args)
-        if "--debug" in args[:end]:
-            args = ["--debug"] + [a for i, a in enumerate(args) if not (a == "--debug" and i < end)]
+        is_global = [i < end and (a in GLOBAL_FLAGS or bool(_VERBOSE.match(a))) for i, a in enumerate(args)]
+        moved = [a for a, g in zip(args, is_global) if g]
+        args = moved + [a for a, g in zip(args, is_global) if not g]
         return super().parse_args(ctx, args)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """A usage error (unknown option, missing argument or value) is one line, exit 2."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.Abort:
+            sys.stderr.write("aborted\n")
+            sys.exit(1)
+        except typer.TyperException as exc:  # typer's click errors: usage errors and the help of a bare group
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `optfuse` alone: the help
+                exc.show()
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} -h`)" if ctx is not None else ""
+            sys.stderr.write(f"error: {exc.format_message()}{hint}\n")
+            sys.exit(exc.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 app = typer.Typer(
@@ -50,14 +77,19 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="More detail (progress messages within a step)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     State.debug = debug or env_debug()
+    State.verbosity = -1 if quiet else verbose
+    State.json = False
 
 
 for _command in (fuse.fuse, fuse.inspect, fuse.verify, fuse.demo, build.build, build.convert):
     app.command()(_command)
 recipe_app.command("check")(recipe.check)
+recipe_app.command("init")(recipe.init)
 
 
 def _mount_kernels() -> None:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from . import show
-from .ui import RECIPE_OPTION, console, guarded, progress
+from . import args, show
+from .ui import RECIPE_OPTION, console, guarded, json_mode, print_json, progress
 
 
 @guarded
@@ -19,21 +18,36 @@ def fuse(
                                           show_default=False),
     recipe: Optional[Path] = RECIPE_OPTION,
     verify: bool = typer.Option(False, "--verify", help="Also verify the fused model against the original."),
+    shapes: Optional[list[str]] = args.SHAPES,
+    min_shapes: Optional[list[str]] = args.MIN_SHAPES,
+    opt_shapes: Optional[list[str]] = args.OPT_SHAPES,
+    max_shapes: Optional[list[str]] = args.MAX_SHAPES,
+    atol: Optional[list[str]] = args.ATOL,
+    rtol: Optional[list[str]] = args.RTOL,
+    json_out: bool = args.JSON,
 ) -> None:
-    """Fuse MODEL into OUTPUT and write MODEL.fusion_report.json/.md next to it."""
+    """Fuse MODEL into OUTPUT and write MODEL.fusion_report.json/.md next to it (opt shapes size the
+    HBM estimate; tolerances are for --verify)."""
     from .. import pipeline
 
+    json_mode(json_out)
+    over = args.overrides(shapes=shapes, min_shapes=min_shapes, opt_shapes=opt_shapes, max_shapes=max_shapes,
+                          atol=atol, rtol=rtol)
     rec = pipeline.read_recipe(recipe)
     if model is None and rec is None:
-        run_demo(output.parent if output is not None else pipeline.DEMO_DIR)
+        run_demo(output.parent if output is not None else pipeline.DEMO_DIR, json_out)
         return
     with progress("fusing") as status:
         outcome = pipeline.fuse(model, output, rec, verify_after=verify, workdir=output.parent if output else None,
-                                status=status)
-    out = console()
-    show.fuse_summary(out, outcome)
+                                status=status, overrides=over)
+    if json_out:
+        print_json(outcome.report)
+    else:
+        out = console()
+        show.fuse_summary(out, outcome)
+        if outcome.verification is not None:
+            show.verification(out, outcome.verification)
     if outcome.verification is not None:
-        show.verification(out, outcome.verification)
         pipeline.raise_if_failed(outcome.verification)
 
 
@@ -41,16 +55,22 @@ def fuse(
 def inspect(
     model: Optional[Path] = typer.Argument(None, help="Exported ONNX model.", show_default=False),
     recipe: Optional[Path] = RECIPE_OPTION,
+    shapes: Optional[list[str]] = args.SHAPES,
+    min_shapes: Optional[list[str]] = args.MIN_SHAPES,
+    opt_shapes: Optional[list[str]] = args.OPT_SHAPES,
+    max_shapes: Optional[list[str]] = args.MAX_SHAPES,
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
 ) -> None:
     """Show what would fuse and what would not, and why. Writes nothing."""
     from .. import pipeline
 
+    json_mode(json_out)
+    over = args.overrides(shapes=shapes, min_shapes=min_shapes, opt_shapes=opt_shapes, max_shapes=max_shapes)
     rec = pipeline.read_recipe(recipe)
     with progress("inspecting") as status:
-        outcome = pipeline.inspect(model, rec, status=status)
+        outcome = pipeline.inspect(model, rec, status=status, overrides=over)
     if json_out:
-        typer.echo(json.dumps(outcome.report, indent=2))
+        print_json(outcome.report)
         return
     out = console()
     report = outcome.report
@@ -67,38 +87,63 @@ def verify(
     recipe: Optional[Path] = RECIPE_OPTION,
     iterations: int = typer.Option(3, "--iterations", "-n", min=1, help="Seeded input sets to run."),
     seed: int = typer.Option(0, "--seed", help="Seed of the input generator."),
-    atol: Optional[float] = typer.Option(None, "--atol", min=0.0, help="Absolute tolerance for every output.",
-                                         show_default=False),
-    rtol: Optional[float] = typer.Option(None, "--rtol", min=0.0, help="Relative tolerance for every output.",
-                                         show_default=False),
+    atol: Optional[list[str]] = args.ATOL,
+    rtol: Optional[list[str]] = args.RTOL,
+    shapes: Optional[list[str]] = args.SHAPES,
+    min_shapes: Optional[list[str]] = args.MIN_SHAPES,
+    opt_shapes: Optional[list[str]] = args.OPT_SHAPES,
+    max_shapes: Optional[list[str]] = args.MAX_SHAPES,
+    load_inputs: Optional[list[Path]] = args.LOAD_INPUTS,
+    save_inputs: Optional[Path] = args.SAVE_INPUTS,
+    save_outputs: Optional[Path] = args.SAVE_OUTPUTS,
+    json_out: bool = args.JSON,
 ) -> None:
-    """Run ORIGINAL and CANDIDATE in onnxruntime on the same inputs and compare every output (exit 1 on a mismatch)."""
+    """Run ORIGINAL and CANDIDATE in onnxruntime on the same inputs (at the opt shapes) and compare
+    every output (exit 1 on a mismatch)."""
     from .. import pipeline
 
+    json_mode(json_out)
+    over = args.overrides(shapes=shapes, min_shapes=min_shapes, opt_shapes=opt_shapes, max_shapes=max_shapes,
+                          atol=atol, rtol=rtol)
     rec = pipeline.read_recipe(recipe)
     with progress("verifying") as status:
-        result = pipeline.verify(original, candidate, rec, iterations=iterations, seed=seed, atol=atol, rtol=rtol,
-                                 status=status)
-    show.verification(console(), result, show_inputs=True)
+        result = pipeline.verify(original, candidate, rec, iterations=iterations, seed=seed, status=status,
+                                 overrides=over, load_inputs=tuple(load_inputs or ()), save_inputs=save_inputs,
+                                 save_outputs=save_outputs)
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        out = console()
+        show.verification(out, result, show_inputs=True)
+        for label, path in (("inputs", save_inputs), ("outputs", save_outputs)):
+            if path is not None:
+                out.print(f"wrote {label} to {path}")
     pipeline.raise_if_failed(result)
 
 
 @guarded
 def demo(
     directory: Path = typer.Option(Path("optfuse-demo"), "--dir", "-d", help="Where the demo writes its files."),
+    json_out: bool = args.JSON,
 ) -> None:
     """Export the tiny BERT, fuse it, verify it (needs torch + transformers)."""
-    run_demo(directory)
+    json_mode(json_out)
+    run_demo(directory, json_out)
 
 
-def run_demo(directory: Path) -> None:
+def run_demo(directory: Path, json_out: bool = False) -> None:
     from .. import pipeline
 
     with progress("demo") as status:
         outcome = pipeline.demo(directory, status=status)
-    out = console()
-    out.print(f"exported [bold]{outcome.exported}[/]")
-    show.fuse_summary(out, outcome.fuse)
+    if json_out:
+        print_json(outcome.fuse.report)
+    else:
+        out = console()
+        out.print(f"exported [bold]{outcome.exported}[/]")
+        show.fuse_summary(out, outcome.fuse)
+        if outcome.fuse.verification is not None:
+            show.verification(out, outcome.fuse.verification)
     if outcome.fuse.verification is not None:
-        show.verification(out, outcome.fuse.verification)
         pipeline.raise_if_failed(outcome.fuse.verification)
+

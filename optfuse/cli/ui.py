@@ -1,7 +1,11 @@
 """The CLI's user interface helpers, shared by every command module:
 
 - :func:`console`: a rich Console on stdout (or stderr), 160 columns when not a terminal;
-- :func:`progress`: a spinner with a changing message on a terminal, silent otherwise;
+- :func:`progress`: the flow's :class:`~optfuse.pipeline.Progress` display on stderr: on a terminal a
+  live line (spinner, step, message, elapsed time) with each finished step printed above it; on a
+  pipe one plain line per finished step (``[3/6] verify: 3 iteration(s), 2/2 output(s) within
+  tolerance, 4.1 s``; with ``-v`` the messages within a step too); nothing under ``-q``;
+- :func:`warn`: a ``warning: ...`` line (stdout, or stderr when the command prints JSON);
 - :func:`guarded`: the error guard of a command: an :class:`~optfuse.errors.OptfuseError`
   becomes ``error: <message>`` on stderr (one line per problem) and its exit code, without a
   traceback; any other exception becomes ``internal error: ...`` (exit 1), with the traceback
@@ -12,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import traceback
@@ -41,9 +46,28 @@ def env_debug() -> bool:
 
 
 class State:
-    """Process-wide CLI state: ``--debug`` (set by the root callback)."""
+    """Process-wide CLI state, set by the root callback: ``--debug``, and the verbosity (-1 under
+    ``-q``, 0 by default, 1 and more under ``-v``); `json`: the command prints JSON on stdout."""
 
     debug = env_debug()
+    verbosity = 0
+    json = False
+
+
+def json_mode(on: bool) -> None:
+    """The command prints JSON on stdout: warnings go to stderr."""
+    State.json = on
+
+
+def print_json(data) -> None:
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def warn(text: str, stderr: bool = False) -> None:
+    """One ``warning: ...`` line: on stdout (stderr when asked, or when stdout carries JSON)."""
+    stream = sys.stderr if stderr or State.json else sys.stdout
+    stream.write(f"warning: {text}\n")
+    stream.flush()
 
 
 def fail(msg: str, code: int) -> NoReturn:
@@ -94,13 +118,73 @@ def _quiet_onnxruntime() -> None:
         pass
 
 
+def step_line(index: int, total: int, name: str, text: str) -> str:
+    return f"[{index}/{total}] {name}: {text}"
+
+
+def _finished_text(detail: str, seconds: float) -> str:
+    return f"{detail}, {seconds:.1f} s" if detail else f"{seconds:.1f} s"
+
+
+def _plain_progress():
+    from ..pipeline import Progress
+
+    class PlainProgress(Progress):
+        """One line per finished step on stderr; the messages within a step too under ``-v``."""
+
+        def message(self, text: str) -> None:
+            if State.verbosity > 0 and self.index:
+                sys.stderr.write(step_line(self.index, self.total, self.current, text) + "\n")
+
+        def finished(self, index: int, total: int, name: str, detail: str, seconds: float) -> None:
+            sys.stderr.write(step_line(index, total, name, _finished_text(detail, seconds)) + "\n")
+            sys.stderr.flush()
+
+    return PlainProgress()
+
+
 @contextmanager
-def progress(message: str) -> Iterator[Callable[[str], None]]:
-    """A spinner with a changing message on a terminal; silent otherwise. Yields the status callback."""
+def _live_progress(title: str, out: Console):
+    from rich.progress import Progress as RichProgress
+    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from ..pipeline import Progress
+
+    bar = RichProgress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=out,
+                       transient=True)
+    task = bar.add_task(title, total=None)
+
+    class LiveProgress(Progress):
+        """A live line on the terminal; each finished step printed above it."""
+
+        def message(self, text: str) -> None:
+            where = step_line(self.index, self.total, self.current, text) if self.index else text
+            bar.update(task, description=where)
+
+        def started(self, index: int, total: int, name: str) -> None:
+            bar.update(task, description=step_line(index, total, name, "..."))
+
+        def finished(self, index: int, total: int, name: str, detail: str, seconds: float) -> None:
+            bar.console.print(step_line(index, total, name, _finished_text(detail, seconds)), highlight=False,
+                              markup=False)
+            bar.update(task, description=title)
+
+    with bar:
+        yield LiveProgress()
+
+
+@contextmanager
+def progress(title: str) -> Iterator:
+    """The progress display of one command (see the module doc); yields a pipeline Progress."""
+    from ..pipeline import Progress
+
     _quiet_onnxruntime()
+    if State.verbosity < 0:
+        yield Progress()
+        return
     out = console(stderr=True)
     if not out.is_terminal:
-        yield lambda _msg: None
+        yield _plain_progress()
         return
-    with out.status(message) as st:
-        yield lambda msg: st.update(msg)
+    with _live_progress(title, out) as live:
+        yield live

@@ -18,23 +18,27 @@ Stages and their artifacts (data flows one way)::
     fused .onnx                              --build-->   TensorRT engine + build report
     model or recipe                          --convert--> fuse -> precision -> verify -> build, one directory
 
-Every flow takes its inputs, the recipe, options and a `status` callback (progress text) and
-returns a typed outcome. The recipe stops here: :mod:`.options` turns it into the typed options
-each stage takes (FusionOptions, VerifyOptions, PrecisionOptions, BuildProfile). Modules:
-:mod:`.options`, :mod:`.model` (where the model comes from), :mod:`.fuse` (inspect, fuse, verify,
-demo), :mod:`.build`, :mod:`.convert`.
+Every flow takes its inputs, the recipe, the command line's :class:`Overrides` and a `status`
+(a :class:`Progress`: numbered steps with counts and elapsed time, or a plain callable given
+progress text) and returns a typed outcome. The recipe stops here: :mod:`.options` turns it and
+the overrides into the typed options each stage takes (FusionOptions, VerifyOptions,
+PrecisionOptions, BuildProfile). Modules: :mod:`.options`, :mod:`.model` (where the model comes
+from), :mod:`.fuse` (inspect, fuse, verify, demo), :mod:`.build`, :mod:`.convert`, :mod:`.arrays`
+(input and output files of verify), :mod:`.starter` (``recipe init``).
 """
 
 from .build import BuildOutcome, build
-from .convert import ConvertOutcome, Step, convert
+from .convert import ConvertOutcome, RunArrays, Step, convert
 from .fuse import (DEMO_DIR, DEMO_RECIPE, DemoOutcome, FuseOutcome, InspectOutcome, default_output, demo, fuse,
                    inspect, raise_if_failed, verify)
 from .model import EXPORT_HINT, export_model, graph_problem, load_checked, resolve_model
-from .options import (Status, analysis_dims, build_profile, enabled_families, fusion_options, precision_options,
-                      read_recipe, verify_options)
+from .options import (NO_OVERRIDES, DimPlan, Overrides, Progress, Status, StepRecord, analysis_dims, as_progress,
+                      build_profile, enabled_families, fusion_options, options_record, precision_options, read_recipe,
+                      resolve_dims, verify_options)
 
 __all__ = [
-    "DEMO_DIR", "DEMO_RECIPE", "EXPORT_HINT", "BuildOutcome", "ConvertOutcome", "DemoOutcome", "FuseOutcome",
+    "NO_OVERRIDES", "DimPlan", "Overrides", "Progress", "RunArrays", "StepRecord", "as_progress", "options_record",
+    "resolve_dims", "DEMO_DIR", "DEMO_RECIPE", "EXPORT_HINT", "BuildOutcome", "ConvertOutcome", "DemoOutcome", "FuseOutcome",
     "InspectOutcome", "Status", "Step", "analysis_dims", "build", "build_profile", "convert", "default_output",
     "demo", "enabled_families", "export_model", "fuse", "fusion_options", "graph_problem", "inspect",
     "load_checked", "precision_options", "raise_if_failed", "read_recipe", "resolve_model", "verify",

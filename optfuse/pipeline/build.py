@@ -14,7 +14,7 @@ from ..errors import InputError
 from ..recipe import Recipe
 from ..trt.build import BuildReport
 from .model import discard_staging, load_checked
-from .options import Status, build_profile, noop
+from .options import NO_OVERRIDES, Overrides, Status, as_progress, build_profile, noop, options_record
 
 
 @dataclass
@@ -28,6 +28,10 @@ class BuildOutcome:
     target_note: str = ""
     #: one line each, printed on stderr as ``warning: ...`` (e.g. a model with no optfuse node)
     warnings: list[str] = field(default_factory=list)
+    #: the one line saying the profile guessed dims (printed on stdout), or ""
+    profile_warning: str = ""
+    #: what the build used and where each value came from (also in build_report.json)
+    options: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,25 +77,30 @@ def plan_target(target: str | None, recipe: Recipe | None, backend: str | None, 
 def build(model: str | os.PathLike, output: str | os.PathLike | None = None, recipe: Recipe | None = None, *,
           target: str | None = None, backend: str | None = None, timing_cache: str | os.PathLike | None = None,
           log_path: str | os.PathLike | None = None, use_recipe_target: bool = True,
-          status: Status = noop) -> BuildOutcome:
+          status: Status = noop, overrides: Overrides = NO_OVERRIDES) -> BuildOutcome:
     """FUSED.onnx -> engine + build_report.{json,md} + build log next to the engine, all or nothing
     (built in ``<engine>.partial-*/`` beside it, moved into place when complete)."""
     from ..report import write_build_report
     from ..trt.build import build_engine_file
 
-    plan = plan_target(target, recipe, backend, use_recipe_target=use_recipe_target)  # before any work
-    model = Path(model)
-    proto = load_checked(model)  # bad input (text, truncated, empty, .data missing, a folder) is exit 2 here
-    if not proto.graph.output:
-        raise InputError(f"{model} has no graph outputs (an empty model): nothing to build")
-    optfuse_nodes = sum(1 for n in proto.graph.node if n.domain == DOMAIN)
-    del proto
-    engine = Path(output) if output is not None else model.with_suffix(".plan")
-    if engine.exists() and engine.is_dir():
-        raise InputError(f"output {engine} is a directory; give a file name such as {engine / 'model.plan'}")
-    backend = backend or (recipe.target.backend if recipe is not None else None)
-    target = plan.target
-    profile = build_profile(recipe, model)
+    progress = as_progress(status)
+    progress.plan(2)
+    with progress.step("check") as step:
+        plan = plan_target(target, recipe, backend, use_recipe_target=use_recipe_target)  # before any work
+        model = Path(model)
+        proto = load_checked(model)  # bad input (text, truncated, empty, .data missing, a folder) is exit 2 here
+        if not proto.graph.output:
+            raise InputError(f"{model} has no graph outputs (an empty model): nothing to build")
+        optfuse_nodes = sum(1 for n in proto.graph.node if n.domain == DOMAIN)
+        del proto
+        engine = Path(output) if output is not None else model.with_suffix(".plan")
+        if engine.exists() and engine.is_dir():
+            raise InputError(f"output {engine} is a directory; give a file name such as {engine / 'model.plan'}")
+        backend = backend or (recipe.target.backend if recipe is not None else None)
+        target = plan.target
+        profile, dims = build_profile(recipe, model, overrides)
+        step.detail = (f"{optfuse_nodes} optfuse node(s), backend {plan.backend or 'none installed'}, "
+                       f"profile {profile.source}")
     out_dir = engine.parent
     log_final = Path(log_path) if log_path else out_dir / "build.log"
     created = not out_dir.exists()
@@ -102,17 +111,22 @@ def build(model: str | os.PathLike, output: str | os.PathLike | None = None, rec
         if created and out_dir.is_dir() and not any(out_dir.iterdir()):
             out_dir.rmdir()
         raise InputError(f"cannot write into {out_dir}: {exc.strerror or exc}") from None
-    status(f"building {engine.name} ({backend or 'auto'} backend)")
+    options = options_record(recipe, overrides, dims)
+    progress(f"building {engine.name} ({backend or 'auto'} backend)")
     try:
-        report = build_engine_file(
-            model, staging / engine.name, dims=profile.dims, input_shapes=profile.input_shapes, target=target,
-            backend=backend, timing_cache=Path(timing_cache) if timing_cache else out_dir / "timing.cache",
-            log_path=staging / "build.log",
-        )
+        with progress.step("build") as record:
+            report = build_engine_file(
+                model, staging / engine.name, dims=profile.dims, input_shapes=profile.input_shapes, target=target,
+                backend=backend, timing_cache=Path(timing_cache) if timing_cache else out_dir / "timing.cache",
+                log_path=staging / "build.log",
+            )
+            record.detail = (f"parse {report.parse_seconds:.1f} s, build {report.build_seconds:.1f} s; "
+                             f"{report.layers_by_kind.get('plugin', 0)} plugin / "
+                             f"{report.layers_by_kind.get('native', 0)} native layers")
         report.engine = str(engine)
         if report.build_log:
             report.build_log = str(log_final)
-        staged = write_build_report(report, staging)
+        staged = write_build_report(report, staging, options)
         paths = (out_dir / staged[0].name, out_dir / staged[1].name)
         moves = [(staging / engine.name, engine), *zip(staged, paths)]
         if (staging / "build.log").is_file():
@@ -126,7 +140,8 @@ def build(model: str | os.PathLike, output: str | os.PathLike | None = None, rec
         discard_staging(staging, out_dir, created)
         raise
     shutil.rmtree(staging, ignore_errors=True)
-    outcome = BuildOutcome(model, engine, report, paths, [f"profile dims: {profile.source}"], plan.note)
+    outcome = BuildOutcome(model, engine, report, paths, [f"profile dims: {profile.source}"], plan.note,
+                           profile_warning=(dims.guess_warning() or "") if dims is not None else "", options=options)
     if optfuse_nodes == 0:
         outcome.warnings.append("0 optfuse nodes: did you mean `optfuse convert`?")
     return outcome

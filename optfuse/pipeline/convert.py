@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx
+
 from ..errors import BuildError, InputError, OptfuseError, VerificationError
 from ..precision import PrecisionResult
 from ..recipe import Recipe
@@ -30,7 +32,8 @@ from ..verify import CheckError, NotExecuted, VerifyResult
 from .build import TargetPlan, build, plan_target
 from .fuse import FuseOutcome, fuse, verify
 from .model import resolve_model
-from .options import Status, noop, precision_options, verify_options
+from .options import (NO_OVERRIDES, Overrides, Status, as_progress, model_header, noop, options_record,
+                      precision_options, resolve_dims, verify_options)
 
 
 @dataclass
@@ -50,6 +53,10 @@ class ConvertOutcome:
     accuracy: dict[str, VerifyResult | CheckError | NotExecuted] = field(default_factory=dict)
     build_report: BuildReport | None = None
     model: str | None = None  # the model converted (the export, when the recipe exports one)
+    #: the one line saying the engine profile guessed dims (printed on stdout), or ""
+    profile_warning: str = ""
+    #: what the run used and where each value came from (also in the manifest and report.md)
+    options: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -59,9 +66,19 @@ class ConvertOutcome:
         return next((s for s in self.steps if s.name == name), None)
 
 
+@dataclass(frozen=True)
+class RunArrays:
+    """``--load-inputs`` / ``--save-inputs`` / ``--save-outputs`` of the onnxruntime check (:mod:`.arrays`)."""
+
+    load_inputs: tuple[str, ...] = ()
+    save_inputs: str | None = None
+    save_outputs: str | None = None
+
+
 def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str | os.PathLike, *,
             target: str | None = None, backend: str | None = None, iterations: int | None = None, seed: int = 0,
-            skip_build: bool = False, status: Status = noop) -> ConvertOutcome:
+            skip_build: bool = False, status: Status = noop, overrides: Overrides = NO_OVERRIDES,
+            arrays: RunArrays = RunArrays()) -> ConvertOutcome:
     """The whole pipeline (see module doc), as a transaction on `outdir`.
 
     Every file is written into ``<outdir>/partial-<stamp>/`` first. A run that completes moves its
@@ -70,10 +87,12 @@ def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str 
     ``manifest.json``. A run that fails or is interrupted leaves `outdir` as it was, plus that
     partial folder with ``error.log``; a bad input found before anything was written leaves nothing.
 
+    Without a recipe, MODEL is required and the command line's options (or the defaults) are used.
+
     Raises VerificationError (exit 1) / BuildError (exit 2) after writing every report (into the
     partial folder) when a step that ran failed."""
-    if recipe is None:
-        raise InputError("convert needs a recipe (-r RECIPE.yaml): it gives the dims, precision and tolerances")
+    if recipe is None and model is None:
+        raise InputError("no model given: pass MODEL.onnx or a recipe (-r) that names one")
     # the target/backend check, before any work (an unknown backend or an unbuildable --target: exit 2)
     plan = plan_target(target, recipe, backend)
     outdir = Path(outdir)
@@ -90,13 +109,13 @@ def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str 
         raise InputError(f"cannot write into {outdir}: {exc.strerror or exc}") from None
     try:
         res = _convert_into(staging, model, recipe, plan=plan, iterations=iterations, seed=seed,
-                            skip_build=skip_build, status=status)
+                            skip_build=skip_build, status=status, overrides=overrides, arrays=arrays)
     except BaseException as exc:
         _keep_partial(staging, outdir, created, exc)
         raise
     try:
         return _commit(res, staging, outdir, recipe, target=target, backend=backend, iterations=iterations,
-                       seed=seed, skip_build=skip_build)
+                       seed=seed, skip_build=skip_build, options=res.options)
     except OSError as exc:
         _keep_partial(staging, outdir, created, exc)
         raise InputError(f"cannot write into {outdir}: {exc.strerror or exc} (this run's files are in {staging})") \
@@ -168,29 +187,50 @@ def _commit(res: ConvertOutcome, staging: Path, outdir: Path, recipe: Recipe, **
     return res
 
 
-def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe, *, plan: TargetPlan,
-                  iterations: int | None, seed: int, skip_build: bool, status: Status) -> ConvertOutcome:
+def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe | None, *, plan: TargetPlan,
+                  iterations: int | None, seed: int, skip_build: bool, status: Status, overrides: Overrides,
+                  arrays: RunArrays) -> ConvertOutcome:
     """fuse -> precision -> verify -> build -> engine check -> reports, every file into `outdir`."""
     from ..report import write_accuracy_report, write_summary
     from ..trt.run import polygraphy_env
 
+    progress = as_progress(status)
     res = ConvertOutcome(outdir)
     resolved = plan.backend
     if resolved is not None:
         polygraphy_env(resolved)  # before verify imports polygraphy
 
-    path = resolve_model(model, recipe, workdir=outdir, status=status)
-    res.model = str(path)
-    fused = _fuse_step(res, path, recipe, status)
-    prec_path, prec = _precision_step(res, path.stem, fused.output, recipe, status)
-    _verify_step(res, path, prec_path, recipe, iterations, seed, status)
+    progress.plan(6)
+    with progress.step("load") as step:
+        path = resolve_model(model, recipe, workdir=outdir, status=progress)
+        res.model = str(path)
+        header = model_header(path)  # the shapes and tolerances are checked against it before any work
+        dims = resolve_dims(header, recipe, overrides)
+        _check_run_inputs(header, recipe, overrides, arrays)
+        res.options = options_record(recipe, overrides, dims)
+        res.profile_warning = "" if skip_build else dims.guess_warning() or ""
+        step.detail = f"{len(header.graph.node)} nodes; dims {dims.source()}"
+        del header  # a model with its weights inside holds them: not for the rest of the run
+    with progress.step("fuse") as step:
+        fused = _fuse_step(res, path, recipe, progress, overrides)
+        step.detail = res.steps[-1].detail
+    with progress.step("precision") as step:
+        prec_path, prec = _precision_step(res, path.stem, fused.output, recipe, progress, overrides)
+        step.detail = res.steps[-1].detail
+    with progress.step("verify") as step:
+        _verify_step(res, path, prec_path, recipe, iterations, seed, progress, overrides, arrays)
+        step.detail = res.steps[-1].detail.splitlines()[0] if res.steps[-1].detail else res.steps[-1].state
     engine_path = outdir / f"{path.stem}.plan"
-    build_error = _build_step(res, prec_path, engine_path, recipe, plan, skip_build, status)
-    _engine_step(res, path, engine_path, recipe, resolved, iterations, seed, status)
+    with progress.step("build") as step:
+        build_error = _build_step(res, prec_path, engine_path, recipe, plan, skip_build, progress, overrides)
+        step.detail = f"{res.steps[-1].state}: {res.steps[-1].detail.splitlines()[0] if res.steps[-1].detail else ''}"
+    with progress.step("verify engine") as step:
+        _engine_step(res, path, engine_path, recipe, resolved, iterations, seed, progress, overrides)
+        step.detail = f"{res.steps[-1].state}: {res.steps[-1].detail.splitlines()[0] if res.steps[-1].detail else ''}"
 
     write_accuracy_report(res.accuracy, outdir)
-    res.summary = write_summary(recipe.name, path, outdir, res.steps, fused.report, prec, res.accuracy,
-                                res.build_report)
+    res.summary = write_summary(recipe.name if recipe is not None else path.stem, path, outdir, res.steps,
+                                fused.report, prec, res.accuracy, res.build_report, options=res.options)
     if build_error is not None:
         raise type(build_error)(str(build_error))
     failed = [s for s in res.steps if s.state == "failed"]
@@ -200,22 +240,35 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe,
     return res
 
 
-def _fuse_step(res: ConvertOutcome, path: Path, recipe: Recipe, status: Status) -> FuseOutcome:
+def _check_run_inputs(header: onnx.ModelProto, recipe: Recipe | None, overrides: Overrides, arrays: RunArrays) -> None:
+    """The command line's shapes, tolerances and --load-inputs against the model, before any work."""
+    from ..verify import plan_inputs
+    from .arrays import load_feeds
+    from .options import check_output_names
+
+    check_output_names(header, overrides)
+    options = verify_options(recipe, overrides, header)
+    if arrays.load_inputs:
+        load_feeds(arrays.load_inputs, plan_inputs(header, options), header)
+
+
+def _fuse_step(res: ConvertOutcome, path: Path, recipe: Recipe | None, status: Status,
+               overrides: Overrides) -> FuseOutcome:
     fused_path = res.outdir / f"{path.stem}.fused.onnx"
-    out = fuse(path, fused_path, recipe, workdir=res.outdir, status=status)
+    out = fuse(path, fused_path, recipe, workdir=res.outdir, status=status, overrides=overrides)
     n_fused = len(out.report.get("fusions", []))
     res.steps.append(Step("fuse", "ok", f"{n_fused} fused node(s); {len(out.report.get('rejected', []))} rejected",
                           [str(fused_path), *map(str, out.report_paths)]))
     return out
 
 
-def _precision_step(res: ConvertOutcome, name: str, fused_path: Path, recipe: Recipe,
-                    status: Status) -> tuple[Path, PrecisionResult]:
+def _precision_step(res: ConvertOutcome, name: str, fused_path: Path, recipe: Recipe | None,
+                    status: Status, overrides: Overrides) -> tuple[Path, PrecisionResult]:
     from ..ir import load_model, save_model
     from ..precision import apply_precision
     from ..report import write_precision_report
 
-    options = precision_options(recipe)
+    options = precision_options(recipe, overrides)
     mode = options.mode
     status(f"precision: {mode}")
     prec_model, prec = apply_precision(load_model(fused_path), options)
@@ -230,14 +283,15 @@ def _precision_step(res: ConvertOutcome, name: str, fused_path: Path, recipe: Re
     return prec_path, prec
 
 
-def _verify_step(res: ConvertOutcome, path: Path, prec_path: Path, recipe: Recipe, iterations: int | None,
-                 seed: int, status: Status) -> None:
+def _verify_step(res: ConvertOutcome, path: Path, prec_path: Path, recipe: Recipe | None, iterations: int | None,
+                 seed: int, status: Status, overrides: Overrides, arrays: RunArrays) -> None:
     from ..report import verify_line
     from ..report.accuracy import ACCURACY_MD
 
     status("verifying in onnxruntime")
     try:
-        v = verify(path, prec_path, recipe, iterations=iterations, seed=seed, status=status)
+        v = verify(path, prec_path, recipe, iterations=iterations, seed=seed, status=status, overrides=overrides,
+                   load_inputs=arrays.load_inputs, save_inputs=arrays.save_inputs, save_outputs=arrays.save_outputs)
     except VerificationError as exc:
         res.accuracy["onnxruntime"] = CheckError(str(exc))
         res.steps.append(Step("verify (onnxruntime)", "failed", str(exc)))
@@ -247,8 +301,8 @@ def _verify_step(res: ConvertOutcome, path: Path, prec_path: Path, recipe: Recip
                           [str(res.outdir / ACCURACY_MD)]))
 
 
-def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe: Recipe, plan: TargetPlan,
-                skip_build: bool, status: Status) -> OptfuseError | None:
+def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe: Recipe | None, plan: TargetPlan,
+                skip_build: bool, status: Status, overrides: Overrides) -> OptfuseError | None:
     """The build step; returns the build's error (re-raised after the reports are written)."""
     from ..trt import compat
 
@@ -265,7 +319,8 @@ def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe:
     if not be.is_rtx and not explicit:
         tgt = None  # standard TensorRT builds for the GPU present; build checks it against the recipe
     try:
-        b = build(prec_path, engine_path, recipe, target=tgt, backend=resolved, use_recipe_target=False, status=status)
+        b = build(prec_path, engine_path, recipe, target=tgt, backend=resolved, use_recipe_target=False, status=status,
+                  overrides=overrides)
     except (BuildError, InputError) as exc:
         res.steps.append(Step("build", "failed", str(exc)))
         return exc
@@ -277,8 +332,8 @@ def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe:
     return None
 
 
-def _engine_step(res: ConvertOutcome, path: Path, engine_path: Path, recipe: Recipe, resolved: str | None,
-                 iterations: int | None, seed: int, status: Status) -> None:
+def _engine_step(res: ConvertOutcome, path: Path, engine_path: Path, recipe: Recipe | None, resolved: str | None,
+                 iterations: int | None, seed: int, status: Status, overrides: Overrides) -> None:
     """The engine check: the FP32 original in onnxruntime vs the engine, at the recipe's precision."""
     from ..report import verify_line
     from ..trt.run import run_engine
@@ -294,8 +349,9 @@ def _engine_step(res: ConvertOutcome, path: Path, engine_path: Path, recipe: Rec
         return
     status("running the engine")
     try:
-        ve = verify_against(path, functools.partial(run_engine, engine_path, backend=resolved), verify_options(recipe),
-                            mode=recipe.precision.mode, iterations=iterations or 3, seed=seed,
+        ve = verify_against(path, functools.partial(run_engine, engine_path, backend=resolved),
+                            verify_options(recipe, overrides, model_header(path)),
+                            mode=precision_options(recipe, overrides).mode, iterations=iterations or 3, seed=seed,
                             candidate_label=str(engine_path))
     except Exception as exc:  # a runtime failure of the engine is a failed check, reported
         res.accuracy["engine"] = NotExecuted(error=f"{type(exc).__name__}: {exc}")

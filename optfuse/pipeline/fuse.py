@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import onnx
 
@@ -23,7 +26,9 @@ from ..recipe import Recipe
 from ..rewrite import FusionResult
 from ..verify import DEFAULT_ITERATIONS, VerifyResult
 from .model import discard_staging, load_checked, resolve_model
-from .options import Status, analysis_dims, enabled_families, fusion_options, noop, recipe_label, verify_options
+from .options import (NO_OVERRIDES, Overrides, Status, analysis_dims, as_progress, check_output_names,
+                      enabled_families, fusion_options, model_header, noop, options_record, recipe_label,
+                      verify_options)
 
 DEMO_DIR = Path("optfuse-demo")
 
@@ -45,20 +50,26 @@ class FuseOutcome:
     verification: VerifyResult | None = None  # when asked
 
 
-def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, status: Status = noop) -> InspectOutcome:
+def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, status: Status = noop, *,
+            overrides: Overrides = NO_OVERRIDES) -> InspectOutcome:
     """What would fuse and what would not (and why); writes nothing."""
     from ..report import build_report
 
+    progress = as_progress(status)
+    progress.plan(3)
     with tempfile.TemporaryDirectory(prefix="optfuse-inspect-") as tmp:  # an export lands here, then goes
-        path = resolve_model(model, recipe, workdir=Path(tmp), status=status)
-        status(f"loading {path}")
-        proto = load_checked(path)
+        with progress.step("load") as step:
+            path = resolve_model(model, recipe, workdir=Path(tmp), status=progress)
+            progress(f"loading {path}")
+            proto = load_checked(path)
+            step.detail = f"{len(proto.graph.node)} nodes"
         if model is None and recipe is not None and recipe.model.export is not None:
             e = recipe.model.export
             path = Path(f"<export {e.family} {e.exporter} attn={e.attn}>")
-    run = _fuse_and_estimate(proto, recipe, status)
+    run = _fuse_and_estimate(proto, recipe, progress, overrides)
     report = build_report(run.result, estimate=run.estimate, model=str(path), recipe=recipe_label(recipe),
-                          dims=run.dims, dims_source=run.dims_source, families=run.families)
+                          dims=run.dims, dims_source=run.dims_source, families=run.families,
+                          options=options_record(recipe, overrides))
     return InspectOutcome(path, report, run.result)
 
 
@@ -74,17 +85,27 @@ class _FuseRun:
     families: list[str]
 
 
-def _fuse_and_estimate(proto: onnx.ModelProto, recipe: Recipe | None, status: Status) -> _FuseRun:
-    """sanitize -> match -> rewrite (fusions.fuse_model), then the estimate stage at the analysis dims."""
+def _fuse_and_estimate(proto: onnx.ModelProto, recipe: Recipe | None, status: Status,
+                       overrides: Overrides = NO_OVERRIDES) -> _FuseRun:
+    """sanitize -> match -> rewrite (fusions.fuse_model), then the estimate stage at the analysis dims
+    (two progress steps: fuse, estimate)."""
     from ..estimate import estimate_traffic
     from ..fusions import fuse_model
 
-    dims, dims_source = analysis_dims(proto, recipe)
+    progress = as_progress(status)
+    dims, dims_source = analysis_dims(proto, recipe, overrides)
     families = enabled_families(recipe)
-    status("sanitizing, matching, rewriting")
-    fused, result = fuse_model(proto, dims=dims, families=families, options=fusion_options(recipe))
-    status("estimating HBM traffic")
-    return _FuseRun(fused, result, estimate_traffic(fused, result, dims), dims, dims_source, families)
+    with progress.step("fuse") as step:
+        progress("sanitizing, matching, rewriting")
+        fused, result = fuse_model(proto, dims=dims, families=families, options=fusion_options(recipe))
+        replaced = sum(len(a.nodes) for a in result.accepted)
+        step.detail = (f"{len(result.accepted)} matched ({replaced} nodes replaced), "
+                       f"{len(result.rejected)} rejected")
+    with progress.step("estimate") as step:
+        progress("estimating HBM traffic")
+        estimate = estimate_traffic(fused, result, dims)
+        step.detail = f"{len(estimate.saved_bytes)} fused node(s) sized"
+    return _FuseRun(fused, result, estimate, dims, dims_source, families)
 
 
 def default_output(model: Path) -> Path:
@@ -93,7 +114,7 @@ def default_output(model: Path) -> Path:
 
 def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = None, recipe: Recipe | None = None,
          verify_after: bool = False, iterations: int | None = None, seed: int = 0,
-         workdir: Path | None = None, status: Status = noop) -> FuseOutcome:
+         workdir: Path | None = None, status: Status = noop, *, overrides: Overrides = NO_OVERRIDES) -> FuseOutcome:
     """load -> sanitize -> match -> rewrite -> save -> report; optionally verify the result.
 
     Nothing is written until the fused model exists in memory, so bad input leaves no file behind;
@@ -103,13 +124,19 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
     from ..ir import save_model
     from ..report import build_report, report_stem, write_report
 
-    path = resolve_model(model, recipe, workdir=workdir, status=status)
-    out = Path(output) if output is not None else default_output(path)
-    _check_output(path, out)
-    status(f"loading {path}")
-    proto = load_checked(path)
-    run = _fuse_and_estimate(proto, recipe, status)
-    status(f"writing {out}")
+    progress = as_progress(status)
+    progress.plan(5 if verify_after else 4)
+    with progress.step("load") as step:
+        path = resolve_model(model, recipe, workdir=workdir, status=progress)
+        out = Path(output) if output is not None else default_output(path)
+        _check_output(path, out)
+        progress(f"loading {path}")
+        proto = load_checked(path)
+        if verify_after:  # a tolerance for an output the model lacks is bad input before any work
+            check_output_names(proto, overrides)
+        step.detail = f"{len(proto.graph.node)} nodes"
+    run = _fuse_and_estimate(proto, recipe, progress, overrides)
+    progress(f"writing {out}")
     created = not out.parent.exists()
     try:  # the model, its external data and the reports go into a folder beside OUTPUT, then into place
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -118,15 +145,18 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
         raise InputError(f"cannot write {out}: {exc.strerror or exc}") from None
     try:
         staged = staging / out.name
-        save_model(run.fused, staged)
+        with progress.step("write") as step:
+            save_model(run.fused, staged)
+            step.detail = f"{len(run.fused.graph.node)} nodes"
         verification = None
         if verify_after:
-            status("verifying")
-            verification = verify(path, staged, recipe, iterations=iterations, seed=seed)
+            verification = verify(path, staged, recipe, iterations=iterations, seed=seed, status=progress,
+                                  overrides=overrides)
         report = build_report(run.result, estimate=run.estimate, model=str(path), fused_model=str(out),
                               recipe=recipe_label(recipe), dims=run.dims, dims_source=run.dims_source,
                               families=run.families,
-                              verification=verification.to_dict() if verification is not None else None)
+                              verification=verification.to_dict() if verification is not None else None,
+                              options=options_record(recipe, overrides))
         staged_reports = write_report(report, staging, stem=report_stem(path.stem))
         data = out.parent / f"{out.name}.data"
         for f in sorted(staging.iterdir(), key=lambda p: p.name == out.name):  # the model itself last
@@ -163,13 +193,50 @@ def _check_output(model: Path, out: Path) -> None:
 
 def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Recipe | None = None,
            iterations: int | None = None, seed: int = 0, atol: float | None = None, rtol: float | None = None,
-           status: Status = noop) -> VerifyResult:
-    """ORIGINAL vs CANDIDATE in onnxruntime, with the recipe's inputs and tolerances."""
-    from ..verify import verify as run_verify
+           status: Status = noop, *, overrides: Overrides = NO_OVERRIDES, load_inputs: Sequence[os.PathLike | str] = (),
+           save_inputs: str | os.PathLike | None = None, save_outputs: str | os.PathLike | None = None) -> VerifyResult:
+    """ORIGINAL vs CANDIDATE in onnxruntime, with the recipe's inputs and tolerances under the
+    command line's (`overrides`; `atol`/`rtol`: every output). `load_inputs` replaces the generated
+    feeds; `save_inputs`/`save_outputs` write the feeds and both runs' outputs (:mod:`.arrays`)."""
+    from dataclasses import replace
 
+    from ..verify import InputInfo, make_feed, plan_inputs
+    from ..verify import verify as run_verify
+    from .arrays import load_feeds, save_feeds
+    from .arrays import save_outputs as write_outputs
+
+    if atol is not None or rtol is not None:
+        overrides = replace(overrides, atol=atol if atol is not None else overrides.atol,
+                            rtol=rtol if rtol is not None else overrides.rtol)
+    progress = as_progress(status)
+    header = model_header(original)  # bad input (missing, not ONNX) is exit 2 here
+    check_output_names(header, overrides)
+    options = verify_options(recipe, overrides, header)
     n = iterations or DEFAULT_ITERATIONS
-    return run_verify(original, candidate, verify_options(recipe), iterations=n, seed=seed, atol=atol, rtol=rtol,
-                      on_iteration=lambda i: status(f"running iteration {i + 1}/{n}"))
+    feeds = None
+    if load_inputs:
+        feeds = load_feeds(load_inputs, plan_inputs(header, options), header)
+        n = len(feeds)
+    elif save_inputs is not None:  # the feeds verify would make, made here so that they can be saved
+        plans = plan_inputs(header, options)
+        rng = np.random.default_rng(seed)
+        feeds = [make_feed(plans, rng) for _ in range(n)]
+    del header  # a model with its weights inside holds them: the stage loads its own
+    outputs: dict = {}
+    with progress.step("verify") as step:
+        result = run_verify(original, candidate, options, iterations=n, seed=seed, feeds=feeds,
+                            on_iteration=lambda i: progress(f"running iteration {i + 1}/{n}"),
+                            on_outputs=outputs.update if save_outputs is not None else None)
+        step.detail = (f"{result.iterations} iteration(s), {len(result.outputs) - len(result.failed)}/"
+                       f"{len(result.outputs)} output(s) within tolerance")
+    if load_inputs:  # the inputs table names the files, not the generator verify did not use
+        source = f"--load-inputs {', '.join(map(str, load_inputs))}"
+        result.inputs = [InputInfo(name, arr.dtype.name, list(arr.shape), source) for name, arr in feeds[0].items()]
+    if save_inputs is not None:
+        save_feeds(save_inputs, feeds)
+    if save_outputs is not None:
+        write_outputs(save_outputs, outputs)
+    return result
 
 
 def raise_if_failed(result: VerifyResult | None) -> None:

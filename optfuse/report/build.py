@@ -47,10 +47,16 @@ def build_markdown(report: BuildReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_build_report(report: BuildReport, directory: Path) -> tuple[Path, Path]:
-    """``build_report.json`` (the report's fields) and ``build_report.md`` in `directory`."""
+def write_build_report(report: BuildReport, directory: Path, options: dict | None = None) -> tuple[Path, Path]:
+    """``build_report.json`` (the report's fields, and `options`: what the build used and where each
+    value came from) and ``build_report.md`` in `directory`."""
+    from .fusion import options_markdown
+
     directory.mkdir(parents=True, exist_ok=True)
     j, m = directory / BUILD_JSON, directory / BUILD_MD
-    write_json(j, report.to_dict())
-    m.write_text(build_markdown(report))
+    data = report.to_dict()
+    if options is not None:
+        data["options"] = options
+    write_json(j, data)
+    m.write_text(build_markdown(report) + "".join(f"{line}\n" for line in options_markdown(options)))
     return j, m

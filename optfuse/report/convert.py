@@ -11,6 +11,7 @@ from ..precision import PrecisionResult
 from ..trt.build import BuildReport
 from .accuracy import Check, accuracy_markdown
 from .build import build_markdown
+from .fusion import options_markdown
 from .precision import precision_markdown
 
 SUMMARY_MD = "report.md"
@@ -30,7 +31,8 @@ def first_line(text: str) -> str:
 
 
 def summary_markdown(name: str, model: Path, outdir: Path, steps: Sequence[StepLike], fusion: Mapping[str, Any],
-                     precision: PrecisionResult, accuracy: Mapping[str, Check], build: BuildReport | None) -> str:
+                     precision: PrecisionResult, accuracy: Mapping[str, Check], build: BuildReport | None,
+                     options: Mapping[str, Any] | None = None) -> str:
     lines = [f"# optfuse convert: {name}", "", f"- model: {model}", f"- output directory: {outdir}", "",
              "| step | result | detail |", "|---|---|---|"]
     for s in steps:
@@ -48,6 +50,7 @@ def summary_markdown(name: str, model: Path, outdir: Path, steps: Sequence[StepL
               accuracy_markdown(accuracy, title="## Accuracy")]
     if build is not None:
         lines += ["", build_markdown(build)]
+    lines += options_markdown(dict(options) if options else None)
     lines += ["", "## Files", ""]
     for s in steps:
         lines += [f"- {a}" for a in s.artifacts]
@@ -55,8 +58,9 @@ def summary_markdown(name: str, model: Path, outdir: Path, steps: Sequence[StepL
 
 
 def write_summary(name: str, model: Path, outdir: Path, steps: Sequence[StepLike], fusion: Mapping[str, Any],
-                  precision: PrecisionResult, accuracy: Mapping[str, Check], build: BuildReport | None) -> Path:
-    """``report.md`` in `outdir` (see :func:`summary_markdown`)."""
+                  precision: PrecisionResult, accuracy: Mapping[str, Check], build: BuildReport | None,
+                  options: Mapping[str, Any] | None = None) -> Path:
+    """``report.md`` in `outdir` (see :func:`summary_markdown`; `options`: what the run used)."""
     path = outdir / SUMMARY_MD
-    path.write_text(summary_markdown(name, model, outdir, steps, fusion, precision, accuracy, build))
+    path.write_text(summary_markdown(name, model, outdir, steps, fusion, precision, accuracy, build, options))
     return path

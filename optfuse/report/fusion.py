@@ -31,7 +31,7 @@ def report_stem(model_name: str | None = None) -> str:
 def build_report(result: FusionResult, *, estimate: TrafficEstimate | None = None, model: str | None = None,
                  fused_model: str | None = None, recipe: str | None = None, dims: dict[str, int] | None = None,
                  dims_source: str = "", families: list[str] | None = None,
-                 verification: dict | None = None) -> dict[str, Any]:
+                 verification: dict | None = None, options: dict | None = None) -> dict[str, Any]:
     """A JSON-ready dict describing `result` (see the module doc)."""
     fusions = []
     for acc in result.accepted:
@@ -65,7 +65,34 @@ def build_report(result: FusionResult, *, estimate: TrafficEstimate | None = Non
     }
     if verification is not None:
         report["verification"] = verification
+    if options is not None:
+        report["options"] = options  # what the run used, and where each value came from
     return report
+
+
+def options_markdown(options: dict[str, Any] | None) -> list[str]:
+    """The "Options" lines of a report: each setting the run used and where it came from."""
+    if not options:
+        return []
+    lines = ["", "## Options", ""]
+    if options.get("recipe"):
+        lines.append(f"- recipe: `{options['recipe']}`")
+    for name, d in (options.get("dims") or {}).items():
+        lines.append(f"- dim `{name}`: min {d['min']}, opt {d['opt']}, max {d['max']} ({d['source']})")
+    for name, s in (options.get("shapes") or {}).items():
+        lines.append(f"- shape `{name}`: min {s['min']}, opt {s['opt']}, max {s['max']} (command line)")
+    p = options.get("precision")
+    if p:
+        lines.append(f"- precision: {p['mode']} ({p['source']}); keep FP32: "
+                     f"{', '.join(p['keep_fp32']) or 'none'} ({p['keep_fp32_source']})")
+    t = options.get("tolerances")
+    if t:
+        given = [f"atol {t['atol']:g}" if t.get("atol") is not None else "",
+                 f"rtol {t['rtol']:g}" if t.get("rtol") is not None else ""]
+        given += [f"{o} atol {v:g}" for o, v in (t.get("outputs_atol") or {}).items()]
+        given += [f"{o} rtol {v:g}" for o, v in (t.get("outputs_rtol") or {}).items()]
+        lines.append(f"- tolerances: {', '.join(g for g in given if g) or 'per precision mode'} ({t['source']})")
+    return lines
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -124,6 +151,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| `{r['rule']}` | {r['op']} | {names_cell(r['nodes'])} | {md_cell(r['reason'])} |")
     else:
         lines.append("No candidate was rejected.")
+    lines += options_markdown(report.get("options"))
     return "\n".join(lines) + "\n"
 
 

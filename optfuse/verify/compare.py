@@ -83,10 +83,13 @@ def verify(original: ModelSource, candidate: ModelSource,
            options: VerifyOptions | None = None, iterations: int = DEFAULT_ITERATIONS, seed: int = 0,
            atol: float | None = None, rtol: float | None = None,
            feeds: Feeds | None = None,
-           on_iteration: Callable[[int], None] | None = None) -> VerifyResult:
+           on_iteration: Callable[[int], None] | None = None,
+           on_outputs: Callable[[Mapping[str, Feeds]], None] | None = None) -> VerifyResult:
     """Run both models in onnxruntime on the same seeded inputs and compare every output of the original.
 
     `atol`/`rtol` override the options for every output. `feeds` replaces input generation.
+    `on_outputs` receives every output of both runs (``{"original": [...], "candidate": [...]}``,
+    one name -> array dict per iteration), e.g. to save them.
     """
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator
@@ -109,6 +112,8 @@ def verify(original: ModelSource, candidate: ModelSource,
         raise VerificationError(f"onnxruntime could not run the models: {_first_line(exc)}") from None
     if not results or len(results) != 2:
         raise VerificationError("onnxruntime could not run the models (polygraphy returned no results)")
+    if on_outputs is not None:
+        on_outputs({name: [dict(it) for it in results[name]] for name in ("original", "candidate")})
     return _result(ref_model, plans, results["original"], results["candidate"], options, precision_of(cand_model),
                    seed, _label(original), _label(candidate), atol, rtol)
 
