@@ -87,6 +87,18 @@ class OpSpec:
     def input_index(self, name: str) -> int:
         return [t.name for t in self.inputs].index(name)
 
+    def output_shape(self, j: int, shapes: list[Any]) -> list[Any]:
+        """Output ``j``'s shape from the inputs' shapes (spec order, dims of any type): that of the
+        input it is ``like``, the last dim replaced where it has a ``last_dim`` rule."""
+        out = self.outputs[j]
+        if out.like is None:
+            raise ValueError(f"{self.op}: output {out.name!r} has no shape rule")
+        dims = list(shapes[self.input_index(out.like)])
+        if out.last_dim is not None:
+            name, axis = out.last_dim
+            dims[-1] = list(shapes[self.input_index(name)])[axis]
+        return dims
+
     def defaults(self) -> dict[str, Any]:
         """The attributes that have a default, with it (spec order)."""
         return {a.name: a.default for a in self.attributes if a.default is not None}

@@ -200,8 +200,9 @@ def _run_function(spec: OpSpec, fn, inputs: list, attrs: dict, opset: int, absen
         names.pop()
     node = helper.make_node(spec.op, names, [t.name for t in spec.outputs], domain=spec.domain,
                             plugin_namespace=spec.domain, plugin_version=spec.plugin_version, **attrs)
-    outs = [helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(inputs[spec.input_index(t.like)].shape))
-            for t in spec.outputs]  # fp32 like the sample inputs, shaped like the input the spec names
+    shapes = [None if x is None else list(x.shape) for x in inputs]
+    outs = [helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, spec.output_shape(j, shapes))
+            for j, t in enumerate(spec.outputs)]  # fp32 like the sample inputs, shaped by the spec's rule
     model = helper.make_model(helper.make_graph([node], "contract", vis, outs), functions=[fn],
                               opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(spec.domain, 1)])
     model.ir_version = min(model.ir_version, 10)
