@@ -43,3 +43,28 @@ def test_aot_compile(tmp_path, arch, case):
         assert ("wgmma" in art.ptx) == (arch == 90)  # Hopper: warpgroup MMA; sm_80 / sm_89: mma.sync
         assert arch == 90 or "mma.sync" in art.ptx
     assert KernelCache(tmp_path).build(src, arch).key == art.key  # a second build is a cache hit
+
+
+@pytest.mark.parametrize("op,inputs,attrs", [
+    ("GemmEpilogue", [(3072,), ("B", "S", 3072)], {"activation": "none", "residual_position": "after_activation"}),
+    ("GatedGemm", [(3072, 768)], {"activation": "silu"}),
+])
+def test_qdp_aot_kernel_with_symbolic_shapes(tmp_path, monkeypatch, op, inputs, attrs):
+    """The body of the generated aot_impl: symbolic leading dims, N and K static, the QDP PTX."""
+    from optfuse.kernels.testing import SymDim, sym_cdiv
+    from optfuse.trt.qdp import TensorInfo, aot_kernel
+
+    monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path))
+    B, S = SymDim("B"), SymDim("S")
+
+    def info(shape):
+        dims = [{"B": B, "S": S}.get(d, d) for d in shape]
+        return TensorInfo("float16", dims, [d if isinstance(d, int) else -1 for d in dims])
+
+    a, w = info(("B", "S", 768)), info((3072, 768))
+    ak = aot_kernel(op, [a, w, *map(info, inputs)], attrs, 0, arch=90, cdiv=sym_cdiv)
+    cfg = L.choose_config(op, "float16", 3072, 768, 90)
+    assert repr(ak.launch.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
+    assert repr(ak.extra_args[0]) == "(B*S)"
+    assert ak.artifact.n_inputs == 2 + len(inputs) and ak.artifact.n_scratch == 0
+    assert ak.launch.block[0] == ak.artifact.threads
