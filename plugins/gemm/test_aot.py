@@ -1,0 +1,70 @@
+"""AOT compiles of the GEMM kernel through optfuse.kernels (CPU only, no GPU needed): sm_80, sm_89
+and sm_90 with their default configs, parameters in QDP order."""
+
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+
+from optfuse.kernels import KernelCache  # noqa: E402
+from optfuse.kernels.registry import plugin_module  # noqa: E402
+
+L = plugin_module("gemm", "launch")
+T = plugin_module("gemm", "testing")
+
+
+@pytest.mark.parametrize("arch,case", [
+    (90, T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none")),
+    (90, T.Case("GatedGemm", (-1,), 11008, 4096, "bfloat16", "silu")),
+    (90, T.Case("GemmEpilogue", (-1,), 768, 3072, "float32", "none", "vector", "full")),
+    (89, T.Case("GemmEpilogue", (-1,), 1000, 1000, "bfloat16", "gelu_tanh", "scalar", "full", "before_activation")),
+    (89, T.Case("GatedGemm", (-1,), 2048, 1024, "float16", "gelu_tanh")),
+    (80, T.Case("GemmEpilogue", (-1,), 4096, 4096, "float16", "silu", "none", "scalar")),
+    (80, T.Case("GemmEpilogue", (-1,), 24, 40, "float32", "tanh", "none", "none", alpha=0.5)),
+], ids=lambda x: x.id() if hasattr(x, "id") else f"sm{x}")
+def test_aot_compile(tmp_path, arch, case):
+    static = T.case_static(case, arch)
+    src = L.kernel_config(case.op, case.dtype, case.attrs, static)
+    art = KernelCache(tmp_path).build(src, arch)
+    n_in = src.n_inputs
+    assert (art.n_inputs, art.n_extra, art.n_outputs) == (n_in, 1, 1)
+    assert art.cubin and art.arch == arch
+    assert art.threads == src.num_warps * 32
+    assert 0 < art.shared_mem <= L.SMEM_LIMIT[arch]
+    # QDP order: the present inputs, M, y, then Triton's scratch pointers
+    entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
+    params = re.findall(r"\.param\s+\.(\w+)", entry)
+    assert params[:n_in] == ["u64"] * n_in
+    assert params[n_in] == "u32"
+    assert params[n_in + 1] == "u64"
+    assert len(params) == n_in + 1 + 1 + art.n_scratch
+    if case.dtype != "float32":
+        assert ("wgmma" in art.ptx) == (arch == 90)  # Hopper: warpgroup MMA; sm_80 / sm_89: mma.sync
+        assert arch == 90 or "mma.sync" in art.ptx
+    assert KernelCache(tmp_path).build(src, arch).key == art.key  # a second build is a cache hit
+
+
+@pytest.mark.parametrize("op,inputs,attrs", [
+    ("GemmEpilogue", [(3072,), ("B", "S", 3072)], {"activation": "none", "residual_position": "after_activation"}),
+    ("GatedGemm", [(3072, 768)], {"activation": "silu"}),
+])
+def test_qdp_aot_kernel_with_symbolic_shapes(tmp_path, monkeypatch, op, inputs, attrs):
+    """The body of the generated aot_impl: symbolic leading dims, N and K static, the QDP PTX."""
+    from optfuse.kernels.testing import SymDim, sym_cdiv
+    from optfuse.trt.qdp import TensorInfo, aot_kernel
+
+    monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path))
+    B, S = SymDim("B"), SymDim("S")
+
+    def info(shape):
+        dims = [{"B": B, "S": S}.get(d, d) for d in shape]
+        return TensorInfo("float16", dims, [d if isinstance(d, int) else -1 for d in dims])
+
+    a, w = info(("B", "S", 768)), info((3072, 768))
+    ak = aot_kernel(op, [a, w, *map(info, inputs)], attrs, 0, arch=90, cdiv=sym_cdiv)
+    cfg = L.choose_config(op, "float16", 3072, 768, 90)
+    assert repr(ak.launch.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
+    assert repr(ak.extra_args[0]) == "(B*S)"
+    assert ak.artifact.n_inputs == 2 + len(inputs) and ak.artifact.n_scratch == 0
+    assert ak.launch.block[0] == ak.artifact.threads
