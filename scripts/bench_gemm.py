@@ -93,7 +93,7 @@ def points(shapes, tokens, dtypes):
 def ours_configs(case, arch, variants: str | None) -> list:
     """(label, config): the first candidate of every kernel source (what kernel_config picks
     first), then, with ``variants`` ("all" or config names), those candidates too."""
-    cands = L.candidate_configs(case.op, case.dtype, case.n, case.k, arch)
+    cands = L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch))
     out, seen = [], set()
     for c in cands:
         if c.impl not in seen:

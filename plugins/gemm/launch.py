@@ -15,8 +15,10 @@ Argument order (QDP): the present inputs in spec order (GemmEpilogue: A, W[, bia
 GatedGemm: A, W_gate, W_up), the int32 M, the output y.
 
 Kernel sources: ``impl`` of a :class:`GemmConfig` names the kernel; ``choose_config`` is where an
-arch picks one and ``_SOURCES`` is where each impl's source is made. Today that is the Triton
-kernel (kernel.py) on every arch.
+arch picks one and ``_SOURCES`` is where each impl's source is made: on sm_90 the CUDA C++ wgmma
+kernel (``cuda_sm90``: kernel_sm90.cu, launch_sm90.py) wherever it takes the instance (fp16/bf16,
+N a multiple of 32 with room for its tensor maps), else the Triton kernel (kernel.py), which is
+also the kernel of every other arch.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any, Sequence
 from optfuse.kernels.artifact import KernelSource, LaunchParams
 from optfuse.kernels.util import ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, rows_of, static_int
 from optfuse.spec import plugin_specs, shared
+
+from . import launch_sm90
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
 ENTRY = "_gemm_epilogue_kernel"
@@ -116,25 +120,45 @@ def _arch_class(arch: int | None) -> str:
     return "sm80" if _smem_limit(arch) >= 160 * 1024 else "small_smem"
 
 
-def choose_config(op: str, dtype: Any, n: int, k: int, arch: int | None = None) -> GemmConfig:
-    """The config for a specialization. ``arch`` is the build target (None: unknown, so one that
-    fits every target's shared memory). This is where an arch picks its kernel source: today the
-    Triton kernel everywhere."""
-    _check_op(op)
-    dtype = norm_dtype(dtype)
+def _sm90_configs(op: str, dtype: str, n: int, static: dict | None, arch: int | None) -> list[GemmConfig]:
+    """The CUDA sm_90 kernel's configs for this instance (none where it does not take it): the
+    default ring depth first, then the other depths that fit, and a 16-row-block raster group."""
+    static = static or {}
+    if launch_sm90.takes(op, dtype, n, static, arch) is not None:
+        return []
+    residual = static.get("residual_mode", "none")
+    out = [GemmConfig(launch_sm90.BLOCK_M, launch_sm90.OUT_N[op], launch_sm90.BLOCK_K, group, 12, stages, "cuda_sm90")
+           for stages in launch_sm90.stage_options(op, residual) for group in (8, 16)]
+    return out
+
+
+def _triton_choice(op: str, dtype: str, n: int, k: int, arch: int | None) -> GemmConfig:
+    """The Triton kernel's config on ``arch``."""
     gated = op == "GatedGemm"
-    if dtype == "float32":
-        cfg = _FP32_DEFAULT[gated]
-    else:
-        cfg = _HALF_DEFAULT[(_arch_class(arch), gated)]
+    cfg = _FP32_DEFAULT[gated] if dtype == "float32" else _HALF_DEFAULT[(_arch_class(arch), gated)]
     return _fit(cfg, n, k)
 
 
-def candidate_configs(op: str, dtype: Any, n: int, k: int, arch: int | None = None) -> list[GemmConfig]:
-    """Configs a tuning sweep tries (the current choice first), fitted to N and K; those whose
-    operand ring exceeds ``arch``'s shared memory are left out. The GPU tests run every one."""
+def choose_config(op: str, dtype: Any, n: int, k: int, arch: int | None = None,
+                  static: dict | None = None) -> GemmConfig:
+    """The config for a specialization. ``arch`` is the build target (None: unknown, so one that
+    fits every target's shared memory); ``static`` the instance's static shape (bias / residual
+    modes and dtypes). On sm_90 the CUDA kernel where it takes the instance (README, the H200
+    table), else the Triton kernel."""
+    _check_op(op)
     dtype = norm_dtype(dtype)
-    out = [choose_config(op, dtype, n, k, arch)]
+    sm90 = _sm90_configs(op, dtype, static_int(n, "N"), static, arch)
+    return sm90[0] if sm90 else _triton_choice(op, dtype, n, k, arch)
+
+
+def candidate_configs(op: str, dtype: Any, n: int, k: int, arch: int | None = None,
+                      static: dict | None = None) -> list[GemmConfig]:
+    """Configs a tuning sweep tries (the current choice first; on sm_90 the CUDA kernel's, then the
+    Triton kernel's), fitted to N and K; those whose operand ring exceeds ``arch``'s shared memory
+    are left out. The GPU tests run every one."""
+    _check_op(op)
+    dtype = norm_dtype(dtype)
+    out = _sm90_configs(op, dtype, static_int(n, "N"), static, arch) + [_triton_choice(op, dtype, n, k, arch)]
     limit = _smem_limit(arch)
     for c in _FP32_CANDIDATES if dtype == "float32" else _HALF_CANDIDATES:
         c = _fit(c, n, k)
@@ -309,8 +333,17 @@ def _triton_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: Gemm
     )
 
 
+def _sm90_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: GemmConfig,
+                 static: dict) -> KernelSource:
+    why = launch_sm90.takes(op, dtype, n, static, static.get("arch"))
+    if why:
+        raise ValueError(f"{op}: the sm_90 kernel does not take this instance: {why}")
+    return launch_sm90.source(op, dtype, n, k, epi, cfg.num_stages, cfg.group_m,
+                              _source_name(op, dtype, n, k, epi, cfg))
+
+
 #: impl -> the function making its KernelSource (one entry per kernel source).
-_SOURCES = {"triton": _triton_source}
+_SOURCES = {"triton": _triton_source, "cuda_sm90": _sm90_source}
 
 
 def _config_for(op: str, dtype: str, n: int, k: int, static: dict, config: GemmConfig | None) -> GemmConfig:
@@ -319,7 +352,7 @@ def _config_for(op: str, dtype: str, n: int, k: int, static: dict, config: GemmC
             raise ValueError(f"GEMM: no kernel source {config.impl!r} (have {sorted(_SOURCES)})")
         return config
     arch = static.get("arch")
-    return choose_config(op, dtype, n, k, None if arch is None else int(arch))
+    return choose_config(op, dtype, n, k, None if arch is None else int(arch), static)
 
 
 def kernel_config(op: Any, dtype: Any, attrs: dict | None, static_shape: dict,
@@ -347,6 +380,9 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     n, k = _dims(static)
     cfg = _config_for(op, dtype, n, k, static, config)
     m = rows_of(shapes[0])
+    if cfg.impl == "cuda_sm90":  # persistent: one CTA per SM
+        return launch_sm90.launch(op, m, cfg.num_stages, static.get("residual_mode", "none") if op == "GemmEpilogue"
+                                  else "none", static)
     return LaunchParams(
         grid=(cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), 1, 1),
         block=(cfg.num_warps * 32, 1, 1),

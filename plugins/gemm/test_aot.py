@@ -1,5 +1,6 @@
-"""AOT compiles of the GEMM kernel through optfuse.kernels (CPU only, no GPU needed): sm_80, sm_89
-and sm_90 with their default configs, parameters in QDP order."""
+"""AOT compiles of the GEMM kernels through optfuse.kernels (CPU only, no GPU needed): the Triton
+kernel for sm_80, sm_89 and sm_90 with its default configs, the CUDA sm_90 kernel (NVRTC) with
+each of its variants, parameters in QDP order."""
 
 import re
 
@@ -25,7 +26,8 @@ T = plugin_module("gemm", "testing")
 ], ids=lambda x: x.id() if hasattr(x, "id") else f"sm{x}")
 def test_aot_compile(tmp_path, arch, case):
     static = T.case_static(case, arch)
-    src = L.kernel_config(case.op, case.dtype, case.attrs, static)
+    triton_cfg = next(c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, static) if c.impl == "triton")
+    src = L.kernel_config(case.op, case.dtype, case.attrs, static, config=triton_cfg)
     art = KernelCache(tmp_path).build(src, arch)
     n_in = src.n_inputs
     assert (art.n_inputs, art.n_extra, art.n_outputs) == (n_in, 1, 1)
@@ -62,9 +64,48 @@ def test_qdp_aot_kernel_with_symbolic_shapes(tmp_path, monkeypatch, op, inputs, 
         return TensorInfo("float16", dims, [d if isinstance(d, int) else -1 for d in dims])
 
     a, w = info(("B", "S", 768)), info((3072, 768))
-    ak = aot_kernel(op, [a, w, *map(info, inputs)], attrs, 0, arch=90, cdiv=sym_cdiv)
-    cfg = L.choose_config(op, "float16", 3072, 768, 90)
-    assert repr(ak.launch.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
+    for arch in (89, 90):
+        ak = aot_kernel(op, [a, w, *map(info, inputs)], attrs, 0, arch=arch, cdiv=sym_cdiv)
+        if arch == 90:  # the CUDA kernel: a persistent grid, one CTA per SM
+            assert "cuda_sm90" in ak.artifact.metadata["source"] and ak.launch.grid[0] == 132
+            continue
+        cfg = L.choose_config(op, "float16", 3072, 768, arch)
+        assert repr(ak.launch.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
     assert repr(ak.extra_args[0]) == "(B*S)"
     assert ak.artifact.n_inputs == 2 + len(inputs) and ak.artifact.n_scratch == 0
     assert ak.launch.block[0] == ak.artifact.threads
+
+
+SM90_CASES = [
+    T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none"),
+    T.Case("GemmEpilogue", (-1,), 1024, 4096, "bfloat16", "none", "vector", "full"),
+    T.Case("GemmEpilogue", (-1,), 896, 1000, "float16", "silu", "scalar", "scalar", "before_activation", 0.5),
+    T.Case("GatedGemm", (-1,), 11008, 4096, "bfloat16", "silu"),
+]
+
+
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.id())
+def test_sm90_cuda_compiles_every_variant(tmp_path, case):
+    """Each config of the CUDA sm_90 kernel builds for sm_90a (NVRTC) with wgmma and setmaxnreg,
+    inputs in QDP order, and fits the shared memory it asks for."""
+    static = T.case_static(case, 90)
+    cfgs = [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, 90, static) if c.impl == "cuda_sm90"]
+    assert cfgs and L.choose_config(case.op, case.dtype, case.n, case.k, 90, static) == cfgs[0]
+    for cfg in cfgs:
+        src = L.kernel_config(case.op, case.dtype, case.attrs, static, config=cfg)
+        art = KernelCache(tmp_path).build(src, 90)
+        assert art.arch_suffix == "a" and art.threads == 384 and art.cubin
+        assert "wgmma.mma_async" in art.ptx and "setmaxnreg" in art.ptx
+        entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
+        assert re.findall(r"\.param\s+\.(\w+)", entry) == ["u64"] * src.n_inputs + ["u32", "u64"]
+        params = L.launch_params(case.op, case.shapes(), [case.dtype] * len(case.shapes()), case.attrs,
+                                 static_shape=static, config=cfg)
+        assert params.block == (384, 1, 1) and params.shared_mem <= 227 * 1024
+
+
+def test_sm90_cuda_declines_what_it_cannot_run():
+    """Other archs, fp32, N with no room for the tensor maps: the Triton kernel."""
+    for case, arch in [(SM90_CASES[0], 89), (T.Case("GemmEpilogue", (-1,), 3072, 768, "float32", "none", "vector", "none"), 90),
+                       (T.Case("GemmEpilogue", (-1,), 1088, 768, "float16", "none", "vector", "full"), 90),
+                       (T.Case("GemmEpilogue", (-1,), 776, 768, "float16", "none", "vector", "none"), 90)]:
+        assert L.choose_config(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch)).impl == "triton"

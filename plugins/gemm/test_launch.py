@@ -93,13 +93,17 @@ def test_residual_position_only_matters_with_a_residual():
 def test_launch_params_are_shape_expressions():
     """Only * and cdiv over the dynamic dims (QDP's symbolic shapes); N's tile count is a number."""
     b, s = SymDim("B"), SymDim("S")
-    static = {"N": 3072, "K": 768, "bias_mode": "vector", "residual_mode": "full", "arch": 90}
-    p = L.launch_params("GemmEpilogue", [[b, s, 768], [3072, 768], [3072], [b, s, 3072]], ["float16"] * 4, {},
-                        cdiv=sym_cdiv, static_shape=static)
-    cfg = L.choose_config("GemmEpilogue", "float16", 3072, 768, 90)
-    assert repr(p.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
-    assert repr(p.extra_args[0]) == "(B*S)"
-    assert p.block == (cfg.num_warps * 32, 1, 1)
+    for arch in (89, 90):
+        static = {"N": 3072, "K": 768, "bias_mode": "vector", "residual_mode": "full", "arch": arch}
+        p = L.launch_params("GemmEpilogue", [[b, s, 768], [3072, 768], [3072], [b, s, 3072]], ["float16"] * 4, {},
+                            cdiv=sym_cdiv, static_shape=static)
+        cfg = L.choose_config("GemmEpilogue", "float16", 3072, 768, arch, static)
+        assert repr(p.extra_args[0]) == "(B*S)"
+        assert p.block == (cfg.num_warps * 32, 1, 1)
+        if cfg.impl == "cuda_sm90":  # persistent: one CTA per SM whatever M is
+            assert arch == 90 and p.grid == (132, 1, 1)
+        else:
+            assert repr(p.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
 
 
 @pytest.mark.parametrize("m", [1, 127, 128, 129, 4096])
