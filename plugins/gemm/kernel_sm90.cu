@@ -8,14 +8,20 @@
 // accumulation. Arguments (TensorRT QDP order): A, W (GatedGemm: A, W_gate, W_up)[, bias]
 // [, residual], M (int32), y. Grid: one CTA per SM (persistent), 384 threads.
 //
-// Schedule (CUTLASS's "warp-specialized cooperative" kernel):
+// Schedules (PINGPONG, launch_sm90.py picks one per shape class by measurement):
+// Cooperative (CUTLASS's "warp-specialized cooperative" kernel):
 //   * one producer warpgroup: a single thread streams the A and W boxes of every k-block of every
 //     tile of this CTA into a STAGES-deep shared-memory ring with TMA, guarded by mbarriers;
 //   * two consumer warpgroups share each 128 x 256 tile, 64 rows each, and issue m64n256k16 wgmma
 //     from the ring (both operands K-major: W is stored [N, K] for this); a k-block's slot is given
 //     back once the next k-block's MMAs are issued and the previous ones have completed;
 //   * the epilogue (sm90/epilogue.cuh) works on the accumulators in registers and writes y
-//     directly, while the producer already fills the ring with the next tile's first k-blocks.
+//     through shared memory, while the producer already fills the ring with the next tile's
+//     first k-blocks; the tensor cores wait for it.
+// Pingpong (GemmEpilogue; CUTLASS's "ping-pong" kernel): each consumer warpgroup owns whole
+//   128 x 128 tiles, the CTA's tiles taken in turn; the ring delivers them in order, so one
+//   warpgroup's epilogue runs while the other's MMAs use the tensor cores. A full residual is
+//   copied into the epilogue stage by the warpgroup itself (cp.async) when its tile starts.
 //
 // Tiles: 128 rows of A by 256 rows of W. GemmEpilogue: 256 output columns. GatedGemm: W rows
 // 0-127 of the tile are W_gate's rows n0..n0+127 and rows 128-255 are W_up's same rows, so one
@@ -75,21 +81,32 @@ typedef unsigned short u16;
 #error "OPTFUSE_DTYPE must be 1 (fp16) or 2 (bf16)"
 #endif
 
-#define BLOCK_M 128                      // rows of A per tile (64 per consumer warpgroup)
-#define BLOCK_N 256                      // rows of W per tile
+#ifndef PINGPONG
+#define PINGPONG 0
+#endif
+#if PINGPONG && GATED
+#error "GatedGemm runs the cooperative schedule"
+#endif
+#define BLOCK_M 128                      // rows of A per tile (cooperative: 64 per consumer warpgroup)
+#define BLOCK_N (PINGPONG ? 128 : 256)   // rows of W per tile
 #define BLOCK_K 64                       // one 128-byte swizzle row of 16-bit values
-#define OUT_N (GATED ? 128 : 256)        // output columns per tile
+#define OUT_N (GATED ? 128 : BLOCK_N)    // output columns per tile
+#define SLABS (PINGPONG ? 2 : 1)         // 64-row wgmma slabs per consumer warpgroup and tile
+#define SLAB_N (BLOCK_N)                 // columns of one slab's wgmma (m64n256 / m64n128)
 #define K_BLOCKS ((K_DIM + BLOCK_K - 1) / BLOCK_K)
 #define N_TILES ((N_DIM + OUT_N - 1) / OUT_N)
 #define A_BYTES (BLOCK_M * BLOCK_K * 2)  // 16 KB
 #define W_BYTES (BLOCK_N * BLOCK_K * 2)  // 32 KB
 #define STAGE_BYTES (A_BYTES + W_BYTES)
 #define NTHREADS 384                     // producer warpgroup + two consumer warpgroups
-// A full residual comes by TMA into the epilogue stage while the mainloop runs (its loads would
-// otherwise stall the epilogue); the stage then holds a warpgroup's whole 64 x 256 tile.
-#define RESIDUAL_TMA (RESIDUAL_MODE == 2)
+// A full residual arrives in the epilogue stage while the mainloop runs (its loads would
+// otherwise stall the epilogue): by TMA (cooperative; the stage then holds a warpgroup's whole
+// 64 x 256 tile) or by the warpgroup's own cp.async (pingpong).
+#define RESIDUAL_TMA (RESIDUAL_MODE == 2 && !PINGPONG)
+#define RESIDUAL_STAGED (RESIDUAL_MODE == 2)
+#define EPI_ROWS (64 * SLABS)                   // rows of a warpgroup's tile
 #define EPI_COLS (RESIDUAL_TMA ? 256 : 128)     // output columns per epilogue pass
-#define EPI_BYTES (64 * EPI_COLS * 2)
+#define EPI_BYTES (EPI_ROWS * EPI_COLS * 2)
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232                // 128 * 40 + 256 * 232 <= 64K registers
 
@@ -152,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(BAR_FULL(s), 1);   // the producer's expect_tx arrival (+ the TMA bytes)
-            mbar_init(BAR_EMPTY(s), 8);  // one arrival per consumer warp
+            mbar_init(BAR_EMPTY(s), PINGPONG ? 4 : 8);  // one arrival per consuming warp
         }
         for (int c = 0; c < 2; ++c) {
             mbar_init(BAR_RES_FULL(c), 1);   // expect_tx arrival + the residual's bytes
@@ -235,6 +252,44 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             }
         }
     } else {
+#if PINGPONG
+        // ================= consumer warpgroups: every other tile of this CTA each =================
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+        const int c = wg - 1;
+        float acc[128];  // slab s (rows 64 s .. 64 s + 63) in acc[64 s .. 64 s + 63]
+        int i = c;       // this CTA's tiles i = c, c + 2, ...: ring positions i * K_BLOCKS ...
+        for (int t = blockIdx.x + c * G; t < num_tiles; t += 2 * G, i += 2) {
+            int mb, nb;
+            tile_coords(t, tiles_m, mb, nb);
+            const int m0 = mb * BLOCK_M, n0 = nb * OUT_N;
+#if RESIDUAL_STAGED
+            stage_residual(residual, M, m0, n0, SLOT_EPI(c));  // lands during the mainloop
+#endif
+#pragma unroll
+            for (int r = 0; r < 128; ++r) acc[r] = 0.f;
+            int it = i * K_BLOCKS;
+            for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {
+                const int s = it % STAGES;
+                mbar_wait(BAR_FULL(s), (it / STAGES) & 1);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+                    const u64 dw = make_desc(SLOT_W(s) + kk * 32);
+                    wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[0]), make_desc(SLOT_A(s) + kk * 32), dw);
+                    wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[64]), make_desc(SLOT_A(s) + 64 * 128 + kk * 32), dw);
+                }
+                wgmma_commit();
+                if (kb > 0) {
+                    wgmma_wait<1>();
+                    mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
+                }
+            }
+            wgmma_wait<0>();
+            fence_regs(acc);
+            mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
+            store_tile(acc, Y, bias, residual, M, m0, n0, SLOT_EPI(c), 0, 0);
+        }
+#else
         // ================= consumer warpgroups: 64 rows of the tile each =================
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
         const int c = wg - 1;
@@ -272,5 +327,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             mbar_arrive_warp(BAR_RES_EMPTY(c));
 #endif
         }
+#endif
     }
 }

@@ -120,15 +120,18 @@ def _arch_class(arch: int | None) -> str:
     return "sm80" if _smem_limit(arch) >= 160 * 1024 else "small_smem"
 
 
-def _sm90_configs(op: str, dtype: str, n: int, static: dict | None, arch: int | None) -> list[GemmConfig]:
-    """The CUDA sm_90 kernel's configs for this instance (none where it does not take it): the
-    default ring depth first, then the other depths that fit, and a 16-row-block raster group."""
+def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None) -> list[GemmConfig]:
+    """The CUDA sm_90 kernel's configs for this instance (none where it does not take it): per
+    schedule (SM90_SCHEDULES order) its ring depths, deepest first, with 8- and 16-row-block
+    raster groups."""
     static = static or {}
-    if launch_sm90.takes(op, dtype, n, static, arch) is not None:
-        return []
     residual = static.get("residual_mode", "none")
-    out = [GemmConfig(launch_sm90.BLOCK_M, launch_sm90.OUT_N[op], launch_sm90.BLOCK_K, group, 12, stages, "cuda_sm90")
-           for stages in launch_sm90.stage_options(op, residual) for group in (8, 16)]
+    out = []
+    for impl in SM90_SCHEDULES:
+        if launch_sm90.takes(op, dtype, n, static, arch, impl, k) is not None:
+            continue
+        out += [GemmConfig(launch_sm90.BLOCK_M, launch_sm90.OUT_N[(impl, op)], launch_sm90.BLOCK_K, group, 12, stages, impl)
+                for stages in launch_sm90.stage_options(impl, op, residual) for group in (8, 16)]
     return out
 
 
@@ -147,7 +150,7 @@ def choose_config(op: str, dtype: Any, n: int, k: int, arch: int | None = None,
     table), else the Triton kernel."""
     _check_op(op)
     dtype = norm_dtype(dtype)
-    sm90 = _sm90_configs(op, dtype, static_int(n, "N"), static, arch)
+    sm90 = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch)
     return sm90[0] if sm90 else _triton_choice(op, dtype, n, k, arch)
 
 
@@ -158,7 +161,8 @@ def candidate_configs(op: str, dtype: Any, n: int, k: int, arch: int | None = No
     are left out. The GPU tests run every one."""
     _check_op(op)
     dtype = norm_dtype(dtype)
-    out = _sm90_configs(op, dtype, static_int(n, "N"), static, arch) + [_triton_choice(op, dtype, n, k, arch)]
+    out = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch)
+    out.append(_triton_choice(op, dtype, n, k, arch))
     limit = _smem_limit(arch)
     for c in _FP32_CANDIDATES if dtype == "float32" else _HALF_CANDIDATES:
         c = _fit(c, n, k)
@@ -335,15 +339,17 @@ def _triton_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: Gemm
 
 def _sm90_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: GemmConfig,
                  static: dict) -> KernelSource:
-    why = launch_sm90.takes(op, dtype, n, static, static.get("arch"))
+    why = launch_sm90.takes(op, dtype, n, static, static.get("arch"), cfg.impl, k)
     if why:
-        raise ValueError(f"{op}: the sm_90 kernel does not take this instance: {why}")
-    return launch_sm90.source(op, dtype, n, k, epi, cfg.num_stages, cfg.group_m,
+        raise ValueError(f"{op}: the sm_90 kernel ({cfg.impl}) does not take this instance: {why}")
+    return launch_sm90.source(cfg.impl, op, dtype, n, k, epi, cfg.num_stages, cfg.group_m,
                               _source_name(op, dtype, n, k, epi, cfg))
 
 
+#: The CUDA sm_90 kernel's schedules, the one chosen first where both take an instance.
+SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90")
 #: impl -> the function making its KernelSource (one entry per kernel source).
-_SOURCES = {"triton": _triton_source, "cuda_sm90": _sm90_source}
+_SOURCES = {"triton": _triton_source, **{impl: _sm90_source for impl in SM90_SCHEDULES}}
 
 
 def _config_for(op: str, dtype: str, n: int, k: int, static: dict, config: GemmConfig | None) -> GemmConfig:
@@ -380,9 +386,9 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     n, k = _dims(static)
     cfg = _config_for(op, dtype, n, k, static, config)
     m = rows_of(shapes[0])
-    if cfg.impl == "cuda_sm90":  # persistent: one CTA per SM
-        return launch_sm90.launch(op, m, cfg.num_stages, static.get("residual_mode", "none") if op == "GemmEpilogue"
-                                  else "none", static)
+    if cfg.impl in SM90_SCHEDULES:  # persistent: one CTA per SM
+        return launch_sm90.launch(cfg.impl, op, m, cfg.num_stages,
+                                  static.get("residual_mode", "none") if op == "GemmEpilogue" else "none", static)
     return LaunchParams(
         grid=(cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), 1, 1),
         block=(cfg.num_warps * 32, 1, 1),

@@ -26,7 +26,7 @@ L = plugin_module("gemm", "launch")
 pytestmark = pytest.mark.gpu
 
 #: The kernel sources under test (GemmConfig.impl values).
-KERNEL_SOURCES = ["cuda_sm90", "triton"]
+KERNEL_SOURCES = ["cuda_sm90_pingpong", "cuda_sm90", "triton"]
 
 C = T.Case
 _ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh")

@@ -111,24 +111,25 @@ __device__ __forceinline__ u32 epilogue_pair(float a0, float a1, float2 b, float
     return pack2(v0, v1);
 }
 
-// The output pair (column group j, row half h) of the fragment, packed.
-__device__ __forceinline__ u32 tile_value(const float (&d)[128], int j, int h, float2 b, float2 r) {
+// The output pair (slab sl, column group j, row half h) of the fragment, packed.
+__device__ __forceinline__ u32 tile_value(const float (&d)[128], int sl, int j, int h, float2 b, float2 r) {
+    const int i = 64 * sl + 4 * j + 2 * h;
 #if GATED
     // columns j of the gate half, j + OUT_N / 8 of the up half (kernel_sm90.cu, "Tiles")
     (void)b; (void)r;
     const int u = 4 * (j + OUT_N / 8) + 2 * h;
-    return pack2(activate(d[4 * j + 2 * h]) * d[u], activate(d[4 * j + 2 * h + 1]) * d[u + 1]);
+    return pack2(activate(d[i]) * d[u], activate(d[i + 1]) * d[u + 1]);
 #else
-    return epilogue_pair(d[4 * j + 2 * h], d[4 * j + 2 * h + 1], b, r);
+    return epilogue_pair(d[i], d[i + 1], b, r);
 #endif
 }
 
-// The epilogue stage: 64 rows x EPI_COLS columns of one warpgroup in TMA's 128-byte swizzle box
-// layout (boxes of 64 columns, 8 KB apart; in a box, row r's 16-byte chunk c at r * 128 +
-// (c ^ r % 8) * 16). The 8 rows one fragment store touches hit 32 different banks, and the
-// residual arrives in this layout by TMA.
+// The epilogue stage: EPI_ROWS rows x EPI_COLS columns of one warpgroup in TMA's 128-byte swizzle
+// box layout (boxes of 64 columns, EPI_ROWS * 128 bytes apart; in a box, row r's 16-byte chunk c
+// at r * 128 + (c ^ r % 8) * 16). The 8 rows one fragment store touches hit 32 different banks,
+// and a residual arrives in this layout (by TMA, or by cp.async in the same layout).
 __device__ __forceinline__ u32 epi_offset(int rl, int chunk) {
-    return (chunk >> 3) * (64 * 128) + rl * 128 + (((chunk & 7) ^ (rl & 7)) << 4);
+    return (chunk >> 3) * (EPI_ROWS * 128) + rl * 128 + (((chunk & 7) ^ (rl & 7)) << 4);
 }
 
 // Rows of the stage out to y: consecutive threads take consecutive 16-byte chunks of a row, so a
@@ -137,7 +138,7 @@ __device__ __forceinline__ void copy_out(u16* Y, int M, int row0, int col0, u32 
     const int tid = threadIdx.x & 127;
     constexpr int CHUNKS = EPI_COLS / 8;  // per row
 #pragma unroll
-    for (int it = 0; it < 64 * CHUNKS / 128; ++it) {
+    for (int it = 0; it < EPI_ROWS * CHUNKS / 128; ++it) {
         const int q = it * 128 + tid, rl = q / CHUNKS, ch = q % CHUNKS;
         const int row = row0 + rl, col = col0 + ch * 8;
         uint4 v;
@@ -147,11 +148,33 @@ __device__ __forceinline__ void copy_out(u16* Y, int M, int row0, int col0, u32 
     }
 }
 
-// This warpgroup's 64 x OUT_N tile, EPI_COLS columns per pass, through its shared-memory stage.
-// RESIDUAL_TMA: the stage already holds this tile's residual (the producer loaded it during the
-// mainloop; `res_full` completes when it has landed): each output pair replaces its residual pair
-// in place. Otherwise bias (and a scalar residual) come from global memory, 8 column groups'
-// worth loaded at once (one at a time, each load's latency would stall the warp before every pair).
+#if RESIDUAL_STAGED && !RESIDUAL_TMA
+// Pingpong: the warpgroup copies its tile's residual into its stage with 16-byte cp.async when
+// the tile starts (rows past M, columns past N zero-filled); store_tile waits for it.
+__device__ __forceinline__ void stage_residual(const u16* res, int M, int row0, int col0, u32 stage) {
+    const int tid = threadIdx.x & 127;
+    const int named = threadIdx.x / 128;
+    asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");  // the last tile's copy_out has read the stage
+    constexpr int CHUNKS = EPI_COLS / 8;
+#pragma unroll
+    for (int it = 0; it < EPI_ROWS * CHUNKS / 128; ++it) {
+        const int q = it * 128 + tid, rl = q / CHUNKS, ch = q % CHUNKS;
+        const int row = row0 + rl, col = col0 + ch * 8;
+        const bool ok = row < M && col < N_DIM;
+        const u16* src = ok ? res + (long long)row * N_DIM + col : res;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(stage + epi_offset(rl, ch)), "l"(src), "r"(ok ? 16u : 0u)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+#endif
+
+// This warpgroup's tile (SLABS x 64 rows, OUT_N columns), EPI_COLS columns per pass, through its
+// shared-memory stage. With a full residual the stage already holds the tile's residual (TMA:
+// `res_full` completes when it has landed; pingpong: this warpgroup's cp.async): each output pair
+// replaces its residual pair in place. Otherwise bias (and a scalar residual) come from global
+// memory, 8 column groups' worth loaded at once (one at a time, each load's latency would stall
+// the warp before every pair).
 __device__ __forceinline__ void store_tile(const float (&d)[128], u16* Y, const u16* bias, const u16* res,
                                            int M, int row0, int col0, u32 stage, u32 res_full, u32 res_phase) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
@@ -160,37 +183,44 @@ __device__ __forceinline__ void store_tile(const float (&d)[128], u16* Y, const 
     mbar_wait(res_full, res_phase);
 #else
     (void)res_full; (void)res_phase;
+#if RESIDUAL_STAGED
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");  // every thread's residual chunks landed
+#endif
 #endif
 #pragma unroll
     for (int pass = 0; pass < OUT_N / EPI_COLS; ++pass) {
-        if (!RESIDUAL_TMA) asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");  // the last pass's reads are done
+        if (!RESIDUAL_STAGED) asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");  // the last pass's reads are done
 #pragma unroll
-        for (int j8 = 0; j8 < EPI_COLS / 8; j8 += 8) {
-            float2 b[8], r[8][2];
+        for (int sl = 0; sl < SLABS; ++sl) {
 #pragma unroll
-            for (int jj = j8; jj < j8 + 8; ++jj) {
-                const int col = col0 + 8 * (pass * (EPI_COLS / 8) + jj) + 2 * (lane & 3);
-                const bool in = col < N_DIM;
-                b[jj - j8] = in ? bias_pair(bias, col) : make_float2(0.f, 0.f);
+            for (int j8 = 0; j8 < EPI_COLS / 8; j8 += 8) {
+                float2 b[8], r[8][2];
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int rl = warp * 16 + (lane >> 2) + 8 * h;
-#if RESIDUAL_TMA
-                    u32 rv;
-                    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(rv) : "r"(stage + epi_offset(rl, jj) + (lane & 3) * 4) : "memory");
-                    r[jj - j8][h] = make_float2(lo_f32(rv), hi_f32(rv));
+                for (int jj = j8; jj < j8 + 8; ++jj) {
+                    const int col = col0 + 8 * (pass * (EPI_COLS / 8) + jj) + 2 * (lane & 3);
+                    const bool in = col < N_DIM;
+                    b[jj - j8] = in ? bias_pair(bias, col) : make_float2(0.f, 0.f);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int rl = 64 * sl + warp * 16 + (lane >> 2) + 8 * h;
+#if RESIDUAL_STAGED
+                        u32 rv;
+                        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(rv) : "r"(stage + epi_offset(rl, jj) + (lane & 3) * 4) : "memory");
+                        r[jj - j8][h] = make_float2(lo_f32(rv), hi_f32(rv));
 #else
-                    r[jj - j8][h] = in && row0 + rl < M ? residual_pair(res, row0 + rl, col) : make_float2(0.f, 0.f);
+                        r[jj - j8][h] = in && row0 + rl < M ? residual_pair(res, row0 + rl, col) : make_float2(0.f, 0.f);
 #endif
+                    }
                 }
-            }
 #pragma unroll
-            for (int jj = j8; jj < j8 + 8; ++jj) {
+                for (int jj = j8; jj < j8 + 8; ++jj) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int rl = warp * 16 + (lane >> 2) + 8 * h;
-                    const u32 v = tile_value(d, pass * (EPI_COLS / 8) + jj, h, b[jj - j8], r[jj - j8][h]);
-                    asm volatile("st.shared.u32 [%0], %1;" ::"r"(stage + epi_offset(rl, jj) + (lane & 3) * 4), "r"(v) : "memory");
+                    for (int h = 0; h < 2; ++h) {
+                        const int rl = 64 * sl + warp * 16 + (lane >> 2) + 8 * h;
+                        const u32 v = tile_value(d, sl, pass * (EPI_COLS / 8) + jj, h, b[jj - j8], r[jj - j8][h]);
+                        asm volatile("st.shared.u32 [%0], %1;" ::"r"(stage + epi_offset(rl, jj) + (lane & 3) * 4), "r"(v) : "memory");
+                    }
                 }
             }
         }

@@ -24,7 +24,7 @@ __device__ __forceinline__ u64 make_desc(u32 saddr) {
     return d;
 }
 
-// The 128 fp32 accumulators of an m64n256 wgmma (per thread), bound in order as read-write so
+// The fp32 accumulators of an m64n256 (128) or m64n128 (64) wgmma (per thread), bound in order as read-write so
 // that the compiler keeps them in place across the asynchronous MMA.
 #define ACC_REGS_128 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
@@ -42,5 +42,19 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], u64 desc_a, u64 desc
         "wgmma.mma_async.sync.aligned.m64n256k16.f32." WG_TY "." WG_TY " {" ACC_REGS_128
         "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
         : ACC_OPS_128
+        : "l"(desc_a), "l"(desc_b), "n"(1));
+}
+
+// d += A[64 x 16] @ B[16 x 128]^T (pingpong: two of these per 16 columns of K, one per slab).
+#define ACC_REGS_64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, " \
+    "%60, %61, %62, %63"
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TY "." WG_TY " {" ACC_REGS_64
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : ACC_OPS_32(0), ACC_OPS_32(32)
         : "l"(desc_a), "l"(desc_b), "n"(1));
 }
