@@ -263,8 +263,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             tile_coords(t, tiles_m, mb, nb);
             const int m0 = mb * BLOCK_M, n0 = nb * OUT_N;
 #if RESIDUAL_STAGED
-            stage_residual(residual, M, m0, n0, SLOT_EPI(c));  // lands during the mainloop
+            stage_residual(residual, M, m0, n0, SLOT_EPI(c));  // lands while this warpgroup waits and computes
 #endif
+            // Turns (named barriers 3 + c, both warpgroups): a warpgroup starts its mainloop once the
+            // other has waited for every k-block of the tile before. Needed for correctness, not
+            // only for speed: a ring slot's full barrier may be only one phase behind the position
+            // waited for, or its parity wait passes early.
+            if (i > 0) asm volatile("bar.sync %0, 256;" ::"r"(3 + c) : "memory");
 #pragma unroll
             for (int r = 0; r < 128; ++r) acc[r] = 0.f;
             int it = i * K_BLOCKS;
@@ -284,6 +289,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                     mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
                 }
             }
+            if (t + G < num_tiles) asm volatile("bar.arrive %0, 256;" ::"r"(3 + (1 - c)) : "memory");  // the next tile's turn
             wgmma_wait<0>();
             fence_regs(acc);
             mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
