@@ -23,8 +23,10 @@ GatedGemm shapes replace mm / lt by ``mm2`` (two bare GEMMs, gate and up) and ``
 GEMM over [W_gate; W_up], N doubled: what the gate must not cost on top of); the chain is
 mm, mm, silu, mul.
 
-Timing: ``triton.testing.do_bench`` medians (L2 flushed before every call), all contenders of a
-point visited in turn for ``--rounds`` rounds (the clock drifts over a run), median of the rounds.
+Timing: ``triton.testing.do_bench_cudagraph`` medians: each contender's calls replayed from a
+CUDA graph, so no contender pays Python launch costs (ours goes through a ctypes launcher; a
+TensorRT engine launches from C++); all contenders of a point visited in turn for ``--rounds``
+rounds (the clock drifts over a run), median of the rounds.
 Ratios are time ours / time contender (< 1: ours is faster).
 
     python scripts/bench_gemm.py --build .optfuse_cache/gemm            # CPU: prebuild the cubins
@@ -93,7 +95,7 @@ def points(shapes, tokens, dtypes):
 def ours_configs(case, arch, variants: str | None) -> list:
     """(label, config): the first candidate of every kernel source (what kernel_config picks
     first), then, with ``variants`` ("all" or config names), those candidates too."""
-    cands = L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch))
+    cands = L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation)
     out, seen = [], set()
     for c in cands:
         if c.impl not in seen:
@@ -225,15 +227,21 @@ class Artifacts:
 def _bench(fn) -> float:
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # ms
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")  # ms
 
 
-def interleaved(fns: dict, rounds: int) -> dict:
-    """Median time of each contender over ``rounds`` rounds that visit them in turn."""
+def interleaved(fns: dict, rounds: int, notes: dict) -> dict:
+    """Median time of each contender over ``rounds`` rounds that visit them in turn; one that
+    cannot be timed (e.g. it does not capture into a CUDA graph) is dropped with a note."""
     times = {k: [] for k in fns}
     for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k].append(_bench(fn))
+        for k, fn in list(fns.items()):
+            try:
+                times[k].append(_bench(fn))
+            except Exception as exc:  # noqa: BLE001 - a contender's failure is reported, not fatal
+                notes[k] = f"not timed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                fns.pop(k)
+                times.pop(k)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -272,7 +280,8 @@ def contenders(case, ins, compiler, artifacts, arch, variants, check):
         if check:  # the result against the chain in float64 (a wrong kernel is not timed)
             check_on_device(out, ref, case.dtype, src.name)
         notes[label] = f"{L.config_name(cfg)} ({origin})"
-        fns[label] = (lambda a=art, p=params, o=out: launch(a, p, present, [o], stream))
+        # the current stream when called: the graph capture's
+        fns[label] = (lambda a=art, p=params, o=out: launch(a, p, present, [o], torch.cuda.current_stream().cuda_stream))
     return fns, notes
 
 
@@ -282,7 +291,7 @@ def run_point(name, m, dtype, args, compiler, artifacts, arch) -> dict:
     case = case_of(name, m, dtype)
     ins = _cuda_inputs(case, torch.Generator(device="cuda").manual_seed(m * 7 + case.n))
     fns, notes = contenders(case, ins, compiler, artifacts, arch, args.variants, not args.no_check)
-    times = interleaved(fns, args.rounds)
+    times = interleaved(fns, args.rounds, notes)
     flops = 2.0 * case.m * case.n * case.k * (2 if case.op == "GatedGemm" else 1)
     row = {"shape": name, "op": case.op, "M": case.m, "N": case.n, "K": case.k, "dtype": dtype,
            "activation": case.activation, "bias": case.bias, "residual": case.residual,

@@ -120,14 +120,25 @@ def _arch_class(arch: int | None) -> str:
     return "sm80" if _smem_limit(arch) >= 160 * 1024 else "small_smem"
 
 
-def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None) -> list[GemmConfig]:
+def sm90_schedules(op: str, k: int, static: dict, activation: str | None) -> tuple[str, ...]:
+    """The CUDA kernel's schedules in order of preference for an instance (H200 table, README):
+    ping-pong for plain projections (no activation, no residual) with K <= 2048 -- BERT's QKV,
+    where its 128 x 128 tiles and overlapped epilogue win at every M -- else cooperative, which
+    wins wherever the epilogue has math or a residual to read, and at long K."""
+    plain = (activation in (None, "none") and static.get("residual_mode", "none") == "none"
+             and op == "GemmEpilogue" and k <= 2048)
+    return ("cuda_sm90_pingpong", "cuda_sm90") if plain else ("cuda_sm90", "cuda_sm90_pingpong")
+
+
+def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None,
+                  activation: str | None = None) -> list[GemmConfig]:
     """The CUDA sm_90 kernel's configs for this instance (none where it does not take it): per
-    schedule (SM90_SCHEDULES order) its ring depths, deepest first, with 8- and 16-row-block
+    schedule (sm90_schedules' order) its ring depths, deepest first, with 8- and 16-row-block
     raster groups."""
     static = static or {}
     residual = static.get("residual_mode", "none")
     out = []
-    for impl in SM90_SCHEDULES:
+    for impl in sm90_schedules(op, k, static, activation):
         if launch_sm90.takes(op, dtype, n, static, arch, impl, k) is not None:
             continue
         out += [GemmConfig(launch_sm90.BLOCK_M, launch_sm90.OUT_N[(impl, op)], launch_sm90.BLOCK_K, group, 12, stages, impl)
@@ -143,25 +154,25 @@ def _triton_choice(op: str, dtype: str, n: int, k: int, arch: int | None) -> Gem
 
 
 def choose_config(op: str, dtype: Any, n: int, k: int, arch: int | None = None,
-                  static: dict | None = None) -> GemmConfig:
+                  static: dict | None = None, activation: str | None = None) -> GemmConfig:
     """The config for a specialization. ``arch`` is the build target (None: unknown, so one that
     fits every target's shared memory); ``static`` the instance's static shape (bias / residual
-    modes and dtypes). On sm_90 the CUDA kernel where it takes the instance (README, the H200
-    table), else the Triton kernel."""
+    modes and dtypes), ``activation`` its activation. On sm_90 the CUDA kernel where it takes the
+    instance (README, the H200 table), else the Triton kernel."""
     _check_op(op)
     dtype = norm_dtype(dtype)
-    sm90 = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch)
+    sm90 = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch, activation)
     return sm90[0] if sm90 else _triton_choice(op, dtype, n, k, arch)
 
 
 def candidate_configs(op: str, dtype: Any, n: int, k: int, arch: int | None = None,
-                      static: dict | None = None) -> list[GemmConfig]:
+                      static: dict | None = None, activation: str | None = None) -> list[GemmConfig]:
     """Configs a tuning sweep tries (the current choice first; on sm_90 the CUDA kernel's, then the
     Triton kernel's), fitted to N and K; those whose operand ring exceeds ``arch``'s shared memory
     are left out. The GPU tests run every one."""
     _check_op(op)
     dtype = norm_dtype(dtype)
-    out = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch)
+    out = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch, activation)
     out.append(_triton_choice(op, dtype, n, k, arch))
     limit = _smem_limit(arch)
     for c in _FP32_CANDIDATES if dtype == "float32" else _HALF_CANDIDATES:
@@ -352,13 +363,14 @@ SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90")
 _SOURCES = {"triton": _triton_source, **{impl: _sm90_source for impl in SM90_SCHEDULES}}
 
 
-def _config_for(op: str, dtype: str, n: int, k: int, static: dict, config: GemmConfig | None) -> GemmConfig:
+def _config_for(op: str, dtype: str, n: int, k: int, static: dict, config: GemmConfig | None,
+                epi: Epilogue) -> GemmConfig:
     if config is not None:
         if config.impl not in _SOURCES:
             raise ValueError(f"GEMM: no kernel source {config.impl!r} (have {sorted(_SOURCES)})")
         return config
     arch = static.get("arch")
-    return choose_config(op, dtype, n, k, None if arch is None else int(arch), static)
+    return choose_config(op, dtype, n, k, None if arch is None else int(arch), static, epi.activation)
 
 
 def kernel_config(op: Any, dtype: Any, attrs: dict | None, static_shape: dict,
@@ -371,7 +383,7 @@ def kernel_config(op: Any, dtype: Any, attrs: dict | None, static_shape: dict,
         raise ValueError(f"{op}: dtype {dtype} not in {DTYPES}")
     n, k = _dims(static_shape)
     epi = epilogue_of(op, attrs, static_shape)
-    cfg = _config_for(op, dtype, n, k, static_shape, config)
+    cfg = _config_for(op, dtype, n, k, static_shape, config, epi)
     return _SOURCES[cfg.impl](op, dtype, n, k, epi, cfg, static_shape)
 
 
@@ -384,7 +396,7 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     dtype = norm_dtype(dtypes[0])
     static = static_shape if static_shape is not None else _static_shape_of(op, shapes, dtypes)
     n, k = _dims(static)
-    cfg = _config_for(op, dtype, n, k, static, config)
+    cfg = _config_for(op, dtype, n, k, static, config, epilogue_of(op, attrs, static))
     m = rows_of(shapes[0])
     if cfg.impl in SM90_SCHEDULES:  # persistent: one CTA per SM
         return launch_sm90.launch(cfg.impl, op, m, cfg.num_stages,

@@ -86,11 +86,12 @@ SM90_CASES = [
 
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.id())
 def test_sm90_cuda_compiles_every_variant(tmp_path, case):
-    """Each config of the CUDA sm_90 kernel builds for sm_90a (NVRTC) with wgmma and setmaxnreg,
+    """Each config of the CUDA sm_90 kernel (both schedules) builds for sm_90a (NVRTC) with wgmma and setmaxnreg,
     inputs in QDP order, and fits the shared memory it asks for."""
     static = T.case_static(case, 90)
-    cfgs = [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, 90, static) if c.impl == "cuda_sm90"]
-    assert cfgs and L.choose_config(case.op, case.dtype, case.n, case.k, 90, static) == cfgs[0]
+    cfgs = [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, 90, static, case.activation)
+            if c.impl in L.SM90_SCHEDULES]
+    assert cfgs and L.choose_config(case.op, case.dtype, case.n, case.k, 90, static, case.activation) == cfgs[0]
     for cfg in cfgs:
         src = L.kernel_config(case.op, case.dtype, case.attrs, static, config=cfg)
         art = KernelCache(tmp_path).build(src, 90)
@@ -108,4 +109,16 @@ def test_sm90_cuda_declines_what_it_cannot_run():
     for case, arch in [(SM90_CASES[0], 89), (T.Case("GemmEpilogue", (-1,), 3072, 768, "float32", "none", "vector", "none"), 90),
                        (T.Case("GemmEpilogue", (-1,), 1088, 768, "float16", "none", "vector", "full"), 90),
                        (T.Case("GemmEpilogue", (-1,), 776, 768, "float16", "none", "vector", "none"), 90)]:
-        assert L.choose_config(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch)).impl == "triton"
+        assert L.choose_config(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation).impl == "triton"
+
+
+def test_sm90_schedule_choice():
+    """Ping-pong for plain short-K projections (BERT's QKV), cooperative where the epilogue has
+    math or a residual, or K is long (the H200 table)."""
+    def impl(case):
+        return L.choose_config(case.op, case.dtype, case.n, case.k, 90, T.case_static(case, 90), case.activation).impl
+    assert impl(T.Case("GemmEpilogue", (-1,), 2304, 768, "float16", "none", "vector", "none")) == "cuda_sm90_pingpong"
+    assert impl(T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == "cuda_sm90"
+    assert impl(T.Case("GemmEpilogue", (-1,), 768, 3072, "float16", "none", "vector", "full")) == "cuda_sm90"
+    assert impl(T.Case("GemmEpilogue", (-1,), 12288, 4096, "bfloat16", "none", "none", "none")) == "cuda_sm90"
+    assert impl(T.Case("GatedGemm", (-1,), 11008, 4096, "float16", "silu")) == "cuda_sm90"

@@ -76,7 +76,8 @@ def _device_arch():
 def configs_of(impl: str, case, arch) -> list:
     """The candidate configs of kernel source ``impl`` for a case on ``arch``."""
     static = T.case_static(case, arch)
-    return [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, static) if c.impl == impl]
+    return [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, static, case.activation)
+            if c.impl == impl]
 
 
 def gpu_test_sources(arch=None) -> list:
@@ -145,6 +146,6 @@ def test_default_choice_is_tested(cuda_torch):
     test_artifact_matches_reference runs what a plugin runs."""
     arch = _device_arch()
     for case in CASES:
-        chosen = L.choose_config(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch))
+        chosen = L.choose_config(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation)
         assert chosen.impl in KERNEL_SOURCES, f"{case.id()}: picks {chosen.impl!r}, not under test"
         assert configs_of(chosen.impl, case, arch)[0] == chosen

@@ -97,7 +97,7 @@ def test_launch_params_are_shape_expressions():
         static = {"N": 3072, "K": 768, "bias_mode": "vector", "residual_mode": "full", "arch": arch}
         p = L.launch_params("GemmEpilogue", [[b, s, 768], [3072, 768], [3072], [b, s, 3072]], ["float16"] * 4, {},
                             cdiv=sym_cdiv, static_shape=static)
-        cfg = L.choose_config("GemmEpilogue", "float16", 3072, 768, arch, static)
+        cfg = L.choose_config("GemmEpilogue", "float16", 3072, 768, arch, static, "none")
         assert repr(p.extra_args[0]) == "(B*S)"
         assert p.block == (cfg.num_warps * 32, 1, 1)
         if cfg.impl == "cuda_sm90":  # persistent: one CTA per SM whatever M is
