@@ -73,14 +73,6 @@ typedef unsigned short u16;
 #error "GatedGemm has no bias or residual"
 #endif
 
-#if OPTFUSE_DTYPE == 1
-#define WG_TY "f16"
-#elif OPTFUSE_DTYPE == 2
-#define WG_TY "bf16"
-#else
-#error "OPTFUSE_DTYPE must be 1 (fp16) or 2 (bf16)"
-#endif
-
 #ifndef PINGPONG
 #define PINGPONG 0
 #endif
@@ -110,7 +102,7 @@ typedef unsigned short u16;
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232                // 128 * 40 + 256 * 232 <= 64K registers
 
-#include "sm90/sync.cuh"
+#include "../common/sm90.cuh"  // WG_TY, mbarriers, proxy fence, tensor-map publishing, wgmma fences, descriptors
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 #include "sm90/epilogue.cuh"
@@ -279,9 +271,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-                    const u64 dw = make_desc(SLOT_W(s) + kk * 32);
-                    wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[0]), make_desc(SLOT_A(s) + kk * 32), dw);
-                    wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[64]), make_desc(SLOT_A(s) + 64 * 128 + kk * 32), dw);
+                    const u64 dw = kmajor_desc(SLOT_W(s) + kk * 32);
+                    wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[0]), kmajor_desc(SLOT_A(s) + kk * 32), dw);
+                    wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[64]), kmajor_desc(SLOT_A(s) + 64 * 128 + kk * 32), dw);
                 }
                 wgmma_commit();
                 if (kb > 0) {
@@ -312,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < BLOCK_K / 16; ++kk)  // 16 columns = 32 bytes of the swizzle row
-                    wgmma_n256(acc, make_desc(SLOT_A(s) + c * (64 * 128) + kk * 32), make_desc(SLOT_W(s) + kk * 32));
+                    wgmma_n256(acc, kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32), kmajor_desc(SLOT_W(s) + kk * 32));
                 wgmma_commit();
                 if (kb > 0) {
                     wgmma_wait<1>();  // k-block kb - 1 is done: its slot goes back to the producer

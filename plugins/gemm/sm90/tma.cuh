@@ -1,5 +1,5 @@
 // kernel_sm90.cu, the producer's loads: tensor maps built on the device and TMA box copies into the
-// 128-byte swizzle layout wgmma reads. Needs sync.cuh.
+// 128-byte swizzle layout wgmma reads. Needs plugins/common/sm90.cuh.
 //
 // A QDP kernel gets pointers and int32 scalars only, so no host-encoded tensor map: one thread
 // writes each map into zeroed shared memory with tensormap.replace (PTX encodings: rank - 1,
@@ -52,14 +52,6 @@ __device__ __forceinline__ void tmap_encode_pair(u32 sm, const void* g, u64 pair
     TMAP_SET_ORD(sm, "element_stride", 0, 1u);
     TMAP_SET_ORD(sm, "element_stride", 1, 1u);
     TMAP_SET_ORD(sm, "element_stride", 2, 1u);
-}
-
-// The warp's copy of a finished map to global memory, where the TMA unit reads it, ordered before
-// this thread's later TMA use of it (release by the copy, acquire by the fence).
-__device__ __forceinline__ void tmap_publish(void* g, u32 sm) {
-    asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned [%0], [%1], 128;"
-                 ::"l"(g), "r"(sm) : "memory");
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(g) : "memory");
 }
 
 // Box at (column c0, row c1) of a 2-D map into shared memory; completes on `bar` by bytes.
