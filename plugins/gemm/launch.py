@@ -225,6 +225,9 @@ def static_shape(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequen
     by_name = dict(zip(names, shapes))
     a, w = by_name["A"], shapes[1]
     out: dict[str, Any] = {"K": a[-1], "N": w[0]}
+    if op == "GatedGemm" and shapes[2] is not None and (
+            len(shapes[2]) != len(w) or not all(_same_dim(u, g) for u, g in zip(shapes[2], w))):
+        raise ValueError(f"GatedGemm: W_up {list(shapes[2])} and W_gate {list(w)} differ")
     if op == "GemmEpilogue":
         out["bias_mode"] = bias_mode(by_name["bias"], w[0])
         out["residual_mode"] = residual_mode(by_name["residual"], a)
