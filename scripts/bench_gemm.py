@@ -191,6 +191,9 @@ class CompileBudget:
         def alarm(*_):
             raise TimeoutError(f"compile over {limit}s")
 
+        # the chain functions of all points share one code object: without a reset, dynamo's
+        # recompile limit would silently run later points in eager
+        torch._dynamo.reset()
         t0 = time.time()
         old = signal.signal(signal.SIGALRM, alarm)
         signal.alarm(limit)

@@ -15,7 +15,10 @@ One program computes one BLOCK_M x BLOCK_N tile of y: it streams BLOCK_K slices 
 shared memory (``num_stages`` deep, cp.async; the tensor cores by ``tl.dot``: mma on sm_80/sm_89,
 wgmma on sm_90) into an FP32 accumulator, then applies the whole epilogue to the accumulator in
 registers and stores y once: the pre-activation tensor never reaches HBM. GatedGemm keeps two
-accumulators (gate and up) for the same tile of A, so A is read once for both products.
+accumulators (gate and up) for the same tile of A, so A is read once for both products. With
+EPILOGUE_SPLIT the epilogue runs on the two column halves of the tile in turn (the accumulator split
+with ``tl.split``): half the residual tile and half the activation's temporaries are live at a time,
+which keeps 128 x 256 tiles free of register spills.
 
 Tile order: the 1-D grid walks GROUP_M row tiles per column tile before moving on (the tutorial's
 grouped order), so programs running together share W's column panel and A's rows in L2.
@@ -68,12 +71,44 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _epilogue(acc, acc_up, Bias, Residual, Y, rows, cols, M, N: tl.constexpr, ALPHA: tl.constexpr,
+              ACTIVATION: tl.constexpr, BIAS_MODE: tl.constexpr, RES_MODE: tl.constexpr,
+              RESIDUAL_BEFORE: tl.constexpr, GATED: tl.constexpr):
+    """alpha, bias, residual, activation (or the gate product), cast and store of the y tile at
+    (rows, cols); rows past M and columns past N are not stored."""
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    y_off = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if GATED:
+        y = _activation(acc, ACTIVATION) * acc_up
+    else:
+        y = acc
+        if ALPHA != 1.0:
+            y = y * ALPHA
+        if BIAS_MODE == 1:
+            y += tl.load(Bias).to(tl.float32)
+        elif BIAS_MODE == 2:
+            y += tl.load(Bias + cols % N).to(tl.float32)[None, :]
+        if RES_MODE == 1:
+            r = tl.load(Residual).to(tl.float32)
+        elif RES_MODE == 2:
+            r = tl.load(Residual + y_off, mask=ok, other=0.0).to(tl.float32)
+        if RES_MODE != 0:
+            if RESIDUAL_BEFORE:
+                y += r
+        y = _activation(y, ACTIVATION)
+        if RES_MODE != 0:
+            if not RESIDUAL_BEFORE:
+                y += r
+    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _gemm_epilogue_kernel(
         A, W, W_up, Bias, Residual, M, Y,
         N: tl.constexpr, K: tl.constexpr, ALPHA: tl.constexpr, ACTIVATION: tl.constexpr,
         BIAS_MODE: tl.constexpr, RES_MODE: tl.constexpr, RESIDUAL_BEFORE: tl.constexpr,
         GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
     # -- which tile: grouped order over a 1-D grid -------------------------------------------------
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -128,29 +163,21 @@ def _gemm_epilogue_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    # -- epilogue on the FP32 accumulator: alpha, bias, residual, activation, gate, cast ------------
-    out_m = offs_m[:, None] < M
-    out_n = offs_n[None, :] < N
-    y_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if GATED:
-        y = _activation(acc, ACTIVATION) * acc_up
+    # -- epilogue on the FP32 accumulator, in column halves when EPILOGUE_SPLIT ----------------------
+    if EPILOGUE_SPLIT:
+        HALF: tl.constexpr = BLOCK_N // 2
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        if GATED:
+            up0, up1 = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        else:
+            up0, up1 = acc0, acc1  # unused
+        cols0 = pid_n * BLOCK_N + tl.arange(0, HALF)
+        _epilogue(acc0, up0, Bias, Residual, Y, offs_m, cols0, M, N, ALPHA, ACTIVATION, BIAS_MODE, RES_MODE,
+                  RESIDUAL_BEFORE, GATED)
+        _epilogue(acc1, up1, Bias, Residual, Y, offs_m, cols0 + HALF, M, N, ALPHA, ACTIVATION, BIAS_MODE,
+                  RES_MODE, RESIDUAL_BEFORE, GATED)
     else:
-        y = acc
-        if ALPHA != 1.0:
-            y = y * ALPHA
-        if BIAS_MODE == 1:
-            y += tl.load(Bias).to(tl.float32)
-        elif BIAS_MODE == 2:
-            y += tl.load(Bias + cols_w).to(tl.float32)[None, :]
-        if RES_MODE == 1:
-            r = tl.load(Residual).to(tl.float32)
-        elif RES_MODE == 2:
-            r = tl.load(Residual + y_off, mask=out_m & out_n, other=0.0).to(tl.float32)
-        if RES_MODE != 0:
-            if RESIDUAL_BEFORE:
-                y += r
-        y = _activation(y, ACTIVATION)
-        if RES_MODE != 0:
-            if not RESIDUAL_BEFORE:
-                y += r
-    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=out_m & out_n)
+        if not GATED:
+            acc_up = acc  # unused
+        _epilogue(acc, acc_up, Bias, Residual, Y, offs_m, offs_n, M, N, ALPHA, ACTIVATION, BIAS_MODE, RES_MODE,
+                  RESIDUAL_BEFORE, GATED)

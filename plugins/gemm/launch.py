@@ -65,12 +65,15 @@ class GemmConfig:
     num_warps: int
     num_stages: int  # software-pipelining depth of the A / W loads
     impl: str = "triton"  # which kernel source (_SOURCES)
+    #: the epilogue in two column halves (fewer live registers: the residual tile and the
+    #: activation's temporaries of half the tile at a time)
+    epilogue_split: bool = False
 
 
 def config_name(cfg: GemmConfig) -> str:
-    """The config in words, e.g. ``triton_128x256x64_g8_8warps_3stages``."""
+    """The config in words, e.g. ``triton_128x256x64_g8_8warps_3stages_split``."""
     return (f"{cfg.impl}_{cfg.block_m}x{cfg.block_n}x{cfg.block_k}_g{cfg.group_m}_"
-            f"{cfg.num_warps}warps_{cfg.num_stages}stages")
+            f"{cfg.num_warps}warps_{cfg.num_stages}stages" + ("_split" if cfg.epilogue_split else ""))
 
 
 def shared_mem_estimate(op: str, dtype: str, cfg: GemmConfig) -> int:
@@ -85,33 +88,53 @@ def _smem_limit(arch: int | None) -> int:
 
 def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     """Tiles no wider than the problem needs (N, K rounded up to a power of two, >= 16: tl.dot's minimum)."""
-    return replace(cfg, block_n=min(cfg.block_n, max(16, next_pow2(n))),
-                   block_k=min(cfg.block_k, max(16, next_pow2(k))))
+    return _split_epilogue(replace(cfg, block_n=min(cfg.block_n, max(16, next_pow2(n))),
+                                   block_k=min(cfg.block_k, max(16, next_pow2(k)))))
 
 
 # Defaults from the Triton tutorials until measured on the GPUs (README "Configs"):
 # 03-matrix-multiplication (sm_80 list) and 09-persistent-matmul (Hopper fp16: 128 x 256 x 64,
-# 8 warps, 3 stages). GatedGemm holds two accumulators, so its tiles are half as wide.
+# 8 warps, 3 stages), adjusted so that ptxas spills no register with the largest epilogue (GELU erf,
+# a bias and a full residual; test_aot checks it): the epilogue of a tile with >= 128 accumulator
+# registers per thread runs in column halves, GatedGemm (two accumulators) takes narrower tiles.
 _C = GemmConfig
 _HALF_DEFAULT = {  # (arch class, gated) -> config for fp16 / bf16
     ("sm90", False): _C(128, 256, 64, 8, 8, 3),
     ("sm90", True): _C(128, 128, 64, 8, 8, 4),
     ("sm80", False): _C(128, 256, 64, 8, 8, 3),
-    ("sm80", True): _C(128, 128, 32, 8, 8, 4),
-    ("small_smem", False): _C(128, 128, 32, 8, 4, 4),
-    ("small_smem", True): _C(128, 128, 32, 8, 8, 3),
+    ("sm80", True): _C(128, 64, 32, 8, 4, 4),
+    ("small_smem", False): _C(128, 128, 32, 8, 8, 4),
+    ("small_smem", True): _C(128, 64, 32, 8, 4, 4),
 }
 #: FP32 (IEEE FMA dots, no tensor cores): small tiles, few registers.
-_FP32_DEFAULT = {False: _C(64, 64, 32, 8, 4, 3), True: _C(64, 64, 32, 8, 4, 2)}
-#: What a sweep tries besides the default: the 03 tutorial's sm_80 list and Hopper tiles.
-_HALF_CANDIDATES = [
-    _C(128, 256, 64, 8, 8, 3), _C(64, 256, 32, 8, 4, 4), _C(128, 128, 32, 8, 4, 4),
-    _C(128, 64, 32, 8, 4, 4), _C(64, 128, 32, 8, 4, 4), _C(128, 32, 32, 8, 4, 4),
-    _C(64, 32, 32, 8, 2, 5), _C(32, 64, 32, 8, 2, 5),
-    _C(128, 128, 64, 8, 8, 4), _C(128, 128, 64, 8, 4, 3), _C(128, 256, 64, 8, 8, 4), _C(64, 256, 64, 8, 4, 4),
-]
-_FP32_CANDIDATES = [_C(64, 64, 32, 8, 4, 3), _C(128, 64, 32, 8, 4, 3), _C(64, 128, 32, 8, 4, 3),
-                    _C(32, 64, 32, 8, 2, 4), _C(64, 64, 16, 8, 4, 4)]
+_FP32_DEFAULT = {False: _C(64, 64, 32, 8, 4, 3), True: _C(64, 64, 32, 8, 8, 2)}
+#: What a sweep tries besides the default, per (dtype class, gated): the 03 tutorial's sm_80 list and
+#: Hopper tiles, less those ptxas spills registers for with the largest epilogue on sm_80, sm_89 or
+#: sm_90 (64 x 256; GatedGemm tiles over 128 x 64, but for the sm_90 one, whose operand ring only
+#: sm_90's shared memory holds).
+_CANDIDATES = {
+    ("half", False): [
+        _C(128, 256, 64, 8, 8, 3), _C(128, 128, 32, 8, 4, 4), _C(128, 64, 32, 8, 4, 4), _C(64, 128, 32, 8, 4, 4),
+        _C(128, 32, 32, 8, 4, 4), _C(64, 32, 32, 8, 2, 5), _C(32, 64, 32, 8, 2, 5), _C(128, 128, 64, 8, 8, 4),
+        _C(128, 128, 64, 8, 4, 3), _C(128, 256, 64, 8, 8, 4), _C(128, 128, 32, 8, 8, 4),
+    ],
+    ("half", True): [
+        _C(128, 128, 64, 8, 8, 4), _C(128, 64, 32, 8, 4, 4), _C(64, 128, 32, 8, 4, 4), _C(64, 32, 32, 8, 2, 5),
+        _C(32, 64, 32, 8, 2, 5),
+    ],
+    ("fp32", False): [_C(64, 64, 32, 8, 4, 3), _C(128, 64, 32, 8, 4, 3), _C(64, 128, 32, 8, 4, 3),
+                      _C(32, 64, 32, 8, 2, 4), _C(64, 64, 16, 8, 4, 4), _C(64, 64, 32, 8, 8, 2)],
+    ("fp32", True): [_C(64, 64, 32, 8, 8, 2), _C(64, 32, 32, 8, 4, 3), _C(32, 64, 32, 8, 4, 3),
+                     _C(64, 64, 16, 8, 4, 3)],
+}
+
+
+def _split_epilogue(cfg: GemmConfig) -> GemmConfig:
+    """Column halves for the epilogue of tiles holding >= 128 accumulator registers per thread
+    (at 64+ columns): the residual tile and the activation's temporaries of the whole tile
+    would not fit beside the accumulator."""
+    acc_regs = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    return replace(cfg, epilogue_split=acc_regs >= 128 and cfg.block_n >= 64)
 
 
 def _arch_class(arch: int | None) -> str:
@@ -175,10 +198,8 @@ def candidate_configs(op: str, dtype: Any, n: int, k: int, arch: int | None = No
     out = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch, activation)
     out.append(_triton_choice(op, dtype, n, k, arch))
     limit = _smem_limit(arch)
-    for c in _FP32_CANDIDATES if dtype == "float32" else _HALF_CANDIDATES:
+    for c in _CANDIDATES[("fp32" if dtype == "float32" else "half", op == "GatedGemm")]:
         c = _fit(c, n, k)
-        if op == "GatedGemm" and c.block_m * c.block_n > 128 * 128:
-            continue  # two accumulators of 128 x 256 spill
         if c not in out and shared_mem_estimate(op, dtype, c) <= limit:
             out.append(c)
     return out
@@ -243,6 +264,9 @@ def static_shape(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequen
     by_name = dict(zip(names, shapes))
     a, w = by_name["A"], shapes[1]
     out: dict[str, Any] = {"K": a[-1], "N": w[0]}
+    if op == "GatedGemm" and shapes[2] is not None and (
+            len(shapes[2]) != len(w) or not all(_same_dim(u, g) for u, g in zip(shapes[2], w))):
+        raise ValueError(f"GatedGemm: W_up {list(shapes[2])} and W_gate {list(w)} differ")
     if op == "GemmEpilogue":
         out["bias_mode"] = bias_mode(by_name["bias"], w[0])
         out["residual_mode"] = residual_mode(by_name["residual"], a)
@@ -330,6 +354,7 @@ def _triton_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: Gemm
         "BIAS_MODE": BIAS_MODES[epi.bias_mode], "RES_MODE": RESIDUAL_MODES[epi.residual_mode],
         "RESIDUAL_BEFORE": epi.residual_before, "GATED": op == "GatedGemm",
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
+        "EPILOGUE_SPLIT": cfg.epilogue_split,
     })
     return KernelSource(
         name=_source_name(op, dtype, n, k, epi, cfg),

@@ -76,6 +76,20 @@ def test_qdp_aot_kernel_with_symbolic_shapes(tmp_path, monkeypatch, op, inputs, 
     assert ak.launch.block[0] == ak.artifact.threads
 
 
+@pytest.mark.parametrize("arch", [80, 89, 90])
+@pytest.mark.parametrize("op,dtype", [("GemmEpilogue", "float16"), ("GatedGemm", "bfloat16"),
+                                      ("GemmEpilogue", "float32"), ("GatedGemm", "float32")])
+def test_default_configs_spill_no_register(tmp_path, op, dtype, arch):
+    """Each arch's default config with the largest epilogue (GELU erf, a bias vector and a full
+    residual for GemmEpilogue) keeps everything in registers (ptxas -v: no spill)."""
+    if dtype == "float32" and arch != 90:
+        pytest.skip("the fp32 configs do not depend on the arch")
+    case = T.Case(op, (-1,), 4096, 4096, dtype, "gelu_erf", *(("vector", "full") if op == "GemmEpilogue" else ()))
+    src = L.kernel_config(op, dtype, case.attrs, T.case_static(case, arch))
+    usage = T.ptxas_usage(KernelCache(tmp_path).build(src, arch))
+    assert usage["spill_stores"] == usage["spill_loads"] == 0, (src.name, usage)
+
+
 SM90_CASES = [
     T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none"),
     T.Case("GemmEpilogue", (-1,), 1024, 4096, "bfloat16", "none", "vector", "full"),

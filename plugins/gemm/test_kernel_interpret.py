@@ -3,7 +3,7 @@
 TRITON_INTERPRET must be set before triton is imported, so the cases run in one child process
 started with it; each test checks its case's result. Small tiles (16 x 16 x 16, GROUP_M 2) make
 small problems cover several row groups, a partial last group, and M / N / K tails (M = 37 or 70,
-N = 40, K = 56: none a multiple of 16). bf16 is left to the GPU tests: the interpreter's tl.dot on
+N = 40, K = 56: none a multiple of 16); a few cases run the epilogue in column halves (32-wide tiles). bf16 is left to the GPU tests: the interpreter's tl.dot on
 bf16 operands is wrong (Triton 3.9).
 """
 
@@ -40,6 +40,13 @@ CASES.update({
                       1.0, None),
     "k_below_block_k": ("GemmEpilogue", (21,), 24, 24, "float16", "gelu_erf", "vector", "none", "after_activation",
                         1.0, (16, 32, 32, 2, 1, 1)),
+    # the epilogue in two column halves (tiles of 32 columns: N = 40 ends inside the second half)
+    "split_epilogue": ("GemmEpilogue", *_TAIL, "float16", "gelu_erf", "vector", "full", "after_activation", 1.0,
+                       (16, 32, 16, 2, 1, 1, "triton", True)),
+    "split_epilogue_fp32_before": ("GemmEpilogue", (45,), 72, 24, "float32", "silu", "scalar", "full",
+                                   "before_activation", 2.0, (32, 64, 16, 2, 1, 1, "triton", True)),
+    "split_epilogue_gated": ("GatedGemm", *_TAIL, "float16", "silu", "none", "none", "after_activation", 1.0,
+                             (16, 32, 16, 2, 1, 1, "triton", True)),
     "gated_silu": ("GatedGemm", (3, 13), 40, 56, "float16", "silu", "none", "none", "after_activation", 1.0, None),
     "gated_gelu_erf": ("GatedGemm", (70,), 24, 48, "float32", "gelu_erf", "none", "none", "after_activation", 1.0, None),
     "gated_gelu_tanh": ("GatedGemm", *_TAIL, "float16", "gelu_tanh", "none", "none", "after_activation", 1.0, None),

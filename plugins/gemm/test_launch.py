@@ -33,6 +33,12 @@ def test_unsupported_broadcasts_are_rejected(bias, residual):
         L.static_shape("GemmEpilogue", [[-1, 7, 768], [3072, 768], bias, residual])
 
 
+def test_gated_weights_must_match():
+    assert L.static_shape("GatedGemm", [[-1, 768], [3072, 768], [3072, 768]]) == {"K": 768, "N": 3072}
+    with pytest.raises(ValueError):
+        L.static_shape("GatedGemm", [[-1, 768], [3072, 768], [3064, 768]])
+
+
 def test_glue_uses_this_static_shape():
     spec = get_spec("GemmEpilogue")
     static = glue.static_shape(spec, [[-1, 768], [3072, 768], [3072], [-1, 3072]],

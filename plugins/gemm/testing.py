@@ -9,6 +9,7 @@
   between the runtime parameters) work;
 * :func:`reference_of` / :func:`check_close` -- the float64 reference (reference.py) and the
   accuracy check against it;
+* :func:`ptxas_usage` -- registers and spill bytes of an artifact's PTX (Triton's bundled ptxas);
 * :func:`get_artifact` -- an artifact prebuilt elsewhere (``$OPTFUSE_GEMM_PREBUILT``, a KernelCache
   root), else compiled here.
 """
@@ -191,3 +192,26 @@ def get_artifact(src: KernelSource, arch: int | None = None) -> KernelArtifact:
         if art is not None:
             return art
     return build_kernel(src, arch)
+
+
+def ptxas_usage(art: KernelArtifact) -> dict:
+    """``{"registers", "spill_stores", "spill_loads"}`` of ``art``'s PTX, from ``ptxas -v`` (the one
+    Triton ships; no GPU needed)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    gpu = f"sm_{art.arch}a" if art.arch >= 90 else f"sm_{art.arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(art.ptx)
+        res = subprocess.run([get_ptxas(art.arch).path, "-v", f"--gpu-name={gpu}", ptx, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    if not (regs and spill):
+        raise RuntimeError(f"ptxas -v printed no usage for {art.name}:\n{res.stderr[-2000:]}")
+    return {"registers": int(regs.group(1)), "spill_stores": int(spill.group(1)), "spill_loads": int(spill.group(2))}
