@@ -80,12 +80,15 @@ def test_qdp_aot_kernel_with_symbolic_shapes(tmp_path, monkeypatch, op, inputs, 
 @pytest.mark.parametrize("op,dtype", [("GemmEpilogue", "float16"), ("GatedGemm", "bfloat16"),
                                       ("GemmEpilogue", "float32"), ("GatedGemm", "float32")])
 def test_default_configs_spill_no_register(tmp_path, op, dtype, arch):
-    """Each arch's default config with the largest epilogue (GELU erf, a bias vector and a full
-    residual for GemmEpilogue) keeps everything in registers (ptxas -v: no spill)."""
+    """The Triton kernel's default config on each arch with the largest epilogue (GELU erf, a bias
+    vector and a full residual for GemmEpilogue) keeps everything in registers (ptxas -v: no
+    spill; the sm_90 CUDA kernel's NVRTC PTX is newer than Triton's ptxas reads)."""
     if dtype == "float32" and arch != 90:
         pytest.skip("the fp32 configs do not depend on the arch")
     case = T.Case(op, (-1,), 4096, 4096, dtype, "gelu_erf", *(("vector", "full") if op == "GemmEpilogue" else ()))
-    src = L.kernel_config(op, dtype, case.attrs, T.case_static(case, arch))
+    static = T.case_static(case, arch)
+    triton_cfg = next(c for c in L.candidate_configs(op, dtype, 4096, 4096, arch, static, "gelu_erf") if c.impl == "triton")
+    src = L.kernel_config(op, dtype, case.attrs, static, config=triton_cfg)
     usage = T.ptxas_usage(KernelCache(tmp_path).build(src, arch))
     assert usage["spill_stores"] == usage["spill_loads"] == 0, (src.name, usage)
 

@@ -25,23 +25,31 @@ def test_bad_arguments_exit_2(argv, capsys):
     assert e.value.code == 2
 
 
+def _candidates(case, arch=90):
+    return bench.L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, bench.T.case_static(case, arch),
+                                     case.activation)
+
+
 def test_every_shape_builds_and_sources_are_distinct():
     pts = bench.points(list(bench.SHAPES), [512], ["float16"])
     srcs = bench.needed_sources(pts, 90, None, with_tests=False)
-    assert len(srcs) == len(bench.SHAPES)  # one specialization per shape (M is dynamic)
+    # one specialization per shape (M is dynamic) and kernel source (sm_90: CUDA schedules + Triton)
+    want = sum(len({c.impl for c in _candidates(bench.case_of(name, m, dt))}) for name, m, dt in pts)
+    assert len(srcs) == want > len(bench.SHAPES)
     assert len({s.name for s in srcs}) == len(srcs)
     with_variants = bench.needed_sources(pts[:1], 90, "all", with_tests=False)
     case = bench.case_of(*pts[0][:1], 512, "float16")
-    assert len(with_variants) == len(bench.L.candidate_configs(case.op, "float16", case.n, case.k, 90))
+    assert len(with_variants) == len(_candidates(case))
 
 
 def test_ours_labels():
     case = bench.case_of("llama-7b.ffn_gate_up", 4096, "bfloat16")
     labels = [label for label, _ in bench.ours_configs(case, 90, None)]
-    assert labels == ["ours[triton]"]
-    cands = bench.L.candidate_configs(case.op, case.dtype, case.n, case.k, 90)
+    assert labels == ["ours[cuda_sm90]", "ours[triton]"]
+    assert [label for label, _ in bench.ours_configs(case, 89, None)] == ["ours[triton]"]
+    cands = _candidates(case)
     named = bench.ours_configs(case, 90, bench.L.config_name(cands[1]))
-    assert [c for _, c in named] == cands[:2]
+    assert [c for _, c in named] == [cands[0], next(c for c in cands if c.impl == "triton"), cands[1]]
 
 
 def test_cublaslt_contender_only_where_one_call_does_it():
