@@ -38,7 +38,7 @@ RTX_TARGETS = ["sm_89", "sm_80"]
 
 def _fused(norm: str, mode: str = "fp16", hidden: int = 64) -> onnx.ModelProto:
     m = graphs.residual_block(hidden=hidden, norm=norm, n_layers=2)
-    fused, res = fuse_model(m, dims={"b": 2, "s": 8})
+    fused, res = fuse_model(m, dims={"b": 2, "s": 8}, families=graphs.NORM_FAMILIES)
     assert res.accepted
     out, _ = convert_precision(fused, mode)
     return out
