@@ -257,7 +257,7 @@ def test_demo(tmp_path, monkeypatch):
     assert "bert.fusion_report.json" in files and "bert.fusion_report.md" in files
     report = json.loads((tmp_path / "optfuse-demo" / "bert.fusion_report.json").read_text())
     assert report["verification"]["passed"]
-    assert set(report["counts"]) == {"LayerNorm", "SkipLayerNorm", "FlashAttention"}
+    assert set(report["counts"]) == {"LayerNorm", "SkipLayerNorm", "FlashAttention", "GemmEpilogue"}
     attention = [f for f in report["fusions"] if f["op"] == "FlashAttention"]
     assert all(f["info"]["mask_class"] == "padding" for f in attention)
 

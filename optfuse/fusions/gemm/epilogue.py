@@ -2,16 +2,19 @@
 rewrite emits it.
 
 Residual or SkipNorm. A residual Add whose sum feeds a fused LayerNorm / RMSNorm can be taken by
-the GEMM (its epilogue adds it) or by the norm (SkipLayerNorm / SkipRMSNorm). Per [M, N] tensor
-of the sum's size, with g the GEMM output, r the residual, s the sum and y the norm output:
+the GEMM (its epilogue adds it) or by the norm (SkipLayerNorm / SkipRMSNorm). Counted in [M, N]
+tensors (g the GEMM output, r the residual, s the sum, y the norm output; A, W and the sum's other
+readers are the same either way)::
 
-    GEMM takes it:     GEMM reads r, writes s; the norm reads s, writes y               4 [M, N]
-    SkipNorm takes it: GEMM writes g; SkipNorm reads g and r, writes s and y            5 [M, N]
-                       (post-norm, s read by nobody else: SkipNorm need not write s)    4 [M, N]
+    GEMM takes it:     GEMM reads r, writes s; the norm reads s, writes y              4
+    SkipNorm takes it: GEMM writes g; SkipNorm reads g and r, writes y and s           5
+                       (4 when the norm is the sum's only reader and the Skip op's
+                        sum output is optional, so it need not write s)
 
-So the GEMM takes the residual when the sum has another reader (pre-norm GPT-2 / LLaMA: the next
-residual Add), and leaves it to the SkipNorm when the norm is its only reader (post-norm BERT,
-equal bytes; the norm family keeps its fusion). The report's info says which way each went.
+``residual_traffic`` counts both from the graph and the Skip op's spec; the GEMM takes the residual
+when it moves less, a tie stays with the SkipNorm. The Skip ops of plugins/layer_norm and
+plugins/rms_norm always write their sum, so today the GEMM takes the residual in pre-norm (GPT-2,
+LLaMA: the sum is read again) and in post-norm (BERT) blocks alike; the report's info gives the count.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import onnx_graphsurgeon as gs
 from ... import DOMAIN
 from ...ir.query import dtype_name, static_dim
 from ...pattern import After, Context, FusedOutput, Match, NewTensor, Rewrite
+from ...spec import get_spec
 from .common import EPILOGUE, Reject, absent, check_a, check_limits, need, np_dtype, vector, weight
 
 _NORMS = ("LayerNorm", "RMSNorm")
@@ -51,24 +55,36 @@ def matched_activation(m: Match) -> str:
     return next((k[4:] for k in m.bindings if k.startswith("act:")), "none")
 
 
-def norm_reader(t: gs.Tensor, ctx: Context) -> gs.Node | None:
-    """The fused norm that is the only reader of `t` (and `t` no graph output), else None."""
-    if len(t.outputs) != 1 or any(o is t for o in ctx.graph.outputs):
-        return None
-    node = t.outputs[0]
-    return node if node.domain == DOMAIN and node.op in _NORMS else None
+def norm_reader(t: gs.Tensor) -> gs.Node | None:
+    """A fused norm among the readers of `t`, else None."""
+    return next((c for c in t.outputs if c.domain == DOMAIN and c.op in _NORMS), None)
+
+
+def residual_traffic(s: gs.Tensor, norm: gs.Node, ctx: Context) -> tuple[int, int]:
+    """[M, N] tensors moved (GEMM takes the residual, Skip<norm> takes it); see the module doc."""
+    only_reader = len(s.outputs) == 1 and not any(o is s for o in ctx.graph.outputs)
+    skip_sum = get_spec(f"Skip{norm.op}").outputs[1]
+    return 4, 4 if only_reader and skip_sum.optional else 5
+
+
+def _skip_decision(s: gs.Tensor, ctx: Context) -> tuple[bool, str | None]:
+    """(whether the GEMM takes the residual Add that writes `s`, the report's note)."""
+    norm = norm_reader(s)
+    if norm is None:
+        return True, None
+    gemm, skip = residual_traffic(s, norm, ctx)
+    counts = f"GEMM + {norm.op} move {gemm} [M, N] tensors, Skip{norm.op} {skip}"
+    if gemm < skip:
+        return True, f"residual taken by the GEMM, not Skip{norm.op}: {counts}"
+    return False, f"residual left to Skip{norm.op}: {counts}"
 
 
 def residual_left_note(root: gs.Tensor, ctx: Context) -> str | None:
     """The note for a GEMM whose output feeds a residual Add that a SkipNorm will take."""
     if len(root.outputs) != 1 or root.outputs[0].op != "Add":
         return None
-    add = root.outputs[0]
-    norm = norm_reader(add.outputs[0], ctx)
-    if norm is None:
-        return None
-    return (f"residual left to Skip{norm.op}: the sum is read only by the norm, so either way moves "
-            "4 [M, N] tensors")
+    takes, note = _skip_decision(root.outputs[0].outputs[0], ctx)
+    return None if takes else note
 
 
 def _bias(m: Match, w_bias, n: int) -> np.ndarray | None:
@@ -87,15 +103,10 @@ def _residual(m: Match, ctx: Context, dt: str, n: int, flat: bool) -> tuple[Any,
     need(dtype_name(r) == dt, f"residual {r.name!r} has dtype {dtype_name(r)}, A has {dt}")
     need(ctx.same_shape(r, other), f"residual Add broadcasts ({r.shape} + {other.shape}); "
                                    f"{EPILOGUE} adds a residual of the output's shape")
-    norm = norm_reader(s, ctx)
-    if norm is not None:
-        raise Reject(f"the residual sum {s.name!r} is read only by {norm.op} {norm.name!r}: Skip{norm.op} "
-                     "takes the residual (equal HBM bytes: 4 [M, N] tensors either way)")
-    readers = [c.op for c in s.outputs]
-    note = "residual taken by the GEMM"
-    if any(c.domain == DOMAIN and c.op in _NORMS for c in s.outputs):
-        note = (f"residual taken by the GEMM, not the SkipNorm: the sum is also read by "
-                f"{', '.join(sorted(set(readers)))}, so this saves one [M, N] write and read")
+    takes, note = _skip_decision(s, ctx)
+    if not takes:
+        raise Reject(f"the residual sum {s.name!r} goes to the SkipNorm: {note}")
+    note = note or "residual taken by the GEMM"
     if flat:  # the GEMM runs on the flattened rows; so does its residual
         return NewTensor("Reshape", [r, np.array([-1, n], np.int64)], dtype=r.dtype, name="residual_rows"), note
     return r, note
