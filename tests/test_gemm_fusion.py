@@ -11,7 +11,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto
 
 import graphs
 from optfuse.estimate import estimate_traffic
@@ -192,6 +191,19 @@ def test_gemm_2d_transb_alpha_beta(trans_b, alpha, beta):
     _assert_same(model, fused, dims=(6,))
 
 
+def test_weight_through_transpose_and_cast_of_the_initializer():
+    """MatMul(x, Cast(Transpose(W))): sanitize folds the constant chain, the GEMM fuses on it."""
+    w = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
+    b = graphs.Builder(17)
+    wt = b.node("Cast", b.node("Transpose", b.const(w, "W"), perm=[1, 0]), to=onnx.TensorProto.FLOAT)
+    b.node("Relu", b.node("MatMul", "x", wt), out="y")
+    model = b.model([graphs.io("x", ["b", "s", K])], [graphs.io("y", ["b", "s", N])])
+    fused, res, ops = _fuse_one(model)
+    (acc,) = _gemm(res)
+    assert ops == ["GemmEpilogue"] and np.array_equal(acc.rewrite.inputs[1], w)
+    _assert_same(model, fused)
+
+
 def conv1d(form="gelu_tanh_pow", residual=False, shared_rows=False):
     """GPT-2's Conv1D: Reshape(x, [-1, K]) -> Gemm(., W [K, N], b) -> Reshape([B, S, N]) -> act [+ r]."""
     rng = np.random.default_rng(0)
@@ -226,6 +238,15 @@ def test_conv1d_activation_after_the_reshape_fuses(residual):
     (reader,) = [n for n in fused.graph.node if node.output[0] in n.input]
     assert reader.op_type == "Reshape" and reader.output[0] == "y"
     assert Counter(ops)["Reshape"] == 2 + residual  # rows, the one after the GEMM, [the residual's]
+    _assert_same(model, fused)
+
+
+def test_conv1d_rows_read_by_another_gemm_too():
+    """The flattened rows stay outside every match (A of each GEMM), so both GEMMs fuse."""
+    model = conv1d(shared_rows=True)
+    fused, res, ops = _fuse_one(model)
+    assert sorted(a.rule for a in _gemm(res)) == ["gemm.act", "gemm.linear"]
+    assert "Gemm" not in ops and "MatMul" not in ops
     _assert_same(model, fused)
 
 

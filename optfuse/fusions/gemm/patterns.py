@@ -179,10 +179,10 @@ class Siblings(Pattern):
             branches.append((node, add))
         if not 2 <= len(branches) <= self.max_branches:
             return
-        for n in range(len(branches), 1, -1):
-            for group in itertools.combinations(branches, n):
+        for size in range(len(branches), 1, -1):
+            for group in itertools.combinations(branches, size):
                 s = state.fork()
                 s.bind("x", tensor)
                 s.bind("branches", group)
-                s.nodes.extend(n for pair in group for n in pair if n is not None)
+                s.nodes.extend(node for pair in group for node in pair if node is not None)
                 yield s
