@@ -124,12 +124,13 @@ class Fusions(_Strict):
     rms_norm: bool = True
     skip_norm: bool = True
     attention: bool = True
+    gemm: bool = True
     # causal+padding masks: pass the whole mask (exact even for query rows whose every allowed key
     # is padding, e.g. left padding) instead of causal=1 plus the [B,1,1,Sk] padding row (fast)
     attention_full_mask: bool = False
 
     def enabled(self) -> list[str]:
-        families = ("layer_norm", "rms_norm", "skip_norm", "attention")
+        families = ("layer_norm", "rms_norm", "attention", "gemm", "skip_norm")
         return [name for name in families if getattr(self, name)]
 
 

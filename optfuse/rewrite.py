@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 
 from . import DOMAIN
 from .ir.query import outside_uses
-from .pattern import Context, FusionRule, NewTensor, Rewrite, match
+from .pattern import Context, FusedOutput, FusionRule, NewTensor, Rewrite, match
 from .spec import get_spec, plugin_module
 
 if TYPE_CHECKING:
@@ -57,13 +57,16 @@ class FusionResult:
     """What one fuse run accepted and rejected.
 
     original: the sanitized graph before any rewrite (a copy; the estimate sizes replaced tensors in it);
-    dims: the analysis dims the run was given (the estimate's default).
+    dims: the analysis dims the run was given (the estimate's default);
+    summary: per family that defines ``summary(graph)``, its counts before and after its pass
+      (the GEMM family: {"gemms": {"before": 12, "after": 8}}).
     """
 
     accepted: list[Accepted] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     original: gs.Graph | None = field(default=None, repr=False)
     dims: dict[str, int] = field(default_factory=dict)
+    summary: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -87,7 +90,7 @@ def _leak_reason(m_nodes: Sequence[gs.Node], rw: Rewrite, graph: gs.Graph) -> st
     A reader that only feeds the match itself (e.g. the Shape -> Concat chain that computes a
     matched Reshape's target from a matched tensor) dies with the match and does not count.
     """
-    kept = {id(t) for t in rw.outputs if t is not None}
+    kept = {id(t) for t in [*rw.outputs, *(o for a in rw.after for o in a.outputs)] if t is not None}
     inside = {id(n) for n in m_nodes}
     reads = _rewrite_reads(rw)
     memo: dict[int, bool] = {}
@@ -109,7 +112,7 @@ def _leak_reason(m_nodes: Sequence[gs.Node], rw: Rewrite, graph: gs.Graph) -> st
 def _rewrite_reads(rw: Rewrite) -> set[int]:
     """Ids of the existing tensors the fused node (and the nodes it adds) will read."""
     out: set[int] = set()
-    stack = list(rw.inputs)
+    stack = [*rw.inputs, *(x for a in rw.after for x in a.inputs)]
     while stack:
         x = stack.pop()
         if isinstance(x, NewTensor):
@@ -213,7 +216,8 @@ def apply_plan(graph: gs.Graph, result: FusionResult, start_index: int = 0) -> N
     """Replace every accepted match by one optfuse node (the only mutating step).
 
     Each rewrite is checked against its op's spec first (`check_rewrite`). NewTensor inputs become
-    new standard nodes, recorded in `Accepted.added_nodes` of the first fusion that uses them.
+    new standard nodes, recorded in `Accepted.added_nodes` of the first fusion that uses them, and
+    so do the rewrite's `After` nodes (they read the fused node's outputs).
     """
     if not result.accepted:
         return  # graph unchanged
@@ -239,8 +243,7 @@ def apply_plan(graph: gs.Graph, result: FusionResult, start_index: int = 0) -> N
         outputs: list[gs.Tensor] = []
         for j, t in enumerate(rw.outputs):
             if t is None:
-                like = rw.outputs[0] if rw.outputs[0] is not None else inputs[0]
-                t = gs.Variable(f"{name}/{spec.outputs[j].name}", dtype=like.dtype, shape=like.shape)
+                t = _new_output(spec, j, rw, inputs, name)
             else:
                 t.inputs.clear()  # detach from the producer being replaced
             outputs.append(t)
@@ -249,9 +252,41 @@ def apply_plan(graph: gs.Graph, result: FusionResult, start_index: int = 0) -> N
         attrs["plugin_version"] = spec.plugin_version
         node = gs.Node(op=rw.op, name=name, domain=DOMAIN, attrs=attrs, inputs=inputs, outputs=outputs)
         graph.nodes.append(node)
+        for k, after in enumerate(rw.after):
+            new_nodes.append(_after_node(after, outputs, f"{name}/{after.op.lower()}_after_{k}", graph))
         acc.node_name = name
         acc.added_nodes = [n.name for n in new_nodes]
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
+
+
+def _new_output(spec: OpSpec, j: int, rw: Rewrite, inputs: list[gs.Tensor], name: str) -> gs.Variable:
+    """A fused node's output that no existing tensor stands for: shaped by the spec's rule when the
+    inputs' shapes are known, else like the first output (or input)."""
+    like = rw.outputs[0] if rw.outputs[0] is not None else inputs[0]
+    shapes = [t.shape for t in inputs] + [None] * (len(spec.inputs) - len(inputs))
+    shape = like.shape
+    try:
+        shape = spec.output_shape(j, shapes)
+    except (TypeError, ValueError, IndexError):
+        pass
+    return gs.Variable(f"{name}/{spec.outputs[j].name}", dtype=like.dtype, shape=shape)
+
+
+def _after_node(after, fused_outputs: list[gs.Tensor], name: str, graph: gs.Graph) -> gs.Node:
+    """The standard node of an `After`: it reads the fused node's outputs and takes over its own."""
+    inputs: list[gs.Tensor] = []
+    for j, x in enumerate(after.inputs):
+        if isinstance(x, FusedOutput):
+            inputs.append(fused_outputs[x.index])
+        elif isinstance(x, np.ndarray):
+            inputs.append(gs.Constant(f"{name}/in{j}", np.ascontiguousarray(x)))
+        else:
+            inputs.append(x)
+    for t in after.outputs:
+        t.inputs.clear()  # detach from the producer being replaced
+    node = gs.Node(op=after.op, name=name, attrs=dict(after.attrs), inputs=inputs, outputs=list(after.outputs))
+    graph.nodes.append(node)
+    return node
 
 
 # Python types each spec attribute type accepts (bool is an int to Python, not to the spec).

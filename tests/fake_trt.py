@@ -121,6 +121,28 @@ def _drive() -> int:
         ("SkipRMSNorm", [(("B", "S", 64), (-1, -1, 64))] * 2 + [((64,), (64,))], [1e-6]),
         ("FlashAttention", [(("B", 4, "S", 64), (-1, 4, -1, 64))] + [(("B", 2, "S", 64), (-1, 2, -1, 64))] * 2, [0.125, 1, 4, 2]),
     ]
+    # GEMMs: y is [..., N] with N from W's dim 0 (spec last_dim); their aot_impl needs plugins/gemm/launch.py
+    from optfuse.spec import plugin_module
+
+    try:
+        plugin_module("gemm", "launch")
+        gemm_aot = True
+    except ModuleNotFoundError:
+        gemm_aot = False
+    gemm_cases = [
+        ("GemmEpilogue", [(("B", "S", 64), (-1, -1, 64)), ((192, 64), (192, 64)), ((192,), (192,)),
+                          (("B", "S", 192), (-1, -1, 192))], ["gelu_erf", 1.0, "after_activation"]),
+        ("GatedGemm", [(("B", "S", 64), (-1, -1, 64)), ((128, 64), (128, 64)), ((128, 64), (128, 64))], ["silu"]),
+    ]
+    for op, ins, attrs in gemm_cases:
+        d = QDP_REGISTRY["optfuse::" + op]
+        descs = [desc(*i) for i in ins]
+        out = d.register_func(*descs, **dict(zip(d.input_attrs, attrs)))
+        assert len(out.shape_expr) == 3 and out.shape_expr[2] is descs[1].shape_expr[0], out.shape_expr
+        assert out.shape_expr[0] is descs[0].shape_expr[0] and descs[0].shape_expr[2] is not descs[1].shape_expr[0]
+        print("register ok", op)
+        if gemm_aot:
+            cases.append((op, ins, attrs))
     for op, ins, attrs in cases:
         d = QDP_REGISTRY["optfuse::" + op]
         descs = [desc(*i) for i in ins]

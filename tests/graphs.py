@@ -43,6 +43,11 @@ class Builder:
         return m
 
 
+#: The norm families alone: the GEMM family would take the residual Add of ``residual_block`` (its
+#: sum is read again, so the GEMM's epilogue saves more than a SkipNorm; see fusions/gemm/epilogue).
+NORM_FAMILIES = ["layer_norm", "rms_norm", "skip_norm"]
+
+
 def io(name, shape, elem=F32):
     return helper.make_tensor_value_info(name, elem, shape)
 

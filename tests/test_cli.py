@@ -148,22 +148,23 @@ def test_fuse_writes_model_and_reports(tmp_path, models):
     assert res.exit_code == 0, res.stderr
     assert _out_files(tmp_path) == ["res.fused.onnx", "res.fusion_report.json", "res.fusion_report.md"]
     fused = onnx.load(out)
-    assert [n.op_type for n in fused.graph.node].count("SkipLayerNorm") == 2
+    # the residual sums are read again (pre-norm re-use), so the GEMMs take the residual Adds, not SkipLayerNorm
+    assert [n.op_type for n in fused.graph.node].count("GemmEpilogue") == 2
     report = json.loads((tmp_path / "out" / "res.fusion_report.json").read_text())
-    assert report["counts"] == {"SkipLayerNorm": 2} and report["fused_model"] == str(out)
-    assert "SkipLayerNorm" in res.stdout and "wrote" in res.stdout
+    assert report["counts"] == {"GemmEpilogue": 2, "LayerNorm": 2} and report["fused_model"] == str(out)
+    assert "GemmEpilogue" in res.stdout and "wrote" in res.stdout
 
 
 def test_fuse_with_recipe_dims_and_families(tmp_path, models):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({**RECIPE, "fusions": {"skip_norm": False}}))
+    recipe.write_text(yaml.safe_dump({**RECIPE, "fusions": {"skip_norm": False, "gemm": False}}))
     res = invoke("fuse", "-r", recipe, "-o", tmp_path / "out" / "f.onnx")  # model from the recipe
     assert res.exit_code == 0, res.stderr
     report = json.loads((tmp_path / "out" / "res.fusion_report.json").read_text())
     assert report["counts"] == {"LayerNorm": 2}  # skip_norm off: plain LayerNorms only
     assert report["dims"] == {"b": 2, "s": 8} and report["dims_source"] == "recipe opt shapes"
     assert report["fusions"][0]["hbm_saved_bytes"] is not None
-    assert "skip_norm" not in report["families"]
+    assert "skip_norm" not in report["families"] and "gemm" not in report["families"]
 
 
 def test_inspect_writes_nothing(tmp_path, models):
@@ -171,11 +172,11 @@ def test_inspect_writes_nothing(tmp_path, models):
     cwd_before = sorted(os.listdir(tmp_path))
     res = invoke("inspect", models / "res.onnx")
     assert res.exit_code == 0, res.stderr
-    assert "SkipLayerNorm" in res.stdout and "skip_norm.layer_norm" in res.stdout
+    assert "GemmEpilogue" in res.stdout and "gemm.residual" in res.stdout
     assert sorted(p.name for p in models.iterdir()) == before
     assert sorted(os.listdir(tmp_path)) == cwd_before
     res = invoke("inspect", models / "res.onnx", "--json")
-    assert json.loads(res.stdout)["counts"] == {"SkipLayerNorm": 2}
+    assert json.loads(res.stdout)["counts"] == {"GemmEpilogue": 2, "LayerNorm": 2}
 
 
 def test_inspect_explains_rejections(tmp_path):
@@ -256,7 +257,8 @@ def test_demo(tmp_path, monkeypatch):
     assert "bert.fusion_report.json" in files and "bert.fusion_report.md" in files
     report = json.loads((tmp_path / "optfuse-demo" / "bert.fusion_report.json").read_text())
     assert report["verification"]["passed"]
-    assert set(report["counts"]) == {"LayerNorm", "SkipLayerNorm", "FlashAttention"}
+    # every residual Add goes to a GEMM (SkipLayerNorm would write its sum: one [M, N] more)
+    assert set(report["counts"]) == {"LayerNorm", "FlashAttention", "GemmEpilogue"}
     attention = [f for f in report["fusions"] if f["op"] == "FlashAttention"]
     assert all(f["info"]["mask_class"] == "padding" for f in attention)
 

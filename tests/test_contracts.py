@@ -9,7 +9,9 @@ Parametrized over ``load_specs()``, so a new op is covered as soon as its spec e
 * spec vs launch (``launch.py``): it serves the spec's op and every spec dtype and rejects other
   ops; with every input present its kernel takes the spec's input and output counts; attributes
   left out take the spec's defaults; every limit holds exactly (``max_hidden``:
-  ``max_hidden`` builds, one more does not; ``head_dims``: exactly those build); a launch constant
+  ``max_hidden`` builds, one more does not; ``head_dims``: exactly those build; ``k_multiple`` /
+  ``n_multiple``: an odd multiple of the value builds, one more does not; ``max_k``: the value
+  builds, the next multiple does not); a launch constant
   named after a limit (``MAX_HIDDEN``, ``HEAD_DIMS``) equals it, and a kernel's own narrower one
   (``<KERNEL>_HEAD_DIMS``, ``<KERNEL>_MAX_HIDDEN``) lies within it;
 * spec vs NumPy reference: the ONNX function on a one-node model in onnxruntime matches
@@ -152,8 +154,42 @@ def _check_head_dims(spec, launch, dtype, attrs, inputs, value):
         _expect(fits, spec, f"launch.{name} = {tuple(v)} {'!=' if exact else 'is not within'} the spec's head_dims {value}")
 
 
+def _check_multiple(key: str):
+    """``k_multiple`` / ``n_multiple``: the static dim (``K`` / ``N``) builds at an odd multiple of
+    the value (so a launch demanding twice the multiple fails) and not one more; kernel-own
+    ``<KERNEL>_K_MULTIPLE`` constants are multiples of it."""
+    dim = key.split("_")[0].upper()
+
+    def check(spec, launch, dtype, attrs, inputs, value):
+        for d, ok in ((3 * value, True), (3 * value + 1, False)):
+            built = _builds(launch, spec, dtype, attrs, _static(spec, inputs, dtype, **{dim: d}))
+            _expect(built == ok, spec, f"{key} {value}: {dim} = {d} {'does not build' if ok else 'builds'}")
+        for name, v in _limit_values(launch, key).items():
+            fits = v == value if name == key.upper() else v % value == 0
+            _expect(fits, spec, f"launch.{name} = {v} {'!=' if name == key.upper() else 'is not a multiple of'} "
+                                f"the spec's {key} {value}")
+    return check
+
+
+def _check_max_dim(key: str):
+    """``max_k``: K = the value builds, the next allowed K (one ``k_multiple`` more) does not."""
+    dim = key.split("_")[1].upper()
+
+    def check(spec, launch, dtype, attrs, inputs, value):
+        step = spec.limits.get(f"{dim.lower()}_multiple", 1)
+        for d, ok in ((value, True), (value + step, False)):
+            built = _builds(launch, spec, dtype, attrs, _static(spec, inputs, dtype, **{dim: d}))
+            _expect(built == ok, spec, f"{key} {value}: {dim} = {d} {'does not build' if ok else 'builds'}")
+        for name, v in _limit_values(launch, key).items():
+            exact = name == key.upper()
+            _expect(v == value if exact else v <= value, spec,
+                    f"launch.{name} = {v} {'!=' if exact else 'is over'} the spec's {key} {value}")
+    return check
+
+
 LIMIT_CHECKS = {"min_hidden": _check_hidden_limit("min_hidden"), "max_hidden": _check_hidden_limit("max_hidden"),
-                "head_dims": _check_head_dims}
+                "head_dims": _check_head_dims, "k_multiple": _check_multiple("k_multiple"),
+                "n_multiple": _check_multiple("n_multiple"), "max_k": _check_max_dim("max_k")}
 
 
 def check_launch(spec: OpSpec, launch) -> None:
@@ -273,7 +309,10 @@ def _renamed_attribute(spec: OpSpec) -> OpSpec:
 
 def _wrong_default(spec: OpSpec) -> OpSpec:
     i, a = next((i, a) for i, a in enumerate(spec.attributes) if a.default is not None)
-    wrong = a.default * 10 if a.type == "float" else (1 - a.default if a.type == "int" else None)
+    if a.type == "string" and a.choices:
+        wrong = next(c for c in a.choices if c != a.default)
+    else:
+        wrong = a.default * 10 if a.type == "float" else (1 - a.default if a.type == "int" else None)
     assert wrong is not None, f"no wrong default for a {a.type} attribute"
     attrs = list(spec.attributes)
     attrs[i] = dataclasses.replace(a, default=wrong)

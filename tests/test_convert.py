@@ -50,7 +50,8 @@ def test_convert_writes_every_artifact(tmp_path, recipe):
         assert build.state == "skipped" and "no TensorRT backend" in build.detail
     else:
         assert build.state == "ok" and (out / "block.plan").is_file() and (out / "build_report.md").is_file()
-        assert res.build_report.layers_by_kind["plugin"] == res.build_report.optfuse_nodes == 2
+        # 2 GemmEpilogue (each takes its residual Add) + 2 LayerNorm
+        assert res.build_report.layers_by_kind["plugin"] == res.build_report.optfuse_nodes == 4
         if res.build_report.backend == "tensorrt_rtx":
             assert "cannot build for" in build.detail  # recipe sm_90 -> RTX default targets, said so
     engine = res.step("verify (engine)")

@@ -165,3 +165,33 @@ def test_encoder_decoder_cross_attention_fused(tmp_path, exporter, attn):
     assert len(cross) == 2 * LAYERS  # encoder self + decoder cross (the decoder self-attention is causal)
     for want, got in zip(_run(model, feeds), _run(fused, feeds)):
         assert float(np.max(np.abs(want.astype(np.float64) - got))) <= 1e-4
+
+
+#: The FFN of each held-out family: the rule that fuses it and its activation.
+HELDOUT_FFN = {"heldout_qwen2": ("gemm.gated", "silu"), "heldout_gpt_neox": ("gemm.act", "gelu_erf"),
+               "heldout_opt": ("gemm.act", "relu"), "heldout_distilbert": ("gemm.act", "gelu_erf"),
+               "heldout_clip_text": ("gemm.act", "quick_gelu")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter,attn", CASES)
+def test_heldout_family_gemms_fused(heldout_export, family, exporter, attn):
+    """Every GEMM of the held-out families fuses (none left as MatMul / Gemm), each FFN with the
+    family's activation, and the fused model equals the original."""
+    from collections import Counter
+
+    from optfuse.models import make_inputs
+
+    em = heldout_export(family, exporter, attn)
+    model = onnx.load(str(em.path))
+    fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16})
+    ops = Counter(n.op_type for n in fused.graph.node)
+    why = [r.reason for r in res.rejected if r.op in ("GemmEpilogue", "GatedGemm")]
+    assert not ops["MatMul"] and not ops["Gemm"], why
+    assert not {"Erf", "Tanh", "Sigmoid", "Relu", "Gelu"} & set(ops), ops
+    rule, act = HELDOUT_FFN[family]
+    ffn = [a for a in res.accepted if a.rule == rule]
+    assert len(ffn) == LAYERS and all(a.rewrite.attrs["activation"] == act for a in ffn)
+    feeds = make_inputs(em.inputs, {"batch": 3, "sequence": 12}, seed=0)
+    for want, got in zip(_run(model, feeds), _run(fused, feeds)):
+        assert float(np.max(np.abs(want.astype(np.float64) - got))) <= 1e-4

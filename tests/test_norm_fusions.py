@@ -68,7 +68,7 @@ def test_rms_norm_variants(variant, gamma_first, opset):
 @pytest.mark.parametrize("norm,fused_op", [("layer_norm", "SkipLayerNorm"), ("rms_norm", "SkipRMSNorm")])
 def test_residual_add_folds_into_skip_norm(norm, fused_op):
     model = graphs.residual_block(norm=norm, n_layers=3)
-    fused, res = fuse_model(model)
+    fused, res = fuse_model(model, families=graphs.NORM_FAMILIES)
     assert res.counts() == {fused_op: 3}, (res.counts(), res.rejected)
     assert fused_op in _ops(fused) and "LayerNormalization" not in _ops(fused)
     # the sum is a second output and is read again by the residual Add after the norm
@@ -164,7 +164,7 @@ def test_estimate_is_one_shape_inference_per_run(monkeypatch):
     infer = shapes._infer_static
     monkeypatch.setattr(shapes, "_infer_static", lambda m: calls.append(m) or infer(m))
     model = graphs.residual_block(n_layers=2)
-    fused, res = fuse_model(model, dims={"b": 2, "s": 16})
+    fused, res = fuse_model(model, dims={"b": 2, "s": 16}, families=graphs.NORM_FAMILIES)
     assert [a.op for a in res.accepted] == ["SkipLayerNorm"] * 2  # two families applied (LayerNorm, Skip)
     assert len(calls) == 1  # the probe shapes
     est = estimate_traffic(fused, res)

@@ -18,7 +18,7 @@ from optfuse.report import precision_markdown
 
 def _pair(norm: str, hidden: int = 64):
     m = graphs.residual_block(hidden=hidden, norm=norm, n_layers=2)
-    fused, _ = fuse_model(m, dims={"b": 2, "s": 8})
+    fused, _ = fuse_model(m, dims={"b": 2, "s": 8}, families=graphs.NORM_FAMILIES)
     return m, fused
 
 

@@ -82,7 +82,7 @@ def test_good_recipe_and_derived_values(tmp_path):
     r2 = load_recipe(_write(tmp_path, _with(precision__tolerances={"atol": 0.02, "outputs": {"logits": {"rtol": 0.1}}})))
     assert r2.tolerance("logits", "fp16") == (0.02, 0.1)
     assert r2.tolerance("logits") == (1e-3, 0.05)
-    assert r.fusions.enabled() == ["layer_norm", "rms_norm", "skip_norm"]
+    assert r.fusions.enabled() == ["layer_norm", "rms_norm", "gemm", "skip_norm"]
     assert r.resolve_path(r.model.path) == tmp_path / "model.onnx"  # relative to the recipe file
     assert r.target.arch == "sm_89"
 

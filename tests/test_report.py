@@ -13,7 +13,7 @@ import graphs
 
 
 def _report(model, dims=None, **kw):
-    fused, result = fuse_model(model, dims=dims)
+    fused, result = fuse_model(model, dims=dims, families=graphs.NORM_FAMILIES)
     return build_report(result, estimate=estimate_traffic(fused, result), model="m.onnx", dims=dims, **kw), result
 
 
@@ -89,7 +89,7 @@ def test_empty_result_and_byte_format():
 def test_absorbed_fusions_report_final_graph():
     """A LayerNorm taken in by a SkipLayerNorm is reported once, with all original nodes."""
     model = graphs.residual_block(n_layers=1)
-    _, result = fuse_model(model, dims={"b": 1, "s": 4})
+    _, result = fuse_model(model, dims={"b": 1, "s": 4}, families=graphs.NORM_FAMILIES)
     assert [a.op for a in result.accepted] == ["SkipLayerNorm"]
     assert isinstance(result.accepted[0], Accepted)
     report = build_report(result)

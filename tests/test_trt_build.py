@@ -38,7 +38,7 @@ RTX_TARGETS = ["sm_89", "sm_80"]
 
 def _fused(norm: str, mode: str = "fp16", hidden: int = 64) -> onnx.ModelProto:
     m = graphs.residual_block(hidden=hidden, norm=norm, n_layers=2)
-    fused, res = fuse_model(m, dims={"b": 2, "s": 8})
+    fused, res = fuse_model(m, dims={"b": 2, "s": 8}, families=graphs.NORM_FAMILIES)
     assert res.accepted
     out, _ = convert_precision(fused, mode)
     return out
@@ -199,3 +199,67 @@ def test_rtx_rejects_sm90(tmp_path):
     onnx.save(_plugin_node_model(), tmp_path / "m.onnx")
     with pytest.raises(InputError, match=r"sm_90.*sm_80, sm_86, sm_89"):
         build_engine_file(tmp_path / "m.onnx", tmp_path / "m.plan", dims=DIMS, target="sm_90", backend="rtx")
+
+
+# ------------------------------------------------------------------------------------------------
+# Outputs whose last dim comes from another input (a GEMM's N)
+# ------------------------------------------------------------------------------------------------
+def test_output_dims_follow_like_and_last_dim():
+    from optfuse.spec import get_spec
+    from optfuse.trt import glue
+
+    gemm, gated, ln = get_spec("GemmEpilogue"), get_spec("GatedGemm"), get_spec("LayerNorm")
+    assert glue.output_last_dim_index(gemm) == [(1, 0)] and glue.output_last_dim_index(ln) == [None]
+    assert glue.output_dims(gemm, 0, [("B", "S", 64), (192, 64), (192,), ()]) == ["B", "S", 192]
+    assert glue.output_dims(gated, 0, [("M", 128), (256, 128), (256, 128)]) == ["M", 256]
+    assert glue.output_dims(ln, 0, [("B", "S", 64), (64,), (64,)]) == ["B", "S", 64]
+
+
+def test_classic_plugin_output_shapes_take_n_from_the_weight():
+    """IPluginV3.get_output_shapes over stand-in DimsExprs: y = [..., N] with N = W's dim 0."""
+    import types
+
+    from optfuse.spec import get_spec
+    from optfuse.trt import plugins
+
+    bases = {name: type(name, (), {"__init__": lambda self, *a, **k: None})
+             for name in ("IPluginV3", "IPluginV3OneCore", "IPluginV3OneBuild", "IPluginV3OneRuntime")}
+    fake = types.SimpleNamespace(**bases, DimsExprs=list)
+    plugin = plugins._plugin_class(fake, get_spec("GemmEpilogue"))()
+    a, w = ["B", "S", 64], [192, 64]
+    assert plugin.get_output_shapes([a, w, [192], []], [], None) == [["B", "S", 192]]
+    assert a == ["B", "S", 64]  # the input's dims are not changed
+    ln = plugins._plugin_class(fake, get_spec("LayerNorm"))()
+    assert ln.get_output_shapes([["B", "S", 64], [64], [64]], [], None) == [["B", "S", 64]]
+
+
+def _gemm_model(hidden=64, inner=128) -> onnx.ModelProto:
+    """A fused pre-norm FFN: LayerNorm -> GemmEpilogue(gelu) -> GemmEpilogue(+ residual)."""
+    rng = np.random.default_rng(0)
+    b = graphs.Builder(17)
+    h = b.node("LayerNormalization", "x", b.const(np.ones(hidden)), b.const(np.zeros(hidden)), axis=-1)
+    up = b.node("Relu", b.node("Add", b.node("MatMul", h, b.const(rng.standard_normal((hidden, inner)) / 8)),
+                               b.const(rng.standard_normal(inner))))
+    b.node("Add", b.node("MatMul", up, b.const(rng.standard_normal((inner, hidden)) / 8)), "x", out="y")
+    return b.model([graphs.io("x", ["b", "s", hidden])], [graphs.io("y", ["b", "s", hidden])])
+
+
+@needs_trt
+@pytest.mark.trt
+@pytest.mark.parametrize("target", RTX_TARGETS[:1])
+def test_build_fused_gemm_model(tmp_path, target):
+    """GemmEpilogue nodes (output [..., N] from the weight) become plugin layers, one per node."""
+    from optfuse.spec import plugin_module
+
+    try:
+        plugin_module("gemm", "launch")
+    except ModuleNotFoundError:
+        pytest.skip("the GEMM kernels (plugins/gemm/launch.py) are not in this checkout")
+    fused, res = fuse_model(_gemm_model(), dims={"b": 2, "s": 8})
+    assert res.counts() == {"LayerNorm": 1, "GemmEpilogue": 2}
+    half, _ = convert_precision(fused, "fp16")
+    path = tmp_path / "ffn.onnx"
+    onnx.save(half, path)
+    r = build_engine_file(path, tmp_path / "ffn.plan", dims=DIMS, target=target, backend="rtx")
+    assert r.layers_by_kind["plugin"] == 3 == r.optfuse_nodes
+    assert r.engine_bytes > 0

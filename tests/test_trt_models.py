@@ -1,5 +1,6 @@
 """CI's TensorRT-RTX check on the test models: export (optfuse.models), fuse, FP16, build on CPU for
-sm_89 and sm_80; each build has one plugin layer per optfuse node and serializes; the FP16 model
+sm_89 and sm_80; each build has one plugin layer per optfuse node (GEMM fusions included: every
+FFN, LLaMA's gated FFNs as GatedGemm) and serializes; the FP16 model
 stays within FP16 tolerances of the FP32 original in onnxruntime."""
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def test_model_fp16_builds_with_rtx(family, models_dir):
     assert v.passed, [(o.name, o.max_abs) for o in v.outputs]
     n = len(optfuse_nodes(half))
     assert n == len(res.accepted) > 0
+    counts = res.counts()
+    assert counts.get("GemmEpilogue", 0) > 0 and counts.get("GatedGemm", 0) == (m.counts["attention"] if family == "llama" else 0)
     for target in ("sm_89", "sm_80"):
         r = build_engine_file(path, models_dir / f"{family}.{target}.plan", dims=dims, target=target, backend="rtx")
         assert r.layers_by_kind["plugin"] == n == r.optfuse_nodes

@@ -1,7 +1,9 @@
 """Fusion families, applied in a fixed order; each family is one module with a RULES list.
 
-Order matters: plain norms are fused first so that the Skip rules can absorb the residual Add
-into an already fused norm node; attention runs on the graph left by the norm families.
+Order matters: plain norms are fused first, attention runs on the graph they leave, then the GEMM
+family (after attention, so packing the Q/K/V projections cannot hide an attention block; before
+skip_norm, so it can take a residual Add whose sum is read again, see ``gemm.epilogue``), and
+last the Skip rules, which absorb each remaining residual Add into an already fused norm node.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from ..rewrite import FusionResult, apply_plan, inferable_model, plan_family
 FAMILIES: dict[str, str] = {
     "layer_norm": "optfuse.fusions.layer_norm",
     "rms_norm": "optfuse.fusions.rms_norm",
-    "skip_norm": "optfuse.fusions.skip_norm",
     "attention": "optfuse.fusions.attention",
+    "gemm": "optfuse.fusions.gemm",
+    "skip_norm": "optfuse.fusions.skip_norm",
 }
 
 
@@ -57,8 +60,13 @@ def fuse_graph(graph: gs.Graph, families: Iterable[str] | None = None,
         if name not in enabled:
             continue
         ctx = Context(graph, options=options, probe_shapes=probe_shapes)
+        summarize = getattr(importlib.import_module(FAMILIES[name]), "summary", None)
+        before = summarize(graph) if summarize else {}
         result = plan_family(graph, family_rules(name), ctx)
         apply_plan(graph, result, start_index=len(total.accepted))
+        if summarize:
+            after = summarize(graph)
+            total.summary[name] = {k: {"before": v, "after": after.get(k, 0)} for k, v in before.items()}
         total.accepted = _absorb(total.accepted, result.accepted) + result.accepted
         total.rejected += result.rejected
     return total

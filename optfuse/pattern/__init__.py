@@ -1,9 +1,9 @@
 """Declarative patterns and fusion rules over onnx-graphsurgeon graphs."""
 
 from .core import AnyOf, Capture, Const, Match, OpPattern, Pattern, Var, const_value, match, maybe_cast, node_attr, op
-from .rule import Context, FusionOptions, FusionRule, NewTensor, Rewrite
+from .rule import After, Context, FusedOutput, FusionOptions, FusionRule, NewTensor, Rewrite
 
 __all__ = [
-    "AnyOf", "Capture", "Const", "Context", "FusionOptions", "FusionRule", "Match", "NewTensor", "OpPattern", "Pattern", "Rewrite",
+    "After", "AnyOf", "Capture", "Const", "Context", "FusedOutput", "FusionOptions", "FusionRule", "Match", "NewTensor", "OpPattern", "Pattern", "Rewrite",
     "Var", "const_value", "match", "maybe_cast", "node_attr", "op",
 ]

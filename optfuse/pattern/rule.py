@@ -42,6 +42,25 @@ class NewTensor:
     name: str = ""
 
 
+@dataclass(eq=False)
+class FusedOutput:
+    """An input of an `After` node: output `index` of the fused node."""
+
+    index: int = 0
+
+
+@dataclass(eq=False)
+class After:
+    """A standard node a rewrite adds after the fused node, writing existing tensors it takes over:
+    the Split that gives a packed GEMM's original projections back, the Reshape that followed a 2-D
+    GEMM. inputs: `FusedOutput`s, existing tensors or NumPy arrays (new constants)."""
+
+    op: str
+    inputs: list[Any]
+    outputs: list[gs.Tensor]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Rewrite:
     """The fused node a rule wants: op name, ordered inputs, outputs taken over, attributes.
@@ -49,8 +68,9 @@ class Rewrite:
     inputs: existing tensors, NumPy arrays (become new constants), NewTensors (computed by a new
       node that apply_plan adds) or None (absent optional input).
     outputs: existing tensors the fused node will produce (consumers keep reading them), or None
-      for an output nobody reads.
+      for a new tensor (nobody reads it, or an `After` node does).
     info: extra facts for the report (e.g. the attention mask class).
+    after: standard nodes that read the fused node's outputs and write existing tensors.
     """
 
     op: str
@@ -58,6 +78,7 @@ class Rewrite:
     outputs: list[gs.Tensor | None]
     attrs: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    after: list[After] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

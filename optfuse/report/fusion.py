@@ -1,7 +1,8 @@
 """``fusion_report.json`` and ``fusion_report.md`` from a FusionResult.
 
 The report lists what was fused (rule, op, fused node, the original nodes it replaced, extra facts
-the rule recorded such as the attention mask class), what was not and why, and an estimate of the
+the rule recorded such as the attention mask class), the counts a family summarises before and
+after its pass (the GEMM family: GEMM launches), what was not and why, and an estimate of the
 HBM traffic each fusion saves: bytes the original nodes read and wrote minus what the fused node
 reads and writes, with symbolic dims resolved from the recipe's opt shapes (or the defaults of
 :mod:`optfuse.defaults`). An estimate that depends on a dim nobody resolved is ``null`` in JSON and ``unknown`` in Markdown.
@@ -58,6 +59,7 @@ def build_report(result: FusionResult, *, estimate: TrafficEstimate | None = Non
         "original_nodes_replaced": sum(len(f["nodes"]) for f in fusions),
         "hbm_saved_bytes_total": sum(known) if fusions else 0,
         "hbm_unknown": len(fusions) - len(known),
+        "summary": jsonable(getattr(result, "summary", {}) or {}),
         "fusions": fusions,
         "rejected": [
             {"rule": r.rule, "op": r.op, "nodes": list(r.nodes), "reason": r.reason} for r in result.rejected
@@ -123,6 +125,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         saved = f"**{format_bytes(total)}**" + (f" (plus {unknown} fusion(s) of unknown size)" if unknown else "")
     lines += ["", f"Original nodes replaced: {report.get('original_nodes_replaced', 0)}. "
               f"Estimated HBM traffic saved per run: {saved}."]
+
+    summary = report.get("summary") or {}
+    if summary:
+        lines += ["", "Per family, before and after its pass:", "", "| family | count | before | after |",
+                  "|---|---|---:|---:|"]
+        lines += [f"| {fam} | {what} | {v['before']} | {v['after']} |"
+                  for fam, counts in summary.items() for what, v in counts.items()]
 
     ver = report.get("verification")
     if ver:

@@ -67,6 +67,24 @@ def output_like_index(spec: OpSpec) -> list[int]:
     return idx
 
 
+def output_last_dim_index(spec: OpSpec) -> list[tuple[int, int] | None]:
+    """For each output, (input index, axis) of the dim its last dim takes (spec ``last_dim``: a
+    GEMM's [..., K] x [N, K] -> [..., N]), or None when it keeps the ``like`` input's last dim."""
+    return [None if o.last_dim is None else (spec.input_index(o.last_dim[0]), o.last_dim[1]) for o in spec.outputs]
+
+
+def output_dims(spec: OpSpec, j: int, dims: Sequence[Sequence[Any]], like: list[int] | None = None) -> list[Any]:
+    """Output ``j``'s dims from the inputs' dims (any dim type: ints, TensorRT dim expressions):
+    those of its ``like`` input, the last one from the ``last_dim`` input where the spec says so."""
+    like = output_like_index(spec) if like is None else like
+    out = list(dims[like[j]])
+    last = output_last_dim_index(spec)[j]
+    if last is not None:
+        src, axis = last
+        out[-1] = list(dims[src])[axis]
+    return out
+
+
 def static_shape(spec: OpSpec, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[str | None] | None = None) -> dict:
     """The compile-time shape facts a kernel specializes on.
 

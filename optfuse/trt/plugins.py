@@ -8,7 +8,7 @@ QDP). One generic class per op, made by :func:`make_plugin`; nothing is written 
 * fields: the spec attributes (float -> FLOAT32, int -> INT32, string -> CHAR, floats/ints ->
   arrays) -- the parser converts ONNX attributes by *their* type (INT arrives as int32, FLOAT as
   float32), so decoding is by field type, and missing fields take the spec default;
-* output dtypes and shapes: the spec's ``like`` rule;
+* output dtypes and shapes: the spec's ``like`` rule (the last dim from ``last_dim`` where given);
 * formats: linear only; every float tensor one dtype, taken from the spec's dtype list;
 * enqueue: :func:`optfuse.trt.glue.resolve` (the plugin's ``launch.py``) and
   ``optfuse.kernels.launcher.launch`` -- so this form needs Python at run time, unlike QDP.
@@ -78,6 +78,7 @@ def make_plugin(trt, spec: OpSpec):
 def _plugin_class(trt, spec: OpSpec):
     """The IPluginV3 (core, build and runtime in one object) for ``spec``."""
     like = glue.output_like_index(spec)
+    last_dim = glue.output_last_dim_index(spec)
     attr_types = {a.name: a.type for a in spec.attributes}
 
     class Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
@@ -108,7 +109,12 @@ def _plugin_class(trt, spec: OpSpec):
             return [input_types[i] for i in like]
 
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
-            return [trt.DimsExprs(inputs[i]) for i in like]
+            shapes = [trt.DimsExprs(inputs[i]) for i in like]
+            for j, last in enumerate(last_dim):
+                if last is not None:  # a GEMM's N: dim `axis` of input `src`
+                    src, axis = last
+                    shapes[j][len(shapes[j]) - 1] = inputs[src][axis]
+            return shapes
 
         def supports_format_combination(self, pos, in_out, num_inputs):
             return _supports_format(trt, spec, like, pos, in_out, num_inputs)

@@ -5,7 +5,8 @@ Per spec, :func:`register_spec` declares with generated signatures (``inspect.Si
 per-op code):
 
 * ``@trtp.register("optfuse::<Op>")``: inputs as ``TensorDesc``, attributes typed from the spec
-  (float, int, str, NDArray[float32|int32]); outputs ``like`` the spec says;
+  (float, int, str, NDArray[float32|int32]); outputs ``like`` the spec says (the last dim from
+  ``last_dim`` where given: a GEMM's N);
 * ``@trtp.autotune``: one linear type combination per float dtype the spec allows (all I/O of
   one dtype);
 * ``@trtp.aot_impl``: a thin adapter around :func:`aot_kernel`, the plain function that does the
@@ -205,6 +206,7 @@ def register_spec(be, spec: OpSpec, arch: int | None) -> str:
     trt = be.trt
     pid = f"{spec.domain}::{spec.op}"
     like = glue.output_like_index(spec)
+    last_dim = glue.output_last_dim_index(spec)
     P = inspect.Parameter
     in_params = [P(t.name, P.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc) for t in spec.inputs]
     attr_params = [P(a.name, P.POSITIONAL_OR_KEYWORD, annotation=_py_type(a.type)) for a in spec.attributes]
@@ -219,6 +221,10 @@ def register_spec(be, spec: OpSpec, arch: int | None) -> str:
     # declared signature (what tensorrt.plugin validates) is the full one.
     def register_fn(*descs, **attrs):
         outs = [descs[i].like() for i in like]
+        for j, out in enumerate(outs):
+            if last_dim[j] is not None:  # like() shares the input's shape_expr: give the output its own
+                exprs = glue.output_dims(spec, j, [d.shape_expr for d in descs], like)
+                out.shape_expr = type(descs[like[j]].shape_expr).from_tuple(tuple(exprs))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     ret = trtp.TensorDesc if len(spec.outputs) == 1 else typing.Tuple[tuple([trtp.TensorDesc] * len(spec.outputs))]

@@ -99,14 +99,6 @@ typedef unsigned short u16;
 #define SOFTMAX_STREAM 0
 #endif
 
-#if OPTFUSE_DTYPE == 1
-#define WG_TY "f16"
-#elif OPTFUSE_DTYPE == 2
-#define WG_TY "bf16"
-#else
-#error "OPTFUSE_DTYPE must be 1 (fp16) or 2 (bf16)"
-#endif
-
 #if HEAD_DIM != 64 && HEAD_DIM != 128
 #error "HEAD_DIM must be 64 or 128"
 #endif
@@ -180,6 +172,7 @@ typedef unsigned short u16;
 
 // The kernel's building blocks, by role (each needs the configuration above; inlined by the
 // kernel build, optfuse.kernels.artifact.KernelSource.source_text).
+#include "../common/sm90.cuh"  // WG_TY, mbarriers, proxy fence, tensor-map publishing, wgmma fences, descriptors
 #include "sm90/profile.cuh"   // PROFILE cycle counters (compiled out of shipped builds)
 #include "sm90/barriers.cuh"  // mbarriers, proxy fence, turn-taking named barriers
 #include "sm90/loads.cuh"     // producer: TMA with device-built tensor maps, cp.async fallback

@@ -1,26 +1,6 @@
-// kernel_sm90.cu, synchronization: mbarriers (the K/V ring's and Q's full / empty barriers),
-// cp.async completion on a barrier, the generic -> async proxy fence, and the named barriers the
-// consumer warpgroups take turns on. Needs profile.cuh (KV_WAIT counts late waits under PROFILE).
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm("{\n.reg .u64 a;\ncvta.to.shared.u64 a, %1;\ncvt.u32.u64 %0, a;\n}\n" : "=r"(r) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
+// kernel_sm90.cu, synchronization beyond plugins/common/sm90.cuh: the late-wait count of the K/V
+// ring's waits, cp.async completion on a barrier, and the named barriers the consumer warpgroups
+// take turns on. Needs profile.cuh (KV_WAIT counts late waits under PROFILE).
 
 // A consumer's wait for K / V. PROFILE: also counts the waits whose data had not landed when
 // first probed (test_wait, which does not block: try_wait may itself wait a while and then pass).
@@ -39,17 +19,6 @@ __device__ __forceinline__ bool mbar_wait_late(u32 bar, u32 parity) {
 #define KV_WAIT(bar, parity) mbar_wait(bar, parity)
 #endif
 
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-
-// One arrival per warp (32 arrivals on one barrier word would serialize): after __syncwarp the
-// warp's earlier shared-memory reads are ordered before lane 0's release.
-__device__ __forceinline__ void mbar_arrive_warp(u32 bar) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
-}
-
 // The barrier counts this thread's arrival once all its earlier cp.async copies have landed.
 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
@@ -58,11 +27,6 @@ __device__ __forceinline__ void cp_async_arrive(u32 bar) {
 // 16-byte global -> shared copy; src_bytes < 16 zero-fills the rest (rows past the sequence end).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-// Make data that generic-proxy writes (cp.async) put in shared memory visible to wgmma (async proxy).
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // Turn-taking between consumer warpgroups: warpgroup c waits on barrier 1 + c, then (after issuing

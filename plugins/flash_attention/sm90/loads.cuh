@@ -32,24 +32,11 @@ __device__ __forceinline__ void tmap_encode(u32 sm, const void* g, u32 rows, u32
 #undef TMAP_SET_ORD
 }
 
-// The warp's copy of a finished map to global memory, where the TMA unit reads it, ordered before
-// this thread's later TMA use of it (release by the copy, acquire by the fence).
-__device__ __forceinline__ void tmap_publish(void* g, u32 sm) {
-    asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned [%0], [%1], 128;"
-                 ::"l"(g), "r"(sm) : "memory");
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(g) : "memory");
-}
-
 // Box (column c0, row c1, head c2) of a map into shared memory; completes on `bar` by bytes.
 __device__ __forceinline__ void tma_load(u32 dst, const void* tmap, int c0, int c1, int c2, u32 bar) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
         ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
-}
-
-// This thread's arrival on `bar`, which also expects `bytes` more from TMA transfers.
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 // Rows from row0 of one head, all D columns: D / 64 boxes into the swizzle chunks of a tile whose

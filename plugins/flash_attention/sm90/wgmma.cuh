@@ -1,18 +1,7 @@
-// kernel_sm90.cu, the mainloop's MMAs: wgmma fences and waits, shared-memory descriptors, the
-// m64nN instructions, and the S = Q K^T / O += P V issue loops over one key block.
+// kernel_sm90.cu, the mainloop's MMAs: the m64nN instructions and the S = Q K^T / O += P V issue
+// loops over one key block (fences, waits and descriptors: plugins/common/sm90.cuh).
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-
-// Keep the compiler from moving reads of wgmma results above the wait (and from reusing the
-// registers an in-flight wgmma still reads): an empty asm that "modifies" each register.
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
+// fence_regs (plugins/common/sm90.cuh) for the packed P registers.
 template <int N>
 __device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
 #pragma unroll
@@ -21,26 +10,7 @@ __device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
         for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
-// wgmma shared-memory descriptor, 128-byte swizzle. For K-major operands the leading byte offset
-// is unused (1) and the stride byte offset is 1024 (8 rows x 128 bytes); for N-major (V) the
-// leading offset steps to the next 64-element chunk of N and the stride offset to the next 8 rows
-// of K.
-__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo_bytes, u32 sbo_bytes) {
-    u64 d = (u64)((saddr & 0x3FFFF) >> 4);
-    d |= (u64)((lbo_bytes >> 4) & 0x3FFF) << 16;
-    d |= (u64)((sbo_bytes >> 4) & 0x3FFF) << 32;
-    d |= (u64)1 << 62;
-    return d;
-}
-
-// The accumulator operands: N/2 fp32 registers per thread for an m64nN wgmma, bound in order
-// (%0 .. %N/2-1) as read-write, so the compiler keeps them in place across the asynchronous MMA.
-#define ACC_REGS_32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define ACC_REGS_64 ACC_REGS_32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
-    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define ACC_OPS_8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
-    "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+// Accumulator operand lists (ACC_REGS_32 / 64, ACC_OPS_8: plugins/common/sm90.cuh).
 #define ACC_OPS_32 ACC_OPS_8(0), ACC_OPS_8(8), ACC_OPS_8(16), ACC_OPS_8(24)
 #define ACC_OPS_64 ACC_OPS_32, ACC_OPS_8(32), ACC_OPS_8(40), ACC_OPS_8(48), ACC_OPS_8(56)
 

@@ -1,0 +1,330 @@
+// GEMM with a fused epilogue for Hopper (sm_90a) in CUDA C++, behind the same launch contract as
+// the Triton kernel (kernel.py):
+//
+//     GemmEpilogue: y = act(alpha A W^T + bias [+ residual]) [+ residual]
+//     GatedGemm:    y = act(A W_gate^T) * (A W_up^T)
+//
+// A: [M, K], W / W_gate / W_up: [N, K], y (and residual): [M, N]; contiguous fp16/bf16, fp32
+// accumulation. Arguments (TensorRT QDP order): A, W (GatedGemm: A, W_gate, W_up)[, bias]
+// [, residual], M (int32), y. Grid: one CTA per SM (persistent), 384 threads.
+//
+// Schedules (PINGPONG, launch_sm90.py picks one per shape class by measurement):
+// Cooperative (CUTLASS's "warp-specialized cooperative" kernel):
+//   * one producer warpgroup: a single thread streams the A and W boxes of every k-block of every
+//     tile of this CTA into a STAGES-deep shared-memory ring with TMA, guarded by mbarriers;
+//   * two consumer warpgroups share each 128 x 256 tile, 64 rows each, and issue m64n256k16 wgmma
+//     from the ring (both operands K-major: W is stored [N, K] for this); a k-block's slot is given
+//     back once the next k-block's MMAs are issued and the previous ones have completed;
+//   * the epilogue (sm90/epilogue.cuh) works on the accumulators in registers and writes y
+//     through shared memory, while the producer already fills the ring with the next tile's
+//     first k-blocks; the tensor cores wait for it.
+// Pingpong (GemmEpilogue; CUTLASS's "ping-pong" kernel): each consumer warpgroup owns whole
+//   128 x 128 tiles, the CTA's tiles taken in turn; the ring delivers them in order, so one
+//   warpgroup's epilogue runs while the other's MMAs use the tensor cores. A full residual is
+//   copied into the epilogue stage by the warpgroup itself (cp.async) when its tile starts.
+//
+// Tiles: 128 rows of A by 256 rows of W. GemmEpilogue: 256 output columns. GatedGemm: W rows
+// 0-127 of the tile are W_gate's rows n0..n0+127 and rows 128-255 are W_up's same rows, so one
+// thread holds the gate and the up value of each output (128 output columns): neither GEMM's
+// result reaches memory.
+//
+// Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16), N_DIM, K_DIM
+// (static), GATED, ACTIVATION (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]),
+// RESIDUAL_MODE (0 none, 1 scalar, 2 [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M. Needs
+// sm_90a (wgmma, setmaxnreg).
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+
+#ifndef OPTFUSE_DTYPE
+#define OPTFUSE_DTYPE 1
+#endif
+#ifndef GATED
+#define GATED 0
+#endif
+#ifndef ACTIVATION
+#define ACTIVATION 0
+#endif
+#ifndef BIAS_MODE
+#define BIAS_MODE 0
+#endif
+#ifndef RESIDUAL_MODE
+#define RESIDUAL_MODE 0
+#endif
+#ifndef RESIDUAL_BEFORE
+#define RESIDUAL_BEFORE 0
+#endif
+#ifndef ALPHA
+#define ALPHA 1.0f
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+// Tile order: GROUP_M row blocks of A sweep all column blocks before the next group starts, so
+// the CTAs running at once read few distinct A rows and W stays in L2.
+#ifndef GROUP_M
+#define GROUP_M 8
+#endif
+#if !defined(N_DIM) || !defined(K_DIM)
+#error "define N_DIM and K_DIM"
+#endif
+#if GATED && (BIAS_MODE || RESIDUAL_MODE)
+#error "GatedGemm has no bias or residual"
+#endif
+
+#ifndef PINGPONG
+#define PINGPONG 0
+#endif
+#if PINGPONG && GATED
+#error "GatedGemm runs the cooperative schedule"
+#endif
+#define BLOCK_M 128                      // rows of A per tile (cooperative: 64 per consumer warpgroup)
+#define BLOCK_N (PINGPONG ? 128 : 256)   // rows of W per tile
+#define BLOCK_K 64                       // one 128-byte swizzle row of 16-bit values
+#define OUT_N (GATED ? 128 : BLOCK_N)    // output columns per tile
+#define SLABS (PINGPONG ? 2 : 1)         // 64-row wgmma slabs per consumer warpgroup and tile
+#define SLAB_N (BLOCK_N)                 // columns of one slab's wgmma (m64n256 / m64n128)
+#define K_BLOCKS ((K_DIM + BLOCK_K - 1) / BLOCK_K)
+#define N_TILES ((N_DIM + OUT_N - 1) / OUT_N)
+#define A_BYTES (BLOCK_M * BLOCK_K * 2)  // 16 KB
+#define W_BYTES (BLOCK_N * BLOCK_K * 2)  // 32 KB
+#define STAGE_BYTES (A_BYTES + W_BYTES)
+#define NTHREADS 384                     // producer warpgroup + two consumer warpgroups
+// A full residual arrives in the epilogue stage while the mainloop runs (its loads would
+// otherwise stall the epilogue): by TMA (cooperative; the stage then holds a warpgroup's whole
+// 64 x 256 tile) or by the warpgroup's own cp.async (pingpong).
+#define RESIDUAL_TMA (RESIDUAL_MODE == 2 && !PINGPONG)
+#define RESIDUAL_STAGED (RESIDUAL_MODE == 2)
+#define EPI_ROWS (64 * SLABS)                   // rows of a warpgroup's tile
+#define EPI_COLS (RESIDUAL_TMA ? 256 : 128)     // output columns per epilogue pass
+#define EPI_BYTES (EPI_ROWS * EPI_COLS * 2)
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS 232                // 128 * 40 + 256 * 232 <= 64K registers
+
+#include "../common/sm90.cuh"  // WG_TY, mbarriers, proxy fence, tensor-map publishing, wgmma fences, descriptors
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+#include "sm90/epilogue.cuh"
+
+// Shared memory (1024-byte aligned for the swizzle): STAGES x [A box | W box], each consumer
+// warpgroup's epilogue stage, then the full and empty barriers of each ring stage and of each
+// epilogue stage (residual landed / stage free).
+#define SLOT_A(s) (base + (s) * STAGE_BYTES)
+#define SLOT_W(s) (base + (s) * STAGE_BYTES + A_BYTES)
+#define SLOT_EPI(c) (base + STAGES * STAGE_BYTES + (c) * EPI_BYTES)
+#define BARS (base + STAGES * STAGE_BYTES + 2 * EPI_BYTES)
+#define BAR_FULL(s) (BARS + 8 * (s))
+#define BAR_EMPTY(s) (BARS + 8 * (STAGES + (s)))
+#define BAR_RES_FULL(c) (BARS + 8 * (2 * STAGES + (c)))
+#define BAR_RES_EMPTY(c) (BARS + 8 * (2 * STAGES + 2 + (c)))
+
+// Tile t -> (row block, column block) in GROUP_M-row groups.
+__device__ __forceinline__ void tile_coords(int t, int tiles_m, int& mb, int& nb) {
+    const int per_group = GROUP_M * N_TILES;
+    const int group = t / per_group, first = group * GROUP_M;
+    const int size = min(tiles_m - first, GROUP_M);
+    const int r = t - group * per_group;
+    mb = first + r % size;
+    nb = r / size;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
+    const u16* __restrict__ A, const u16* __restrict__ W,
+#if GATED
+    const u16* __restrict__ W_up,
+#endif
+#if BIAS_MODE
+    const u16* __restrict__ bias,
+#endif
+#if RESIDUAL_MODE
+    const u16* __restrict__ residual,
+#endif
+    int M, u16* __restrict__ Y) {
+#if !BIAS_MODE
+    const u16* bias = nullptr;
+#endif
+#if !RESIDUAL_MODE
+    const u16* residual = nullptr;
+#endif
+    const int tiles_m = (M + BLOCK_M - 1) / BLOCK_M;
+    const int num_tiles = tiles_m * N_TILES;
+    const int G = gridDim.x;
+    if ((int)blockIdx.x >= num_tiles) return;  // the whole CTA, before any barrier exists
+
+    extern __shared__ unsigned char smem_raw[];
+    const u32 raw = smem_addr(smem_raw);
+    const u32 base = (raw + 1023u) & ~1023u;
+    // warpgroup index, broadcast from lane 0 so that ptxas knows it is warp-uniform
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(BAR_FULL(s), 1);   // the producer's expect_tx arrival (+ the TMA bytes)
+            mbar_init(BAR_EMPTY(s), PINGPONG ? 4 : 8);  // one arrival per consuming warp
+        }
+        for (int c = 0; c < 2; ++c) {
+            mbar_init(BAR_RES_FULL(c), 1);   // expect_tx arrival + the residual's bytes
+            mbar_init(BAR_RES_EMPTY(c), 4);  // one arrival per warp of the warpgroup
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ================= producer warpgroup: one thread issues every copy =================
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+        if (threadIdx.x >= 32) return;
+        // Tensor maps (A, W and the residual: 3 x 128 bytes) live in the first row of the output tile this CTA
+        // writes last: no other CTA writes there, and that tile's epilogue runs only after every
+        // TMA transfer of this CTA has landed (its consumers waited for all of them). launch_sm90.py
+        // admits only N whose every tile row holds the maps; y is 64-byte aligned (pointer_align).
+        // They are built in ring slot 0, free until the first load below.
+        int mb, nb;
+        tile_coords(blockIdx.x + (num_tiles - 1 - blockIdx.x) / G * G, tiles_m, mb, nb);
+        unsigned char* maps = reinterpret_cast<unsigned char*>(Y + (long long)mb * BLOCK_M * N_DIM + nb * OUT_N);
+        const u32 stage = SLOT_A(0);
+        constexpr int N_MAPS = RESIDUAL_TMA ? 3 : 2;
+        for (int i = 0; i < N_MAPS; ++i)
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(stage + 128 * i + 4 * threadIdx.x), "r"(0u) : "memory");
+        __syncwarp();
+#if GATED
+        // gate and up as one [2, N, K] tensor from the lower of the two addresses
+        const bool gate_first = W <= W_up;
+        const u16* w_lo = gate_first ? W : W_up;
+        const u64 gap = gate_first ? (u64)(W_up - W) * 2 : (u64)(W - W_up) * 2;
+        const int gate_idx = gate_first ? 0 : 1;
+#endif
+        if (threadIdx.x == 0) {
+            tmap_encode_2d(stage, A, (u32)M, K_DIM, BLOCK_M);
+#if GATED
+            tmap_encode_pair(stage + 128, w_lo, gap ? gap : (u64)N_DIM * K_DIM * 2, N_DIM, K_DIM, BLOCK_N / 2);
+#else
+            tmap_encode_2d(stage + 128, W, N_DIM, K_DIM, BLOCK_N);
+#endif
+#if RESIDUAL_TMA
+            tmap_encode_2d(stage + 256, residual, (u32)M, N_DIM, 64);
+#endif
+        }
+        __syncwarp();
+        for (int i = 0; i < N_MAPS; ++i) tmap_publish(maps + 128 * i, stage + 128 * i);
+        fence_proxy_async();  // TMA (async proxy) writes slot 0 after these generic writes
+        __syncwarp();
+        if (threadIdx.x != 0) return;
+
+        int it = 0;  // k-blocks loaded so far: ring slot and phase
+        int tc = 0;  // tiles loaded so far: epilogue stage phase
+        for (int t = blockIdx.x; t < num_tiles; t += G, ++tc) {
+            tile_coords(t, tiles_m, mb, nb);
+            const int m0 = mb * BLOCK_M, n0 = nb * OUT_N;
+            for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {
+#if RESIDUAL_TMA
+                // Once the ring holds this tile's first k-blocks (they load while the consumers
+                // finish the last tile), the residual: the consumers' last epilogue has to free
+                // the stages first, and waiting for that earlier would delay the ring.
+                if (kb == (K_BLOCKS < STAGES ? K_BLOCKS : STAGES) - 1) {
+                    for (int c = 0; c < 2; ++c) {
+                        mbar_wait(BAR_RES_EMPTY(c), (tc & 1) ^ 1);
+                        mbar_expect_tx(BAR_RES_FULL(c), EPI_BYTES);
+                        for (int b = 0; b < 4; ++b)
+                            tma_load_2d(SLOT_EPI(c) + b * (64 * 128), maps + 256, n0 + 64 * b, m0 + 64 * c, BAR_RES_FULL(c));
+                    }
+                }
+#endif
+                const int s = it % STAGES;
+                mbar_wait(BAR_EMPTY(s), ((it / STAGES) & 1) ^ 1);  // a fresh barrier passes parity 1
+                mbar_expect_tx(BAR_FULL(s), STAGE_BYTES);        // zero-filled tails count too
+                tma_load_2d(SLOT_A(s), maps, kb * BLOCK_K, m0, BAR_FULL(s));
+#if GATED
+                tma_load_3d(SLOT_W(s), maps + 128, kb * BLOCK_K, n0, gate_idx, BAR_FULL(s));
+                tma_load_3d(SLOT_W(s) + W_BYTES / 2, maps + 128, kb * BLOCK_K, n0, 1 - gate_idx, BAR_FULL(s));
+#else
+                tma_load_2d(SLOT_W(s), maps + 128, kb * BLOCK_K, n0, BAR_FULL(s));
+#endif
+            }
+        }
+    } else {
+#if PINGPONG
+        // ================= consumer warpgroups: every other tile of this CTA each =================
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+        const int c = wg - 1;
+        float acc[128];  // slab s (rows 64 s .. 64 s + 63) in acc[64 s .. 64 s + 63]
+        int i = c;       // this CTA's tiles i = c, c + 2, ...: ring positions i * K_BLOCKS ...
+        for (int t = blockIdx.x + c * G; t < num_tiles; t += 2 * G, i += 2) {
+            int mb, nb;
+            tile_coords(t, tiles_m, mb, nb);
+            const int m0 = mb * BLOCK_M, n0 = nb * OUT_N;
+#if RESIDUAL_STAGED
+            stage_residual(residual, M, m0, n0, SLOT_EPI(c));  // lands while this warpgroup waits and computes
+#endif
+            // Turns (named barriers 3 + c, both warpgroups): a warpgroup starts its mainloop once the
+            // other has waited for every k-block of the tile before. Needed for correctness, not
+            // only for speed: a ring slot's full barrier may be only one phase behind the position
+            // waited for, or its parity wait passes early.
+            if (i > 0) asm volatile("bar.sync %0, 256;" ::"r"(3 + c) : "memory");
+#pragma unroll
+            for (int r = 0; r < 128; ++r) acc[r] = 0.f;
+            int it = i * K_BLOCKS;
+            for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {
+                const int s = it % STAGES;
+                mbar_wait(BAR_FULL(s), (it / STAGES) & 1);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+                    const u64 dw = kmajor_desc(SLOT_W(s) + kk * 32);
+                    wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[0]), kmajor_desc(SLOT_A(s) + kk * 32), dw);
+                    wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[64]), kmajor_desc(SLOT_A(s) + 64 * 128 + kk * 32), dw);
+                }
+                wgmma_commit();
+                if (kb > 0) {
+                    wgmma_wait<1>();
+                    mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
+                }
+            }
+            if (t + G < num_tiles) asm volatile("bar.arrive %0, 256;" ::"r"(3 + (1 - c)) : "memory");  // the next tile's turn
+            wgmma_wait<0>();
+            fence_regs(acc);
+            mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
+            store_tile(acc, Y, bias, residual, M, m0, n0, SLOT_EPI(c), 0, 0);
+        }
+#else
+        // ================= consumer warpgroups: 64 rows of the tile each =================
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+        const int c = wg - 1;
+        float acc[128];
+        int it = 0, tc = 0;
+        for (int t = blockIdx.x; t < num_tiles; t += G, ++tc) {
+            int mb, nb;
+            tile_coords(t, tiles_m, mb, nb);
+#pragma unroll
+            for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+            for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {
+                const int s = it % STAGES;
+                mbar_wait(BAR_FULL(s), (it / STAGES) & 1);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_K / 16; ++kk)  // 16 columns = 32 bytes of the swizzle row
+                    wgmma_n256(acc, kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32), kmajor_desc(SLOT_W(s) + kk * 32));
+                wgmma_commit();
+                if (kb > 0) {
+                    wgmma_wait<1>();  // k-block kb - 1 is done: its slot goes back to the producer
+                    mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
+                }
+            }
+            wgmma_wait<0>();
+            fence_regs(acc);
+            mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
+#if RESIDUAL_TMA
+            // The last tile's first row holds the maps that warpgroup 1's residual load reads:
+            // warpgroup 0 overwrites it only once that load has landed too.
+            if (c == 0 && t + G >= num_tiles) mbar_wait(BAR_RES_FULL(1), tc & 1);
+#endif
+            store_tile(acc, Y, bias, residual, M, mb * BLOCK_M + c * 64, nb * OUT_N, SLOT_EPI(c), BAR_RES_FULL(c), tc & 1);
+#if RESIDUAL_TMA
+            fence_proxy_async();  // the next residual (TMA) overwrites what these threads read
+            mbar_arrive_warp(BAR_RES_EMPTY(c));
+#endif
+        }
+#endif
+    }
+}

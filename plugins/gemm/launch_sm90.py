@@ -1,0 +1,127 @@
+"""The sm_90 CUDA C++ GEMM (kernel_sm90.cu): which instances it takes, what to compile, how to launch.
+
+launch.py picks it (``GemmConfig.impl`` ``cuda_sm90``: the cooperative schedule, or
+``cuda_sm90_pingpong``) where :func:`takes` says it can run; this module holds the kernel's own
+facts: its fixed tiles (cooperative: 128 rows of A by 256 rows of W, 256 output columns, GatedGemm
+128; pingpong: 128 x 128 per consumer warpgroup), its shared memory, its persistent grid
+(``sm_count`` CTAs, default 132: H100 SXM / H200; the only extra argument is M), the tensor-map
+room it needs in y.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from optfuse.kernels.artifact import KernelSource, LaunchParams
+from optfuse.spec import plugin_specs
+
+KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel_sm90.cu")
+SPECS = plugin_specs(__file__)
+#: Persistent grid: one CTA per SM of an H100 SXM / H200.
+SM90_GRID = 132
+THREADS = 384  # a producer and two consumer warpgroups
+BLOCK_M, BLOCK_K = 128, 64
+PINGPONG = "cuda_sm90_pingpong"
+#: output columns per tile (kernel_sm90.cu, "Tiles"), by impl and op
+OUT_N = {("cuda_sm90", "GemmEpilogue"): 256, ("cuda_sm90", "GatedGemm"): 128, (PINGPONG, "GemmEpilogue"): 128}
+MAX_SMEM = 227 * 1024
+
+
+def _stage_bytes(impl: str) -> int:
+    return (BLOCK_M + (128 if impl == PINGPONG else 256)) * BLOCK_K * 2
+_DTYPE_CODE = {"float16": 1, "bfloat16": 2}
+_BIAS_CODE = {"none": 0, "scalar": 1, "vector": 2}
+_RESIDUAL_CODE = {"none": 0, "scalar": 1, "full": 2}
+#: The kernel's ACTIVATION codes: GemmEpilogue's choices in spec order (GatedGemm's are a subset).
+ACTIVATION_CODES = SPECS["GemmEpilogue"].attr("activation").choices
+
+
+def residual_by_tma(impl: str, op: str, residual_mode: str) -> bool:
+    """Cooperative: a full residual comes by TMA into the epilogue stage (64 x 256 a warpgroup)."""
+    return impl == "cuda_sm90" and op == "GemmEpilogue" and residual_mode == "full"
+
+
+def shared_mem(impl: str, op: str, stages: int, residual_mode: str) -> int:
+    """The ring, the two epilogue stages, the barriers, and slack to align to 1024 bytes."""
+    if impl == PINGPONG:
+        epi = 128 * 128 * 2
+    else:
+        epi = 64 * (256 if residual_by_tma(impl, op, residual_mode) else 128) * 2
+    return stages * _stage_bytes(impl) + 2 * epi + 16 * stages + 32 + 1024
+
+
+def stage_options(impl: str, op: str, residual_mode: str) -> list[int]:
+    """The two deepest rings that fit in shared memory, deepest first (the default)."""
+    return [s for s in (5, 4, 3) if shared_mem(impl, op, s, residual_mode) <= MAX_SMEM][:2]
+
+
+def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cuda_sm90", k: int | None = None) -> str | None:
+    """Why the sm_90 kernel (schedule ``impl``) cannot run this instance (None: it can)."""
+    if impl == PINGPONG:
+        if op != "GemmEpilogue":
+            return "the pingpong schedule is GemmEpilogue's"
+        if n % 128:
+            return f"pingpong: N = {n} is not a multiple of 128 (the tensor maps fill a tile row)"
+        if k is not None and -(-k // BLOCK_K) < stage_options(impl, op, static.get("residual_mode", "none"))[0]:
+            return f"pingpong: K = {k} is shorter than the ring"
+    if arch is None or int(arch) != 90:
+        return f"sm_90 only (target {'unknown' if arch is None else f'sm_{arch}'})"
+    if dtype not in _DTYPE_CODE:
+        return f"fp16/bf16 only (got {dtype})"
+    for name in ("bias", "residual"):
+        other = static.get(f"{name}_dtype")
+        if other is not None and other != dtype:
+            return f"{name} must have A's dtype ({other} vs {dtype})"
+    if n % 32:
+        return f"N = {n} is not a multiple of 32"
+    # The tensor maps (2, with a TMA residual 3, x 128 bytes) live in the first row of one of this
+    # CTA's tiles: every tile's row must hold them.
+    maps = 3 if residual_by_tma(impl, op, static.get("residual_mode", "none")) else 2
+    rest = n % OUT_N[(impl, op)]
+    if rest and rest * 2 < 128 * maps:
+        return f"the last column tile of N = {n} is {rest} columns, too narrow for the tensor maps"
+    return None
+
+
+def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, name: str) -> KernelSource:
+    """The KernelSource of one instance; ``epi`` is launch.Epilogue (activation, alpha, residual
+    position and the bias / residual modes)."""
+    gated = op == "GatedGemm"
+    need = shared_mem(impl, op, stages, epi.residual_mode)
+    if need > MAX_SMEM:
+        raise ValueError(f"{op}: {stages} stages need {need} bytes of shared memory")
+    defines = {
+        "OPTFUSE_DTYPE": str(_DTYPE_CODE[dtype]),
+        "N_DIM": str(n),
+        "K_DIM": str(k),
+        "GATED": str(int(gated)),
+        "ACTIVATION": str(ACTIVATION_CODES.index(epi.activation)),
+        "BIAS_MODE": str(_BIAS_CODE[epi.bias_mode]),
+        "RESIDUAL_MODE": str(_RESIDUAL_CODE[epi.residual_mode]),
+        "RESIDUAL_BEFORE": str(int(epi.residual_before)),
+        "ALPHA": f"{float(epi.alpha)!r}f",
+        "STAGES": str(stages),
+        "GROUP_M": str(group_m),
+        "PINGPONG": str(int(impl == PINGPONG)),
+    }
+    n_inputs = 3 if gated else 2 + (epi.bias_mode != "none") + (epi.residual_mode != "none")
+    return KernelSource(
+        name=name,
+        lang="cuda",
+        path=KERNEL_PATH,
+        entry="gemm_sm90",
+        n_inputs=n_inputs,
+        n_extra=1,
+        n_outputs=1,
+        defines=defines,
+        threads=THREADS,
+        pointer_align=64,  # y holds the tensor maps (64-byte aligned); TensorRT gives 256
+        arch_suffix="a",
+        meta={"op": op, "dtype": dtype, "N": n, "K": k, "kernel": impl, "stages": stages, "group_m": group_m},
+    )
+
+
+def launch(impl: str, op: str, m: Any, stages: int, residual_mode: str, static: dict) -> LaunchParams:
+    return LaunchParams(grid=(int(static.get("sm_count") or SM90_GRID), 1, 1), block=(THREADS, 1, 1),
+                        shared_mem=shared_mem(impl, op, stages, residual_mode), extra_args=[m])

@@ -1,0 +1,230 @@
+// kernel_sm90.cu, the epilogue: bias, alpha, activation, residual and the output cast applied to
+// the fp32 accumulators in registers, staged through shared memory into 16-byte row stores.
+//
+// Accumulator layout of an m64nN wgmma (per warpgroup): warp w, lane l holds rows
+// 16 w + l / 4 (+ 8) and, for each group j of 8 columns, columns 8 j + 2 (l % 4) (+ 1):
+// registers d[4 j + 2 h + e] for row half h and column e.
+
+// ACTIVATION: 0 none, 1 relu, 2 gelu_erf, 3 gelu_tanh, 4 quick_gelu, 5 silu, 6 sigmoid, 7 tanh
+// (the order of the spec's choices; launch_sm90.py passes the index). Sigmoids as x / (1 + e^-x)
+// with the fast exponential and division: an exponential that overflows gives x / inf = 0, the
+// right limit.
+__device__ __forceinline__ float activate(float x) {
+#if ACTIVATION == 0
+    return x;
+#elif ACTIVATION == 1
+    return fmaxf(x, 0.f);
+#elif ACTIVATION == 2
+    // erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7), branch-free: half the instructions
+    // of erff, whose two ranges diverge inside a warp
+    const float z = fabsf(x) * 0.70710678118654752f;
+    const float t = __fdividef(1.f, fmaf(0.3275911f, z, 1.f));
+    const float poly = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f), 0.254829592f);
+    const float erf_z = 1.f - poly * __expf(-z * z);
+    return 0.5f * x * (1.f + copysignf(erf_z, x));
+#elif ACTIVATION == 3
+    // 0.5 x (1 + tanh(u)) = x sigmoid(2 u), u = sqrt(2 / pi) (x + 0.044715 x^3)
+    const float u2 = 1.5957691216057308f * fmaf(0.044715f * x, x * x, x);
+    return __fdividef(x, 1.f + __expf(-u2));
+#elif ACTIVATION == 4
+    return __fdividef(x, 1.f + __expf(-1.702f * x));
+#elif ACTIVATION == 5
+    return __fdividef(x, 1.f + __expf(-x));
+#elif ACTIVATION == 6
+    return __fdividef(1.f, 1.f + __expf(-x));
+#elif ACTIVATION == 7
+    return tanhf(x);
+#else
+#error "unknown ACTIVATION"
+#endif
+}
+
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if OPTFUSE_DTYPE == 1
+    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float lo_f32(u32 v) {
+#if OPTFUSE_DTYPE == 1
+    float f;
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.f32.f16 %0, l;\n}\n" : "=f"(f) : "r"(v));
+    return f;
+#else
+    return __uint_as_float(v << 16);
+#endif
+}
+
+__device__ __forceinline__ float hi_f32(u32 v) {
+#if OPTFUSE_DTYPE == 1
+    float f;
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.f32.f16 %0, h;\n}\n" : "=f"(f) : "r"(v));
+    return f;
+#else
+    return __uint_as_float(v & 0xFFFF0000u);
+#endif
+}
+
+// bias (BIAS_MODE 0 none, 1 one value, 2 [N]) of the column pair at `col`
+__device__ __forceinline__ float2 bias_pair(const u16* bias, int col) {
+#if BIAS_MODE == 2
+    const u32 b = *reinterpret_cast<const u32*>(bias + col);
+    return make_float2(lo_f32(b), hi_f32(b));
+#elif BIAS_MODE == 1
+    const float b = lo_f32(*bias);
+    return make_float2(b, b);
+#else
+    return make_float2(0.f, 0.f);
+#endif
+}
+
+// residual (RESIDUAL_MODE 0 none, 1 one value, 2 [M, N]) of the column pair at (row, col)
+__device__ __forceinline__ float2 residual_pair(const u16* res, long long row, int col) {
+#if RESIDUAL_MODE == 2
+    const u32 r = *reinterpret_cast<const u32*>(res + row * N_DIM + col);
+    return make_float2(lo_f32(r), hi_f32(r));
+#elif RESIDUAL_MODE == 1
+    const float r = lo_f32(*res);
+    return make_float2(r, r);
+#else
+    return make_float2(0.f, 0.f);
+#endif
+}
+
+// y = act(alpha acc + bias [+ residual]) [+ residual] for one column pair
+__device__ __forceinline__ u32 epilogue_pair(float a0, float a1, float2 b, float2 r) {
+    float v0 = fmaf(ALPHA, a0, b.x), v1 = fmaf(ALPHA, a1, b.y);
+#if RESIDUAL_BEFORE
+    v0 += r.x;
+    v1 += r.y;
+#endif
+    v0 = activate(v0);
+    v1 = activate(v1);
+#if !RESIDUAL_BEFORE
+    v0 += r.x;
+    v1 += r.y;
+#endif
+    return pack2(v0, v1);
+}
+
+// The output pair (slab sl, column group j, row half h) of the fragment, packed.
+__device__ __forceinline__ u32 tile_value(const float (&d)[128], int sl, int j, int h, float2 b, float2 r) {
+    const int i = 64 * sl + 4 * j + 2 * h;
+#if GATED
+    // columns j of the gate half, j + OUT_N / 8 of the up half (kernel_sm90.cu, "Tiles")
+    (void)b; (void)r;
+    const int u = 4 * (j + OUT_N / 8) + 2 * h;
+    return pack2(activate(d[i]) * d[u], activate(d[i + 1]) * d[u + 1]);
+#else
+    return epilogue_pair(d[i], d[i + 1], b, r);
+#endif
+}
+
+// The epilogue stage: EPI_ROWS rows x EPI_COLS columns of one warpgroup in TMA's 128-byte swizzle
+// box layout (boxes of 64 columns, EPI_ROWS * 128 bytes apart; in a box, row r's 16-byte chunk c
+// at r * 128 + (c ^ r % 8) * 16). The 8 rows one fragment store touches hit 32 different banks,
+// and a residual arrives in this layout (by TMA, or by cp.async in the same layout).
+__device__ __forceinline__ u32 epi_offset(int rl, int chunk) {
+    return (chunk >> 3) * (EPI_ROWS * 128) + rl * 128 + (((chunk & 7) ^ (rl & 7)) << 4);
+}
+
+// Rows of the stage out to y: consecutive threads take consecutive 16-byte chunks of a row, so a
+// warp writes whole row segments.
+__device__ __forceinline__ void copy_out(u16* Y, int M, int row0, int col0, u32 stage) {
+    const int tid = threadIdx.x & 127;
+    constexpr int CHUNKS = EPI_COLS / 8;  // per row
+#pragma unroll
+    for (int it = 0; it < EPI_ROWS * CHUNKS / 128; ++it) {
+        const int q = it * 128 + tid, rl = q / CHUNKS, ch = q % CHUNKS;
+        const int row = row0 + rl, col = col0 + ch * 8;
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(stage + epi_offset(rl, ch)) : "memory");
+        if (row < M && col < N_DIM) *reinterpret_cast<uint4*>(Y + (long long)row * N_DIM + col) = v;
+    }
+}
+
+#if RESIDUAL_STAGED && !RESIDUAL_TMA
+// Pingpong: the warpgroup copies its tile's residual into its stage with 16-byte cp.async when
+// the tile starts (rows past M, columns past N zero-filled); store_tile waits for it.
+__device__ __forceinline__ void stage_residual(const u16* res, int M, int row0, int col0, u32 stage) {
+    const int tid = threadIdx.x & 127;
+    const int named = threadIdx.x / 128;
+    asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");  // the last tile's copy_out has read the stage
+    constexpr int CHUNKS = EPI_COLS / 8;
+#pragma unroll
+    for (int it = 0; it < EPI_ROWS * CHUNKS / 128; ++it) {
+        const int q = it * 128 + tid, rl = q / CHUNKS, ch = q % CHUNKS;
+        const int row = row0 + rl, col = col0 + ch * 8;
+        const bool ok = row < M && col < N_DIM;
+        const u16* src = ok ? res + (long long)row * N_DIM + col : res;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(stage + epi_offset(rl, ch)), "l"(src), "r"(ok ? 16u : 0u)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+#endif
+
+// This warpgroup's tile (SLABS x 64 rows, OUT_N columns), EPI_COLS columns per pass, through its
+// shared-memory stage. With a full residual the stage already holds the tile's residual (TMA:
+// `res_full` completes when it has landed; pingpong: this warpgroup's cp.async): each output pair
+// replaces its residual pair in place. Otherwise bias (and a scalar residual) come from global
+// memory, 8 column groups' worth loaded at once (one at a time, each load's latency would stall
+// the warp before every pair).
+__device__ __forceinline__ void store_tile(const float (&d)[128], u16* Y, const u16* bias, const u16* res,
+                                           int M, int row0, int col0, u32 stage, u32 res_full, u32 res_phase) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int named = threadIdx.x / 128;  // one named barrier (1, 2) per consumer warpgroup
+#if RESIDUAL_TMA
+    mbar_wait(res_full, res_phase);
+#else
+    (void)res_full; (void)res_phase;
+#if RESIDUAL_STAGED
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");  // every thread's residual chunks landed
+#endif
+#endif
+#pragma unroll
+    for (int pass = 0; pass < OUT_N / EPI_COLS; ++pass) {
+        if (!RESIDUAL_STAGED) asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");  // the last pass's reads are done
+#pragma unroll
+        for (int sl = 0; sl < SLABS; ++sl) {
+#pragma unroll
+            for (int j8 = 0; j8 < EPI_COLS / 8; j8 += 8) {
+                float2 b[8], r[8][2];
+#pragma unroll
+                for (int jj = j8; jj < j8 + 8; ++jj) {
+                    const int col = col0 + 8 * (pass * (EPI_COLS / 8) + jj) + 2 * (lane & 3);
+                    const bool in = col < N_DIM;
+                    b[jj - j8] = in ? bias_pair(bias, col) : make_float2(0.f, 0.f);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int rl = 64 * sl + warp * 16 + (lane >> 2) + 8 * h;
+#if RESIDUAL_STAGED
+                        u32 rv;
+                        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(rv) : "r"(stage + epi_offset(rl, jj) + (lane & 3) * 4) : "memory");
+                        r[jj - j8][h] = make_float2(lo_f32(rv), hi_f32(rv));
+#else
+                        r[jj - j8][h] = in && row0 + rl < M ? residual_pair(res, row0 + rl, col) : make_float2(0.f, 0.f);
+#endif
+                    }
+                }
+#pragma unroll
+                for (int jj = j8; jj < j8 + 8; ++jj) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int rl = 64 * sl + warp * 16 + (lane >> 2) + 8 * h;
+                        const u32 v = tile_value(d, sl, pass * (EPI_COLS / 8) + jj, h, b[jj - j8], r[jj - j8][h]);
+                        asm volatile("st.shared.u32 [%0], %1;" ::"r"(stage + epi_offset(rl, jj) + (lane & 3) * 4), "r"(v) : "memory");
+                    }
+                }
+            }
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");
+        copy_out(Y, M, row0, col0 + pass * EPI_COLS, stage);
+    }
+}

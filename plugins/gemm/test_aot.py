@@ -1,0 +1,141 @@
+"""AOT compiles of the GEMM kernels through optfuse.kernels (CPU only, no GPU needed): the Triton
+kernel for sm_80, sm_89 and sm_90 with its default configs, the CUDA sm_90 kernel (NVRTC) with
+each of its variants, parameters in QDP order."""
+
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+
+from optfuse.kernels import KernelCache  # noqa: E402
+from optfuse.kernels.registry import plugin_module  # noqa: E402
+
+L = plugin_module("gemm", "launch")
+T = plugin_module("gemm", "testing")
+
+
+@pytest.mark.parametrize("arch,case", [
+    (90, T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none")),
+    (90, T.Case("GatedGemm", (-1,), 11008, 4096, "bfloat16", "silu")),
+    (90, T.Case("GemmEpilogue", (-1,), 768, 3072, "float32", "none", "vector", "full")),
+    (89, T.Case("GemmEpilogue", (-1,), 1000, 1000, "bfloat16", "gelu_tanh", "scalar", "full", "before_activation")),
+    (89, T.Case("GatedGemm", (-1,), 2048, 1024, "float16", "gelu_tanh")),
+    (80, T.Case("GemmEpilogue", (-1,), 4096, 4096, "float16", "silu", "none", "scalar")),
+    (80, T.Case("GemmEpilogue", (-1,), 24, 40, "float32", "tanh", "none", "none", alpha=0.5)),
+], ids=lambda x: x.id() if hasattr(x, "id") else f"sm{x}")
+def test_aot_compile(tmp_path, arch, case):
+    static = T.case_static(case, arch)
+    triton_cfg = next(c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, static) if c.impl == "triton")
+    src = L.kernel_config(case.op, case.dtype, case.attrs, static, config=triton_cfg)
+    art = KernelCache(tmp_path).build(src, arch)
+    n_in = src.n_inputs
+    assert (art.n_inputs, art.n_extra, art.n_outputs) == (n_in, 1, 1)
+    assert art.cubin and art.arch == arch
+    assert art.threads == src.num_warps * 32
+    assert 0 < art.shared_mem <= L.SMEM_LIMIT[arch]
+    # QDP order: the present inputs, M, y, then Triton's scratch pointers
+    entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
+    params = re.findall(r"\.param\s+\.(\w+)", entry)
+    assert params[:n_in] == ["u64"] * n_in
+    assert params[n_in] == "u32"
+    assert params[n_in + 1] == "u64"
+    assert len(params) == n_in + 1 + 1 + art.n_scratch
+    if case.dtype != "float32":
+        assert ("wgmma" in art.ptx) == (arch == 90)  # Hopper: warpgroup MMA; sm_80 / sm_89: mma.sync
+        assert arch == 90 or "mma.sync" in art.ptx
+    assert KernelCache(tmp_path).build(src, arch).key == art.key  # a second build is a cache hit
+
+
+@pytest.mark.parametrize("op,inputs,attrs", [
+    ("GemmEpilogue", [(3072,), ("B", "S", 3072)], {"activation": "none", "residual_position": "after_activation"}),
+    ("GatedGemm", [(3072, 768)], {"activation": "silu"}),
+])
+def test_qdp_aot_kernel_with_symbolic_shapes(tmp_path, monkeypatch, op, inputs, attrs):
+    """The body of the generated aot_impl: symbolic leading dims, N and K static, the QDP PTX."""
+    from optfuse.kernels.testing import SymDim, sym_cdiv
+    from optfuse.trt.qdp import TensorInfo, aot_kernel
+
+    monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path))
+    B, S = SymDim("B"), SymDim("S")
+
+    def info(shape):
+        dims = [{"B": B, "S": S}.get(d, d) for d in shape]
+        return TensorInfo("float16", dims, [d if isinstance(d, int) else -1 for d in dims])
+
+    a, w = info(("B", "S", 768)), info((3072, 768))
+    for arch in (89, 90):
+        ak = aot_kernel(op, [a, w, *map(info, inputs)], attrs, 0, arch=arch, cdiv=sym_cdiv)
+        if arch == 90:  # the CUDA kernel: a persistent grid, one CTA per SM
+            assert "cuda_sm90" in ak.artifact.metadata["source"] and ak.launch.grid[0] == 132
+            continue
+        cfg = L.choose_config(op, "float16", 3072, 768, arch)
+        assert repr(ak.launch.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
+    assert repr(ak.extra_args[0]) == "(B*S)"
+    assert ak.artifact.n_inputs == 2 + len(inputs) and ak.artifact.n_scratch == 0
+    assert ak.launch.block[0] == ak.artifact.threads
+
+
+@pytest.mark.parametrize("arch", [80, 89, 90])
+@pytest.mark.parametrize("op,dtype", [("GemmEpilogue", "float16"), ("GatedGemm", "bfloat16"),
+                                      ("GemmEpilogue", "float32"), ("GatedGemm", "float32")])
+def test_default_configs_spill_no_register(tmp_path, op, dtype, arch):
+    """The Triton kernel's default config on each arch with the largest epilogue (GELU erf, a bias
+    vector and a full residual for GemmEpilogue) keeps everything in registers (ptxas -v: no
+    spill; the sm_90 CUDA kernel's NVRTC PTX is newer than Triton's ptxas reads)."""
+    if dtype == "float32" and arch != 90:
+        pytest.skip("the fp32 configs do not depend on the arch")
+    case = T.Case(op, (-1,), 4096, 4096, dtype, "gelu_erf", *(("vector", "full") if op == "GemmEpilogue" else ()))
+    static = T.case_static(case, arch)
+    triton_cfg = next(c for c in L.candidate_configs(op, dtype, 4096, 4096, arch, static, "gelu_erf") if c.impl == "triton")
+    src = L.kernel_config(op, dtype, case.attrs, static, config=triton_cfg)
+    usage = T.ptxas_usage(KernelCache(tmp_path).build(src, arch))
+    assert usage["spill_stores"] == usage["spill_loads"] == 0, (src.name, usage)
+
+
+SM90_CASES = [
+    T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none"),
+    T.Case("GemmEpilogue", (-1,), 1024, 4096, "bfloat16", "none", "vector", "full"),
+    T.Case("GemmEpilogue", (-1,), 896, 1000, "float16", "silu", "scalar", "scalar", "before_activation", 0.5),
+    T.Case("GatedGemm", (-1,), 11008, 4096, "bfloat16", "silu"),
+]
+
+
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.id())
+def test_sm90_cuda_compiles_every_variant(tmp_path, case):
+    """Each config of the CUDA sm_90 kernel (both schedules) builds for sm_90a (NVRTC) with wgmma and setmaxnreg,
+    inputs in QDP order, and fits the shared memory it asks for."""
+    static = T.case_static(case, 90)
+    cfgs = [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, 90, static, case.activation)
+            if c.impl in L.SM90_SCHEDULES]
+    assert cfgs and L.choose_config(case.op, case.dtype, case.n, case.k, 90, static, case.activation) == cfgs[0]
+    for cfg in cfgs:
+        src = L.kernel_config(case.op, case.dtype, case.attrs, static, config=cfg)
+        art = KernelCache(tmp_path).build(src, 90)
+        assert art.arch_suffix == "a" and art.threads == 384 and art.cubin
+        assert "wgmma.mma_async" in art.ptx and "setmaxnreg" in art.ptx
+        entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
+        assert re.findall(r"\.param\s+\.(\w+)", entry) == ["u64"] * src.n_inputs + ["u32", "u64"]
+        params = L.launch_params(case.op, case.shapes(), [case.dtype] * len(case.shapes()), case.attrs,
+                                 static_shape=static, config=cfg)
+        assert params.block == (384, 1, 1) and params.shared_mem <= 227 * 1024
+
+
+def test_sm90_cuda_declines_what_it_cannot_run():
+    """Other archs, fp32, N with no room for the tensor maps: the Triton kernel."""
+    for case, arch in [(SM90_CASES[0], 89), (T.Case("GemmEpilogue", (-1,), 3072, 768, "float32", "none", "vector", "none"), 90),
+                       (T.Case("GemmEpilogue", (-1,), 1088, 768, "float16", "none", "vector", "full"), 90),
+                       (T.Case("GemmEpilogue", (-1,), 776, 768, "float16", "none", "vector", "none"), 90)]:
+        assert L.choose_config(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation).impl == "triton"
+
+
+def test_sm90_schedule_choice():
+    """Ping-pong for plain short-K projections (BERT's QKV), cooperative where the epilogue has
+    math or a residual, or K is long (the H200 table)."""
+    def impl(case):
+        return L.choose_config(case.op, case.dtype, case.n, case.k, 90, T.case_static(case, 90), case.activation).impl
+    assert impl(T.Case("GemmEpilogue", (-1,), 2304, 768, "float16", "none", "vector", "none")) == "cuda_sm90_pingpong"
+    assert impl(T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == "cuda_sm90"
+    assert impl(T.Case("GemmEpilogue", (-1,), 768, 3072, "float16", "none", "vector", "full")) == "cuda_sm90"
+    assert impl(T.Case("GemmEpilogue", (-1,), 12288, 4096, "bfloat16", "none", "none", "none")) == "cuda_sm90"
+    assert impl(T.Case("GatedGemm", (-1,), 11008, 4096, "float16", "silu")) == "cuda_sm90"

@@ -1,0 +1,74 @@
+"""scripts/bench_gemm.py on the CPU: point selection, the sources a GPU run needs, the contenders'
+labels, and the loss summary (the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from optfuse.plugin_dirs import script_module
+
+bench = script_module("bench_gemm")
+
+
+def test_quick_and_selection():
+    args = bench.parse_args(["--quick"])
+    assert args.shapes.split(",") == list(bench.QUICK_SHAPES) and args.token_list == [4096]
+    pts = bench.points(["bert-base.ffn_up", "square-8k"], [512, 2048], ["float16", "bfloat16"])
+    assert ("bert-base.ffn_up", 2048, "bfloat16") in pts and ("square-8k", 8192, "float16") in pts
+    assert len(pts) == 2 * 2 + 2  # squares once per dtype, at M = N = K
+
+
+@pytest.mark.parametrize("argv", [["--shapes", "gpt-5.ffn"], ["--tokens", "4k"]])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2
+
+
+def _candidates(case, arch=90):
+    return bench.L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, bench.T.case_static(case, arch),
+                                     case.activation)
+
+
+def test_every_shape_builds_and_sources_are_distinct():
+    pts = bench.points(list(bench.SHAPES), [512], ["float16"])
+    srcs = bench.needed_sources(pts, 90, None, with_tests=False)
+    # one specialization per shape (M is dynamic) and kernel source (sm_90: CUDA schedules + Triton)
+    want = sum(len({c.impl for c in _candidates(bench.case_of(name, m, dt))}) for name, m, dt in pts)
+    assert len(srcs) == want > len(bench.SHAPES)
+    assert len({s.name for s in srcs}) == len(srcs)
+    with_variants = bench.needed_sources(pts[:1], 90, "all", with_tests=False)
+    case = bench.case_of(*pts[0][:1], 512, "float16")
+    assert len(with_variants) == len(_candidates(case))
+
+
+def test_ours_labels():
+    case = bench.case_of("llama-7b.ffn_gate_up", 4096, "bfloat16")
+    labels = [label for label, _ in bench.ours_configs(case, 90, None)]
+    assert labels == ["ours[cuda_sm90]", "ours[triton]"]
+    assert [label for label, _ in bench.ours_configs(case, 89, None)] == ["ours[triton]"]
+    cands = _candidates(case)
+    named = bench.ours_configs(case, 90, bench.L.config_name(cands[1]))
+    assert [c for _, c in named] == [cands[0], next(c for c in cands if c.impl == "triton"), cands[1]]
+
+
+def test_cublaslt_contender_only_where_one_call_does_it():
+    lt = {name: bench.cublaslt_fn(bench.case_of(name, 512, "float16")) is not None for name in bench.SHAPES}
+    assert lt["bert-base.ffn_up"] and lt["bert-base.qkv"] and lt["llama-7b.ffn_down"]
+    assert not lt["bert-base.ffn_down"] and not lt["llama-7b.ffn_gate_up"]  # bias + residual; SwiGLU
+
+
+def test_losses_and_table(capsys):
+    rows = [
+        {"shape": "bert-large.ffn_up", "M": 4096, "dtype": "float16", "ms": {"mm": 1.0, "lt": 1.1, "chain": 1.5,
+                                                                            "ours[triton]": 1.05},
+         "tflops": {"ours[triton]": 500.0}, "ours/mm": 1.05, "ours/lt": 1.05 / 1.1, "ours/chain": 0.7},
+        {"shape": "llama-7b.ffn_gate_up", "M": 4096, "dtype": "float16",
+         "ms": {"packed": 2.0, "mm2": 2.1, "chain": 2.3, "ours[triton]": 1.9}, "tflops": {"ours[triton]": 600.0},
+         "ours/packed": 0.95},
+        {"shape": "square-8k", "M": 8192, "dtype": "float16", "error": "RuntimeError: x"},
+    ]
+    assert bench.losses(rows) == ["bert-large.ffn_up M=4096 float16: 1.050x mm"]
+    bench.print_table(rows)
+    out = capsys.readouterr().out
+    assert "bert-large.ffn_up" in out and "error: RuntimeError" in out

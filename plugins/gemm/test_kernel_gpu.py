@@ -1,0 +1,151 @@
+"""GEMM AOT artifacts launched through optfuse.kernels.launcher on a GPU, against the float64
+reference (reference.py). Fresh random inputs every run (the seed is printed); outputs are poisoned
+with NaN before each of two launches, so an unwritten element or a race fails.
+
+Run on the device machine: ``python -m pytest plugins/gemm -m gpu``. With ``$OPTFUSE_GEMM_PREBUILT``
+pointing at a KernelCache root built elsewhere (``scripts/bench_gemm.py --build DIR``), those
+artifacts are used; otherwise they are compiled with the local Triton.
+
+Kernel sources: every test runs once per entry of KERNEL_SOURCES (a ``GemmConfig.impl``) on each
+case that source's candidate configs cover; a new kernel (the sm_90 CUDA one) joins by adding its
+impl name there.
+"""
+
+import os
+import zlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from optfuse.kernels.registry import plugin_module  # noqa: E402
+
+T = plugin_module("gemm", "testing")
+L = plugin_module("gemm", "launch")
+
+pytestmark = pytest.mark.gpu
+
+#: The kernel sources under test (GemmConfig.impl values).
+KERNEL_SOURCES = ["cuda_sm90_pingpong", "cuda_sm90", "triton"]
+
+C = T.Case
+_ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh")
+# M, N, K chosen so that none is a multiple of the tiles (M: 128; N: 64..256; K: 32 / 64).
+CASES = [
+    *[C("GemmEpilogue", (3, 201), 1000, 776, "float16", a, "vector", "full") for a in _ACTS],
+    *[C("GemmEpilogue", (603,), 1000, 776, "float32", a, "vector", "full") for a in ("gelu_erf", "gelu_tanh")],
+    C("GemmEpilogue", (2, 333), 1032, 1544, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"),
+    C("GemmEpilogue", (2, 333), 1032, 1544, "bfloat16", "silu", "scalar", "scalar"),
+    C("GemmEpilogue", (1000,), 776, 1000, "bfloat16", "relu", "none", "none"),
+    C("GemmEpilogue", (1000,), 776, 1000, "float16", "none", "none", "full", "before_activation"),
+    C("GemmEpilogue", (777,), 520, 4104, "float16", "gelu_erf", "vector", "full", "before_activation"),
+    C("GemmEpilogue", (1,), 3072, 768, "float16", "gelu_erf", "vector", "none"),       # one row
+    C("GemmEpilogue", (7,), 4096, 1024, "bfloat16", "none", "vector", "full"),
+    C("GemmEpilogue", (2, 1050), 3072, 768, "float16", "gelu_erf", "vector", "none"),  # BERT-base FFN up
+    C("GemmEpilogue", (4, 129), 768, 3072, "bfloat16", "none", "vector", "full"),      # FFN down + residual
+    C("GemmEpilogue", (301,), 264, 136, "float32", "tanh", "scalar", "full", "before_activation", 0.5),
+    C("GemmEpilogue", (301,), 264, 136, "float16", "quick_gelu", "vector", "none", alpha=0.125),
+    C("GatedGemm", (3, 201), 1000, 776, "float16", "silu"),
+    C("GatedGemm", (1000,), 1032, 1544, "bfloat16", "gelu_erf"),
+    C("GatedGemm", (333,), 1000, 776, "float32", "gelu_tanh"),
+    C("GatedGemm", (1031,), 2752, 1024, "bfloat16", "silu"),                           # LLaMA-like, 1/4 scale
+    C("GatedGemm", (5,), 11008, 4096, "float16", "silu"),                              # LLaMA-7B, few rows
+]
+#: The cases every candidate config runs on (one per op and dtype class).
+CONFIG_CASES = [
+    C("GemmEpilogue", (2, 333), 1032, 1544, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"),
+    C("GemmEpilogue", (603,), 1000, 776, "float32", "gelu_erf", "vector", "full"),
+    C("GatedGemm", (3, 201), 1000, 776, "float16", "silu"),
+    C("GatedGemm", (333,), 1000, 776, "float32", "gelu_tanh"),
+]
+
+
+@pytest.fixture(scope="module")
+def seed():
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"\ngemm gpu tests: seed {s}")
+    return s
+
+
+def _device_arch():
+    from optfuse.kernels.target import detect_arch
+
+    return detect_arch()
+
+
+def configs_of(impl: str, case, arch) -> list:
+    """The candidate configs of kernel source ``impl`` for a case on ``arch``."""
+    static = T.case_static(case, arch)
+    return [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, static, case.activation)
+            if c.impl == impl]
+
+
+def gpu_test_sources(arch=None) -> list:
+    """Every KernelSource these tests launch on ``arch`` (what bench_gemm.py --build prebuilds)."""
+    out = {}
+    for impl in KERNEL_SOURCES:
+        for case in CASES:
+            cfgs = configs_of(impl, case, arch)
+            if cfgs:
+                src = T.case_sources(case, config=cfgs[0], arch=arch)[0]
+                out[src.name] = src
+        for case in CONFIG_CASES:
+            for cfg in configs_of(impl, case, arch):
+                src = T.case_sources(case, config=cfg, arch=arch)[0]
+                out[src.name] = src
+    return list(out.values())
+
+
+_REFERENCES: dict = {}
+
+
+def _check(case, config, seed, arch):
+    from optfuse.kernels import launch
+
+    gen = torch.Generator().manual_seed((seed + zlib.crc32(case.id().encode())) % (2 ** 31))
+    ins = T.case_inputs(case, generator=gen)
+    src, params = T.case_sources(case, config=config, arch=arch)
+    art = T.get_artifact(src, arch)
+    ref = T.reference_of(case, ins)
+    dev = [t.cuda() for t in ins if t is not None]
+    out = torch.empty((*case.lead, case.n), dtype=dev[0].dtype, device="cuda")
+    for _ in range(2):  # twice: a race or a read of unwritten memory shows as a changing result
+        out.fill_(float("nan"))
+        launch(art, params, dev, [out], torch.cuda.current_stream().cuda_stream, sync=True)
+        T.check_close(out, ref, case.dtype, src.name)
+
+
+@pytest.mark.parametrize("impl", KERNEL_SOURCES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id())
+def test_artifact_matches_reference(case, impl, seed, cuda_torch):
+    arch = _device_arch()
+    cfgs = configs_of(impl, case, arch)
+    if not cfgs:
+        pytest.skip(f"kernel source {impl!r} does not take this case on sm_{arch}")
+    _check(case, cfgs[0], seed, arch)
+
+
+@pytest.mark.parametrize("impl", KERNEL_SOURCES)
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=lambda c: c.id())
+def test_every_candidate_config(case, impl, seed, cuda_torch):
+    arch = _device_arch()
+    cfgs = configs_of(impl, case, arch)
+    if not cfgs:
+        pytest.skip(f"kernel source {impl!r} does not take this case on sm_{arch}")
+    failures = []
+    for cfg in cfgs:
+        try:
+            _check(case, cfg, seed, arch)
+        except AssertionError as e:
+            failures.append(f"{L.config_name(cfg)}: {e}")
+    assert not failures, "\n".join(failures)
+
+
+def test_default_choice_is_tested(cuda_torch):
+    """The config kernel_config picks on this device is the first of its source's candidates, so
+    test_artifact_matches_reference runs what a plugin runs."""
+    arch = _device_arch()
+    for case in CASES:
+        chosen = L.choose_config(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation)
+        assert chosen.impl in KERNEL_SOURCES, f"{case.id()}: picks {chosen.impl!r}, not under test"
+        assert configs_of(chosen.impl, case, arch)[0] == chosen

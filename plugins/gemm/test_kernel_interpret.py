@@ -1,0 +1,119 @@
+"""The Triton GEMM kernel under the Triton interpreter (CPU), against the float64 reference.
+
+TRITON_INTERPRET must be set before triton is imported, so the cases run in one child process
+started with it; each test checks its case's result. Small tiles (16 x 16 x 16, GROUP_M 2) make
+small problems cover several row groups, a partial last group, and M / N / K tails (M = 37 or 70,
+N = 40, K = 56: none a multiple of 16); a few cases run the epilogue in column halves (32-wide tiles). bf16 is left to the GPU tests: the interpreter's tl.dot on
+bf16 operands is wrong (Triton 3.9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+# id -> (op, A's leading dims, N, K, dtype, activation, bias, residual, residual_position, alpha, config)
+_TAIL = ((37,), 40, 56)  # M, N, K: none a multiple of the 16-wide tiles
+_ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh")
+CASES: dict[str, tuple] = {}
+for _act in _ACTS:  # every activation, with a bias and a full residual after it; fp32 tells gelu_erf
+    for _dt in ("float16", "float32"):  # from gelu_tanh (they differ by < 1e-3, within fp16's bound)
+        CASES[f"act_{_act}_{_dt}"] = ("GemmEpilogue", *_TAIL, _dt, _act, "vector", "full", "after_activation", 1.0, None)
+CASES.update({
+    "fp32_ieee_tanh_res_before": ("GemmEpilogue", (2, 19), 24, 48, "float32", "tanh", "vector", "full",
+                                  "before_activation", 1.0, None),
+    "res_before_gelu": ("GemmEpilogue", *_TAIL, "float16", "gelu_erf", "vector", "full", "before_activation", 1.0, None),
+    "no_bias_no_residual": ("GemmEpilogue", *_TAIL, "float16", "relu", "none", "none", "after_activation", 1.0, None),
+    "scalar_bias_scalar_residual": ("GemmEpilogue", *_TAIL, "float32", "silu", "scalar", "scalar",
+                                    "after_activation", 1.0, None),
+    "scalar_residual_before": ("GemmEpilogue", *_TAIL, "float16", "sigmoid", "none", "scalar",
+                               "before_activation", 1.0, None),
+    "residual_no_bias": ("GemmEpilogue", (2, 35), 40, 56, "float16", "none", "none", "full", "after_activation", 1.0, None),
+    "alpha": ("GemmEpilogue", *_TAIL, "float32", "quick_gelu", "vector", "none", "after_activation", 0.125, None),
+    "even_k_groups": ("GemmEpilogue", (70,), 48, 48, "float16", "gelu_tanh", "vector", "full", "after_activation",
+                      1.0, None),
+    "k_below_block_k": ("GemmEpilogue", (21,), 24, 24, "float16", "gelu_erf", "vector", "none", "after_activation",
+                        1.0, (16, 32, 32, 2, 1, 1)),
+    # the epilogue in two column halves (tiles of 32 columns: N = 40 ends inside the second half)
+    "split_epilogue": ("GemmEpilogue", *_TAIL, "float16", "gelu_erf", "vector", "full", "after_activation", 1.0,
+                       (16, 32, 16, 2, 1, 1, "triton", True)),
+    "split_epilogue_fp32_before": ("GemmEpilogue", (45,), 72, 24, "float32", "silu", "scalar", "full",
+                                   "before_activation", 2.0, (32, 64, 16, 2, 1, 1, "triton", True)),
+    "split_epilogue_gated": ("GatedGemm", *_TAIL, "float16", "silu", "none", "none", "after_activation", 1.0,
+                             (16, 32, 16, 2, 1, 1, "triton", True)),
+    "gated_silu": ("GatedGemm", (3, 13), 40, 56, "float16", "silu", "none", "none", "after_activation", 1.0, None),
+    "gated_gelu_erf": ("GatedGemm", (70,), 24, 48, "float32", "gelu_erf", "none", "none", "after_activation", 1.0, None),
+    "gated_gelu_tanh": ("GatedGemm", *_TAIL, "float16", "gelu_tanh", "none", "none", "after_activation", 1.0, None),
+})
+SMALL = (16, 16, 16, 2, 1, 1)  # block_m, block_n, block_k, group_m, num_warps, num_stages
+
+
+def _run_case(op, lead, n, k, dtype, act, bias, residual, position, alpha, config):
+    import torch
+
+    from optfuse.kernels.registry import plugin_module
+
+    T = plugin_module("gemm", "testing")
+    L = plugin_module("gemm", "launch")
+    case = T.Case(op, lead, n, k, dtype, act, bias, residual, position, alpha)
+    ins = T.case_inputs(case, generator=torch.Generator().manual_seed(0))
+    src, params = T.case_sources(case, config=L.GemmConfig(*(config or SMALL)))
+    out = torch.full((*lead, n), float("nan"), dtype=getattr(torch, dtype))
+    T.run_triton(src, params, ins, [out], interpret=True)
+    T.check_close(out, T.reference_of(case, ins), dtype, src.name)
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1200)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"interpreter child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreter_matches_reference(results, case):
+    assert results.get(case) == "ok", results.get(case, "not run")
+
+
+def test_the_check_catches_a_wrong_activation():
+    """The comparison these cases rely on tells the activations apart on the inputs they use (in
+    fp32: at fp16 gelu_erf and gelu_tanh agree within the bound)."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    from optfuse.kernels.registry import plugin_module
+
+    T = plugin_module("gemm", "testing")
+    R = plugin_module("gemm", "reference")
+    for act, other in zip(_ACTS, _ACTS[1:] + _ACTS[:1]):
+        case = T.Case("GemmEpilogue", *_TAIL, "float32", act, "vector", "full")
+        ins = T.case_inputs(case, generator=torch.Generator().manual_seed(0))
+        x = [T.to_numpy64(t) for t in ins]
+        wrong = R.gemm_epilogue64(x[0], x[1], x[2], x[3], other)
+        with pytest.raises(AssertionError):
+            T.check_close(np.asarray(wrong, np.float32), T.reference_of(case, ins), "float32", f"{act} as {other}")
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    out = {}
+    for name, args in CASES.items():
+        try:
+            _run_case(*args)
+            out[name] = "ok"
+        except Exception:  # reported per case by the parent
+            out[name] = traceback.format_exc(limit=3)[-2000:]
+    print(json.dumps(out))

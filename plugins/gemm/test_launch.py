@@ -1,0 +1,151 @@
+"""launch.py of the GEMM plugin on the CPU: static shape facts, limits, configs, symbolic launch
+parameters, prebuilt specializations."""
+
+from __future__ import annotations
+
+import pytest
+
+from optfuse.kernels.registry import plugin_module
+from optfuse.kernels.testing import SymDim, sym_cdiv
+from optfuse.spec import get_spec
+from optfuse.trt import glue
+
+L = plugin_module("gemm", "launch")
+T = plugin_module("gemm", "testing")
+
+
+@pytest.mark.parametrize("bias,want", [(None, "none"), ([], "scalar"), ([1], "scalar"), ([3072], "vector"),
+                                       ([1, 3072], "vector")])
+def test_bias_mode(bias, want):
+    assert L.static_shape("GemmEpilogue", [[-1, -1, 768], [3072, 768], bias, None])["bias_mode"] == want
+
+
+@pytest.mark.parametrize("residual,want", [(None, "none"), ([], "scalar"), ([1, 1, 1], "scalar"),
+                                           ([-1, -1, 3072], "full"), ([4, 7, 3072], "full")])
+def test_residual_mode(residual, want):
+    assert L.static_shape("GemmEpilogue", [[-1, -1, 768], [3072, 768], None, residual])["residual_mode"] == want
+
+
+@pytest.mark.parametrize("bias,residual", [([768], None), ([2, 3072], None), (None, [-1, 1, 3072]),
+                                           (None, [7, 3072]), (None, [3072])])
+def test_unsupported_broadcasts_are_rejected(bias, residual):
+    with pytest.raises(ValueError):
+        L.static_shape("GemmEpilogue", [[-1, 7, 768], [3072, 768], bias, residual])
+
+
+def test_gated_weights_must_match():
+    assert L.static_shape("GatedGemm", [[-1, 768], [3072, 768], [3072, 768]]) == {"K": 768, "N": 3072}
+    with pytest.raises(ValueError):
+        L.static_shape("GatedGemm", [[-1, 768], [3072, 768], [3064, 768]])
+
+
+def test_glue_uses_this_static_shape():
+    spec = get_spec("GemmEpilogue")
+    static = glue.static_shape(spec, [[-1, 768], [3072, 768], [3072], [-1, 3072]],
+                               ["float16", "float16", "float32", "float16"])
+    assert static == {"K": 768, "N": 3072, "bias_mode": "vector", "residual_mode": "full",
+                      "bias_dtype": "float32", "residual_dtype": "float16"}
+    src = L.kernel_config("GemmEpilogue", "float16", {}, static)
+    assert src.signature == {"A": "*fp16", "W": "*fp16", "Bias": "*fp32", "Residual": "*fp16", "M": "i32",
+                             "Y": "*fp16"}
+
+
+@pytest.mark.parametrize("n,k", [(3072, 764), (3068, 768), (3072, 65544), (0, 768), (3072, -1)])
+def test_limits(n, k):
+    with pytest.raises(ValueError):
+        L.kernel_config("GemmEpilogue", "float16", {}, {"N": n, "K": k})
+
+
+def test_bad_attributes_and_dtypes():
+    static = {"N": 64, "K": 64}
+    for attrs in ({"activation": "gelu"}, {"residual_position": "middle"}):
+        with pytest.raises(ValueError):
+            L.kernel_config("GemmEpilogue", "float16", attrs, static)
+    with pytest.raises(ValueError):
+        L.kernel_config("GatedGemm", "float16", {"activation": "relu"}, static)  # not a gated choice
+    with pytest.raises(ValueError):
+        L.kernel_config("GemmEpilogue", "int32", {}, static)
+
+
+def test_argument_order_is_qdp():
+    """Present inputs in spec order, M, y; absent ones are None constexprs."""
+    cases = [
+        (T.Case("GemmEpilogue", (5,), 64, 64, "float16", bias="vector", residual="full"), ["A", "W", "Bias", "Residual"]),
+        (T.Case("GemmEpilogue", (5,), 64, 64, "float16", residual="full"), ["A", "W", "Residual"]),
+        (T.Case("GemmEpilogue", (5,), 64, 64, "float16", bias="scalar"), ["A", "W", "Bias"]),
+        (T.Case("GemmEpilogue", (5,), 64, 64, "float16"), ["A", "W"]),
+        (T.Case("GatedGemm", (5,), 64, 64, "bfloat16", "silu"), ["A", "W", "W_up"]),
+    ]
+    for case, inputs in cases:
+        src, params = T.case_sources(case)
+        assert list(src.signature) == inputs + ["M", "Y"], case.id()
+        assert (src.n_inputs, src.n_extra, src.n_outputs) == (len(inputs), 1, 1)
+        absent = {"W_up", "Bias", "Residual"} - set(inputs)
+        assert all(src.constexprs[p] is None for p in absent)
+        assert params.extra_args == [5]
+
+
+def test_residual_position_only_matters_with_a_residual():
+    static = {"N": 64, "K": 64, "bias_mode": "vector", "residual_mode": "none"}
+    a = L.kernel_config("GemmEpilogue", "float16", {"residual_position": "before_activation"}, static)
+    b = L.kernel_config("GemmEpilogue", "float16", {}, static)
+    assert a.name == b.name and a.constexprs == b.constexprs
+    full = dict(static, residual_mode="full")
+    a = L.kernel_config("GemmEpilogue", "float16", {"residual_position": "before_activation"}, full)
+    b = L.kernel_config("GemmEpilogue", "float16", {}, full)
+    assert a.constexprs["RESIDUAL_BEFORE"] and not b.constexprs["RESIDUAL_BEFORE"] and a.name != b.name
+
+
+def test_launch_params_are_shape_expressions():
+    """Only * and cdiv over the dynamic dims (QDP's symbolic shapes); N's tile count is a number."""
+    b, s = SymDim("B"), SymDim("S")
+    for arch in (89, 90):
+        static = {"N": 3072, "K": 768, "bias_mode": "vector", "residual_mode": "full", "arch": arch}
+        p = L.launch_params("GemmEpilogue", [[b, s, 768], [3072, 768], [3072], [b, s, 3072]], ["float16"] * 4, {},
+                            cdiv=sym_cdiv, static_shape=static)
+        cfg = L.choose_config("GemmEpilogue", "float16", 3072, 768, arch, static, "none")
+        assert repr(p.extra_args[0]) == "(B*S)"
+        assert p.block == (cfg.num_warps * 32, 1, 1)
+        if cfg.impl == "cuda_sm90":  # persistent: one CTA per SM whatever M is
+            assert arch == 90 and p.grid == (132, 1, 1)
+        else:
+            assert repr(p.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
+
+
+@pytest.mark.parametrize("m", [1, 127, 128, 129, 4096])
+def test_grid_covers_every_tile(m):
+    cfg = L.GemmConfig(128, 256, 64, 8, 8, 3)
+    p = L.launch_params("GemmEpilogue", [[m, 1000], [1000, 1000]], ["float16"] * 2, {}, config=cfg,
+                        static_shape={"N": 1000, "K": 1000})
+    assert p.grid[0] == -(-m // 128) * -(-1000 // 256)
+
+
+@pytest.mark.parametrize("arch", [None, 80, 86, 89, 90])
+@pytest.mark.parametrize("op,dtype", [("GemmEpilogue", "float16"), ("GemmEpilogue", "float32"),
+                                      ("GatedGemm", "bfloat16"), ("GatedGemm", "float32")])
+def test_configs_fit_the_arch(op, dtype, arch):
+    for n, k in ((3072, 768), (24, 16), (11008, 4096)):
+        cands = L.candidate_configs(op, dtype, n, k, arch)
+        assert cands[0] == L.choose_config(op, dtype, n, k, arch)
+        assert len(cands) == len(set(cands)) >= 2
+        limit = L.SMEM_LIMIT.get(arch, L.PORTABLE_SMEM) if arch else L.PORTABLE_SMEM
+        for c in cands:
+            assert L.shared_mem_estimate(op, dtype, c) <= limit, (c, arch)
+            assert c.block_n <= max(16, 1 << (n - 1).bit_length()) and c.block_k >= 16
+
+
+def test_unknown_impl_is_rejected():
+    cfg = L.GemmConfig(128, 128, 32, 8, 4, 3, impl="nonexistent")
+    with pytest.raises(ValueError):
+        L.kernel_config("GemmEpilogue", "float16", {}, {"N": 64, "K": 64}, config=cfg)
+
+
+def test_prebuild_sources():
+    srcs = L.prebuild_sources()
+    n_acts = sum(len(acts) for *_, acts in L.PREBUILD_SHAPES)
+    assert len(srcs) == n_acts * len(L.DTYPES)
+    assert len({s.name for s in srcs}) == len(srcs)
+    assert {s.meta["op"] for s in srcs} == set(L.OPS)
+    assert {s.meta["activation"] for s in srcs} >= {"none", "gelu_erf", "gelu_tanh", "silu"}
+    names90 = {s.name for s in L.prebuild_sources(arch=90)}
+    assert any("128x256x64" in n for n in names90)

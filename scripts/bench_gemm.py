@@ -1,0 +1,462 @@
+#!/usr/bin/env python3
+"""GEMM benchmark: the optfuse GEMM plugin (GemmEpilogue, GatedGemm) vs cuBLAS, cuBLASLt's fused
+epilogue, the eager chain and torch.compile, on the same shapes in the same run.
+
+Shapes (``--shapes``, names below): the QKV, FFN-up and FFN-down projections of BERT-base /
+BERT-large (bias; GELU erf on FFN up; the residual on FFN down) and LLaMA-7B / 13B (no bias;
+SwiGLU as GatedGemm; the residual on FFN down), at M = ``--tokens`` rows; plus square 4k / 8k
+(M = N = K, bias + GELU). Contenders, per shape:
+
+* ``mm``: bare cuBLAS, ``torch.mm(x, W.t())`` (no epilogue at all);
+* ``lt``: cuBLASLt's fused epilogue where one call expresses the op: ``torch._addmm_activation``
+  (bias + GELU -- cuBLASLt's GELU is the tanh form -- or ReLU), ``torch.addmm`` (bias, or a
+  residual as C); "-" elsewhere (SiLU, bias and residual together);
+* ``chain``: the eager chain (mm, add bias, activation, add residual: one kernel each);
+* ``compile``: torch.compile of the chain's function (mode max-autotune-no-cudagraphs, static
+  shapes), within ``--compile-limit`` seconds per point and ``--compile-budget`` in all; "-"
+  with a note when it fails, runs out of time, or the budget is spent;
+* ``ours``: the AOT artifact of every kernel source launch.py's candidates hold for this arch (its
+  first config each: what a plugin runs), launched through ``optfuse.kernels.launcher``; with
+  ``--variants`` also each candidate config.
+
+GatedGemm shapes replace mm / lt by ``mm2`` (two bare GEMMs, gate and up) and ``packed`` (one bare
+GEMM over [W_gate; W_up], N doubled: what the gate must not cost on top of); the chain is
+mm, mm, silu, mul.
+
+Timing: ``triton.testing.do_bench_cudagraph`` medians: each contender's calls replayed from a
+CUDA graph, so no contender pays Python launch costs (ours goes through a ctypes launcher; a
+TensorRT engine launches from C++); all contenders of a point visited in turn for ``--rounds``
+rounds (the clock drifts over a run), median of the rounds.
+Ratios are time ours / time contender (< 1: ours is faster).
+
+    python scripts/bench_gemm.py --build .optfuse_cache/gemm            # CPU: prebuild the cubins
+    python scripts/bench_gemm.py --prebuilt .optfuse_cache/gemm --out bench_gemm.json   # GPU
+    python scripts/bench_gemm.py --quick                                # three shapes, M = 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from optfuse.kernels.registry import plugin_module  # noqa: E402
+
+T = plugin_module("gemm", "testing")
+L = plugin_module("gemm", "launch")
+
+#: name -> (op, K, N, activation, bias, residual)
+SHAPES = {
+    "bert-base.qkv": ("GemmEpilogue", 768, 2304, "none", "vector", "none"),
+    "bert-base.ffn_up": ("GemmEpilogue", 768, 3072, "gelu_erf", "vector", "none"),
+    "bert-base.ffn_down": ("GemmEpilogue", 3072, 768, "none", "vector", "full"),
+    "bert-large.qkv": ("GemmEpilogue", 1024, 3072, "none", "vector", "none"),
+    "bert-large.ffn_up": ("GemmEpilogue", 1024, 4096, "gelu_erf", "vector", "none"),
+    "bert-large.ffn_down": ("GemmEpilogue", 4096, 1024, "none", "vector", "full"),
+    "llama-7b.qkv": ("GemmEpilogue", 4096, 12288, "none", "none", "none"),
+    "llama-7b.ffn_gate_up": ("GatedGemm", 4096, 11008, "silu", "none", "none"),
+    "llama-7b.ffn_down": ("GemmEpilogue", 11008, 4096, "none", "none", "full"),
+    "llama-13b.qkv": ("GemmEpilogue", 5120, 15360, "none", "none", "none"),
+    "llama-13b.ffn_gate_up": ("GatedGemm", 5120, 13824, "silu", "none", "none"),
+    "llama-13b.ffn_down": ("GemmEpilogue", 13824, 5120, "none", "none", "full"),
+    "square-4k": ("GemmEpilogue", 4096, 4096, "gelu_erf", "vector", "none"),
+    "square-8k": ("GemmEpilogue", 8192, 8192, "gelu_erf", "vector", "none"),
+}
+TOKENS = (512, 4096, 32768)
+QUICK_SHAPES = ("bert-large.ffn_up", "llama-7b.ffn_gate_up", "llama-7b.ffn_down")
+DTYPES = ("float16",)
+
+
+def case_of(name: str, m: int, dtype: str) -> "T.Case":
+    op, k, n, act, bias, residual = SHAPES[name]
+    if name.startswith("square-"):
+        m = k  # M = N = K
+    return T.Case(op, (m,), n, k, dtype, act, bias, residual)
+
+
+def points(shapes, tokens, dtypes):
+    """(shape name, M, dtype) of every measurement; squares once (their own M)."""
+    out = []
+    for name in shapes:
+        for dt in dtypes:
+            for m in ([0] if name.startswith("square-") else tokens):
+                out.append((name, case_of(name, m, dt).m, dt))
+    return out
+
+
+def ours_configs(case, arch, variants: str | None) -> list:
+    """(label, config): the first candidate of every kernel source (what kernel_config picks
+    first), then, with ``variants`` ("all" or config names), those candidates too."""
+    cands = L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation)
+    out, seen = [], set()
+    for c in cands:
+        if c.impl not in seen:
+            seen.add(c.impl)
+            out.append((f"ours[{c.impl}]", c))
+    if variants:
+        wanted = None if variants == "all" else set(variants.split(","))
+        for c in cands:
+            name = L.config_name(c)
+            if (wanted is None or name in wanted) and all(c != o for _, o in out):
+                out.append((f"ours[{name}]", c))
+    return out
+
+
+def needed_sources(pts, arch, variants, with_tests=True) -> list:
+    """Every KernelSource a device run needs: each point's configs and the GPU tests' sources."""
+    srcs = {}
+    for name, m, dt in pts:
+        case = case_of(name, m, dt)
+        for _, cfg in ours_configs(case, arch, variants):
+            s = T.case_sources(case, config=cfg, arch=arch)[0]
+            srcs[s.name] = s
+    if with_tests:
+        for s in plugin_module("gemm", "test_kernel_gpu").gpu_test_sources(arch):
+            srcs[s.name] = s
+    return list(srcs.values())
+
+
+# -- contenders -------------------------------------------------------------------------------------
+def torch_activation(name: str):
+    import torch
+    import torch.nn.functional as F
+
+    return {
+        "none": lambda x: x, "relu": torch.relu, "gelu_erf": F.gelu,
+        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "sigmoid": torch.sigmoid,
+        "tanh": torch.tanh, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    }[name]
+
+
+def chain_fn(case):
+    """The unfused expression in eager torch (one kernel per op)."""
+    import torch
+
+    act = torch_activation(case.activation)
+    if case.op == "GatedGemm":
+        return lambda x, wg, wu: act(torch.mm(x, wg.t())) * torch.mm(x, wu.t())
+    before = case.residual_position == "before_activation"
+
+    def fn(x, w, bias, residual):
+        y = torch.mm(x, w.t())
+        if bias is not None:
+            y = y + bias
+        if residual is not None and before:
+            y = y + residual
+        y = act(y)
+        if residual is not None and not before:
+            y = y + residual
+        return y
+    return fn
+
+
+def cublaslt_fn(case):
+    """One cuBLASLt call computing the op, or None where cuBLASLt has no such epilogue."""
+    import torch
+
+    if case.op == "GatedGemm":
+        return None
+    if case.residual == "none" and case.bias == "vector":
+        if case.activation in ("gelu_erf", "gelu_tanh", "relu"):
+            gelu = case.activation != "relu"
+            return lambda x, w, b, r: torch._addmm_activation(b, x, w.t(), use_gelu=gelu)
+        if case.activation == "none":
+            return lambda x, w, b, r: torch.addmm(b, x, w.t())
+    if case.residual == "full" and case.bias == "none" and case.activation == "none":
+        return lambda x, w, b, r: torch.addmm(r, x, w.t())
+    return None
+
+
+class CompileBudget:
+    """torch.compile within a time limit per point (SIGALRM) and a total budget."""
+
+    def __init__(self, limit: float, budget: float):
+        self.limit, self.left = limit, budget
+
+    def compile(self, fn, args) -> tuple[object | None, str]:
+        import torch
+
+        if self.left <= 0:
+            return None, "compile budget spent"
+        limit = max(1, int(min(self.limit, self.left)))
+
+        def alarm(*_):
+            raise TimeoutError(f"compile over {limit}s")
+
+        # the chain functions of all points share one code object: without a reset, dynamo's
+        # recompile limit would silently run later points in eager
+        torch._dynamo.reset()
+        t0 = time.time()
+        old = signal.signal(signal.SIGALRM, alarm)
+        signal.alarm(limit)
+        try:
+            cfn = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
+            cfn(*args)
+            torch.cuda.synchronize()
+            return cfn, f"compiled in {time.time() - t0:.0f}s"
+        except Exception as e:  # a failed or timed-out compile is a note, not an abort
+            torch._dynamo.reset()
+            return None, f"{type(e).__name__}: {str(e)[:120]}"
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+            self.left -= time.time() - t0
+
+
+class Artifacts:
+    """Artifacts from a prebuilt KernelCache root (else compiled with the local Triton)."""
+
+    def __init__(self, prebuilt: str | None):
+        self.prebuilt = prebuilt
+
+    def get(self, src, arch):
+        if self.prebuilt:
+            art = plugin_module("flash_attention", "testing").prebuilt_artifact(src, self.prebuilt, arch or 90)
+            if art is not None:
+                return art, "prebuilt"
+        from optfuse.kernels import build_kernel
+
+        return build_kernel(src, arch), "local"
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")  # ms
+
+
+def interleaved(fns: dict, rounds: int, notes: dict) -> dict:
+    """Median time of each contender over ``rounds`` rounds that visit them in turn; one that
+    cannot be timed (e.g. it does not capture into a CUDA graph) is dropped with a note."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in list(fns.items()):
+            try:
+                times[k].append(_bench(fn))
+            except Exception as exc:  # noqa: BLE001 - a contender's failure is reported, not fatal
+                notes[k] = f"not timed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                fns.pop(k)
+                times.pop(k)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def contenders(case, ins, compiler, artifacts, arch, variants, check):
+    """{name: callable} for one point, and notes (compile, artifact origin, accuracy)."""
+    import torch
+
+    from optfuse.kernels import launch
+
+    notes = {}
+    present = [t for t in ins if t is not None]
+    x, w = ins[0], ins[1]
+    fns = {}
+    if case.op == "GatedGemm":
+        wgu = torch.cat([ins[1], ins[2]], 0)
+        fns["mm2"] = lambda: (torch.mm(x, ins[1].t()), torch.mm(x, ins[2].t()))
+        fns["packed"] = lambda: torch.mm(x, wgu.t())
+    else:
+        fns["mm"] = lambda: torch.mm(x, w.t())
+        lt = cublaslt_fn(case)
+        if lt is not None:
+            fns["lt"] = lambda: lt(*ins)
+    chain = chain_fn(case)
+    fns["chain"] = lambda: chain(*ins)
+    if compiler is not None:
+        cfn, notes["compile"] = compiler.compile(chain, ins)
+        if cfn is not None:
+            fns["compile"] = lambda: cfn(*ins)
+    stream = torch.cuda.current_stream().cuda_stream
+    ref = chain(*[t.double() if t is not None else None for t in ins]) if check else None
+    for label, cfg in ours_configs(case, arch, variants):
+        src, params = T.case_sources(case, config=cfg, arch=arch)
+        art, origin = artifacts.get(src, arch)
+        out = torch.full((case.m, case.n), float("nan"), dtype=x.dtype, device="cuda")
+        launch(art, params, present, [out], stream, sync=True)
+        if check:  # the result against the chain in float64 (a wrong kernel is not timed)
+            check_on_device(out, ref, case.dtype, src.name)
+        notes[label] = f"{L.config_name(cfg)} ({origin})"
+        # the current stream when called: the graph capture's
+        fns[label] = (lambda a=art, p=params, o=out: launch(a, p, present, [o], torch.cuda.current_stream().cuda_stream))
+    return fns, notes
+
+
+def run_point(name, m, dtype, args, compiler, artifacts, arch) -> dict:
+    import torch
+
+    case = case_of(name, m, dtype)
+    ins = _cuda_inputs(case, torch.Generator(device="cuda").manual_seed(m * 7 + case.n))
+    fns, notes = contenders(case, ins, compiler, artifacts, arch, args.variants, not args.no_check)
+    times = interleaved(fns, args.rounds, notes)
+    flops = 2.0 * case.m * case.n * case.k * (2 if case.op == "GatedGemm" else 1)
+    row = {"shape": name, "op": case.op, "M": case.m, "N": case.n, "K": case.k, "dtype": dtype,
+           "activation": case.activation, "bias": case.bias, "residual": case.residual,
+           "ms": times, "notes": notes,
+           "tflops": {k: flops / t / 1e9 for k, t in times.items()}}
+    first = next(k for k in times if k.startswith("ours["))
+    for base in ("mm", "lt", "chain", "compile", "packed", "mm2"):
+        if base in times:
+            row[f"ours/{base}"] = times[first] / times[base]
+    del ins, fns
+    torch.cuda.empty_cache()
+    return row
+
+
+def _cuda_inputs(case, gen) -> list:
+    """Random inputs on the GPU per spec input (None where absent): A ~ N(0, 1), weights
+    ~ N(0, 1/K), bias and residual ~ N(0, 1)."""
+    import torch
+
+    out = []
+    for i, shape in enumerate(case.shapes()):
+        if shape is None:
+            out.append(None)
+            continue
+        t = torch.randn(tuple(shape), device="cuda", dtype=torch.float32, generator=gen)
+        if i == 1 or (case.op == "GatedGemm" and i == 2):
+            t = t * case.k ** -0.5
+        out.append(t.to(getattr(torch, case.dtype)))
+    return out
+
+
+def check_on_device(out, ref, dtype: str, what: str) -> None:
+    """testing.check_close's bound, computed on the GPU (the outputs are up to 10^9 elements)."""
+    import torch
+
+    rtol, atol = T.TOLERANCE[dtype]
+    o = out.double()
+    if not torch.isfinite(o).all():
+        raise AssertionError(f"{what}: non-finite outputs")
+    bound = rtol * (ref.abs() + ref.pow(2).mean().sqrt()) + atol
+    bad = int(((o - ref).abs() > bound).sum())
+    if bad:
+        raise AssertionError(f"{what}: {bad} of {o.numel()} elements outside the bound")
+
+
+# -- output ---------------------------------------------------------------------------------------
+def fmt(x, spec="6.3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+COLUMNS = ("mm", "packed", "mm2", "lt", "chain", "compile")
+
+
+def print_table(rows) -> None:
+    print(f"{'shape':22} {'M':>6} {'dtype':8} {'ours ms':>8} " + " ".join(f"{c + ' ms':>10}" for c in COLUMNS)
+          + "   ours/mm|packed  ours/lt  ours/chain  ours/compile  ours TF/s")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:22} {r['M']:6d} {r['dtype']:8} error: {r['error']}")
+            continue
+        ms = r["ms"]
+        first = next(k for k in ms if k.startswith("ours["))
+        base = r.get("ours/mm", r.get("ours/packed"))
+        print(f"{r['shape']:22} {r['M']:6d} {r['dtype']:8} {ms[first]:8.3f} "
+              + " ".join(f"{fmt(ms.get(c), '10.3f')}" for c in COLUMNS)
+              + f"   {fmt(base, '14.3f')}  {fmt(r.get('ours/lt'), '7.3f')}  {fmt(r.get('ours/chain'), '10.3f')}"
+              + f"  {fmt(r.get('ours/compile'), '12.3f')}  {r['tflops'][first]:9.0f}")
+        for k in ms:
+            if k.startswith("ours[") and k != first:
+                print(f"{'':22} {'':6} {'':8} {ms[k]:8.3f}  {k} ({ms[k] / ms[first]:.3f}x the first)")
+
+
+def losses(rows) -> list[str]:
+    """Every point where ours is slower than bare cuBLAS (the packed GEMM for GatedGemm) or
+    cuBLASLt's epilogue, by how much."""
+    out = []
+    for r in rows:
+        for base in ("mm", "packed", "lt"):
+            ratio = r.get(f"ours/{base}")
+            if ratio is not None and ratio > 1.0:
+                out.append(f"{r['shape']} M={r['M']} {r['dtype']}: {ratio:.3f}x {base}")
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", metavar="DIR", help="compile every artifact a run needs into DIR and exit (CPU or GPU)")
+    ap.add_argument("--prebuilt", metavar="DIR", default=os.environ.get("OPTFUSE_GEMM_PREBUILT"),
+                    help="KernelCache root with prebuilt artifacts (else compiled with the local Triton)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of: {', '.join(SHAPES)}")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="M values (squares use M = N = K)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_SHAPES)} at M = 4096")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (medians)")
+    ap.add_argument("--variants", metavar="all|NAME[,NAME]",
+                    help="also time these candidate configs (launch.config_name) of ours, or all of them")
+    ap.add_argument("--arch", type=int, default=None, help="target arch of the kernel choice (default: the GPU's)")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--compile-limit", type=float, default=30.0, help="seconds per point for torch.compile")
+    ap.add_argument("--compile-budget", type=float, default=90.0, help="seconds for all torch.compile runs")
+    ap.add_argument("--no-check", action="store_true", help="skip ours' accuracy check against the float64 chain")
+    ap.add_argument("--no-test-sources", action="store_true", help="--build: leave out the GPU tests' artifacts")
+    ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.shapes, args.tokens = ",".join(QUICK_SHAPES), "4096"
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        ap.error(f"--shapes: unknown {', '.join(sorted(unknown))} (have {', '.join(SHAPES)})")
+    try:
+        args.token_list = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        ap.error(f"--tokens {args.tokens!r}: give comma-separated integers")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    pts = points(args.shapes.split(","), args.token_list, args.dtypes.split(","))
+    if args.build:
+        from optfuse.kernels import KernelCache
+
+        arch = args.arch or 90
+        srcs = needed_sources(pts, arch, args.variants, with_tests=not args.no_test_sources)
+        t0 = time.time()
+        KernelCache(args.build).build_many(srcs, arch, jobs=args.jobs)
+        print(f"built {len(srcs)} artifacts for sm_{arch} in {time.time() - t0:.0f}s into {args.build}")
+        return 0
+
+    import torch
+
+    from optfuse.kernels.target import detect_arch
+
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    arch = args.arch or detect_arch()
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "arch": arch}
+    print(json.dumps(info), flush=True)
+    compiler = None if args.no_compile else CompileBudget(args.compile_limit, args.compile_budget)
+    artifacts = Artifacts(args.prebuilt)
+    rows = []
+    for name, m, dt in pts:
+        try:
+            rows.append(run_point(name, m, dt, args, compiler, artifacts, arch))
+        except Exception as e:  # one failing point is reported, the run goes on
+            rows.append({"shape": name, "M": m, "dtype": dt, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print_table(rows[-1:])
+        sys.stdout.flush()
+    print("\n== summary (ms; ratios = time ours / time contender, < 1: ours faster) ==")
+    print_table(rows)
+    for r in rows:
+        notes = r.get("notes", {})
+        print(f"  {r['shape']} M={r['M']}: " + "; ".join(f"{k}: {v}" for k, v in notes.items()))
+    lost = losses(rows)
+    print(f"\npoints where ours is slower than cuBLAS (packed for gated) or cuBLASLt: {len(lost)}")
+    for line in lost:
+        print("  " + line)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"info": info, "rows": rows, "losses": lost}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
