@@ -52,11 +52,11 @@ def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, statu
     with tempfile.TemporaryDirectory(prefix="optfuse-inspect-") as tmp:  # an export lands here, then goes
         path = resolve_model(model, recipe, workdir=Path(tmp), status=status)
         status(f"loading {path}")
-        proto = load_checked(path)
+        proto = load_checked(path, weights="disk")
+        run = _fuse_and_estimate(proto, recipe, status, weights_dir=path.parent)  # (its weights may be in tmp)
         if model is None and recipe is not None and recipe.model.export is not None:
             e = recipe.model.export
             path = Path(f"<export {e.family} {e.exporter} attn={e.attn}>")
-    run = _fuse_and_estimate(proto, recipe, status)
     report = build_report(run.result, estimate=run.estimate, model=str(path), recipe=recipe_label(recipe),
                           dims=run.dims, dims_source=run.dims_source, families=run.families)
     return InspectOutcome(path, report, run.result)
@@ -74,15 +74,18 @@ class _FuseRun:
     families: list[str]
 
 
-def _fuse_and_estimate(proto: onnx.ModelProto, recipe: Recipe | None, status: Status) -> _FuseRun:
-    """sanitize -> match -> rewrite (fusions.fuse_model), then the estimate stage at the analysis dims."""
+def _fuse_and_estimate(proto: onnx.ModelProto, recipe: Recipe | None, status: Status, weights_dir: Path) -> _FuseRun:
+    """sanitize -> match -> rewrite (fusions.fuse_model), then the estimate stage at the analysis dims.
+
+    `proto` holds its big weights on disk, in `weights_dir`; the fused model refers to them there."""
     from ..estimate import estimate_traffic
     from ..fusions import fuse_model
 
     dims, dims_source = analysis_dims(proto, recipe)
     families = enabled_families(recipe)
     status("sanitizing, matching, rewriting")
-    fused, result = fuse_model(proto, dims=dims, families=families, options=fusion_options(recipe))
+    fused, result = fuse_model(proto, dims=dims, families=families, options=fusion_options(recipe),
+                               weights_dir=weights_dir)
     status("estimating HBM traffic")
     return _FuseRun(fused, result, estimate_traffic(fused, result, dims), dims, dims_source, families)
 
@@ -107,8 +110,8 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
     out = Path(output) if output is not None else default_output(path)
     _check_output(path, out)
     status(f"loading {path}")
-    proto = load_checked(path)
-    run = _fuse_and_estimate(proto, recipe, status)
+    proto = load_checked(path, weights="disk")
+    run = _fuse_and_estimate(proto, recipe, status, weights_dir=path.parent)
     status(f"writing {out}")
     created = not out.parent.exists()
     try:  # the model, its external data and the reports go into a folder beside OUTPUT, then into place
@@ -118,7 +121,7 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
         raise InputError(f"cannot write {out}: {exc.strerror or exc}") from None
     try:
         staged = staging / out.name
-        save_model(run.fused, staged)
+        save_model(run.fused, staged, weights_dir=path.parent)
         verification = None
         if verify_after:
             status("verifying")

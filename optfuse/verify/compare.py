@@ -87,30 +87,48 @@ def verify(original: ModelSource, candidate: ModelSource,
     """Run both models in onnxruntime on the same seeded inputs and compare every output of the original.
 
     `atol`/`rtol` override the options for every output. `feeds` replaces input generation.
+    Models given as paths run from their files (weights read by onnxruntime, not loaded here), one
+    session at a time: the original on every feed, then the candidate.
     """
-    from polygraphy.backend.onnxrt import OnnxrtRunner
-    from polygraphy.comparator import Comparator
-
-    from ..ir import load_model
-
-    ref_model = original if isinstance(original, onnx.ModelProto) else load_model(original)
-    cand_model = candidate if isinstance(candidate, onnx.ModelProto) else load_model(candidate)
+    ref_model = original if isinstance(original, onnx.ModelProto) else _load_graph(original)
+    cand_model = candidate if isinstance(candidate, onnx.ModelProto) else _load_graph(candidate)
     plans, feeds = _plans_and_feeds(ref_model, options, iterations, seed, feeds)
     _check_candidate_inputs(plans, cand_model)
 
     _prepare_polygraphy()
-    # Sessions are made up front so that a model onnxruntime rejects is named: the original is bad
-    # input (exit 2), a candidate that does not load has failed verification (exit 1).
-    runners = [OnnxrtRunner(_session("original", original, ref_model, InputError), name="original"),
-               OnnxrtRunner(_session("candidate", candidate, cand_model, VerificationError), name="candidate")]
+    # A model onnxruntime rejects is named: the original is bad input (exit 2), a candidate that
+    # does not load has failed verification (exit 1).
+    ref = _run_all("original", original, ref_model, InputError, feeds, on_iteration)
+    got = _run_all("candidate", candidate, cand_model, VerificationError, feeds, None)
+    return _result(ref_model, plans, ref, got, options, precision_of(cand_model),
+                   seed, _label(original), _label(candidate), atol, rtol)
+
+
+def _load_graph(path: str | os.PathLike) -> onnx.ModelProto:
+    """The model's graph and small constants; its big weights stay in their files (onnxruntime reads them)."""
+    from ..ir import load_model
+
+    return load_model(path, weights="disk")
+
+
+def _run_all(label: str, src: ModelSource, model: onnx.ModelProto, load_error: type[Exception], feeds: Feeds,
+             on_iteration: Callable[[int], None] | None) -> Feeds:
+    """Every feed through one onnxruntime session of `src`; the session is gone when this returns."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    session = _session(label, src, model, load_error)
+    outputs: Feeds = []
     try:
-        results = Comparator.run(runners, data_loader=_Loader(feeds, on_iteration))
+        with OnnxrtRunner(session, name=label) as runner:
+            for i, feed in enumerate(feeds):
+                if on_iteration is not None:
+                    on_iteration(i)
+                outputs.append(dict(runner.infer(feed)))
     except Exception as exc:
         raise VerificationError(f"onnxruntime could not run the models: {_first_line(exc)}") from None
-    if not results or len(results) != 2:
-        raise VerificationError("onnxruntime could not run the models (polygraphy returned no results)")
-    return _result(ref_model, plans, results["original"], results["candidate"], options, precision_of(cand_model),
-                   seed, _label(original), _label(candidate), atol, rtol)
+    finally:
+        del session
+    return outputs
 
 
 def verify_against(original: str | os.PathLike, run_candidate: CandidateRunner, options: VerifyOptions | None = None,
@@ -122,7 +140,7 @@ def verify_against(original: str | os.PathLike, run_candidate: CandidateRunner, 
 
     from ..ir import load_model
 
-    ref_model = load_model(original)
+    ref_model = load_model(original, weights="disk")
     plans, feeds = _plans_and_feeds(ref_model, options, iterations, seed, None)
     _prepare_polygraphy()
     ref = []
@@ -167,26 +185,6 @@ def _result(ref_model: onnx.ModelProto, plans: list[InputPlan], ref_iters: Seque
         outputs.append(compare_arrays(o.name, [it[o.name] for it in ref_iters], [it[o.name] for it in cand_iters], a, r))
     infos = [InputInfo(p.name, np.dtype(p.dtype).name, list(p.shape), p.source) for p in plans]
     return VerifyResult(outputs, infos, len(ref_iters), seed, original, candidate)
-
-
-class _Loader:
-    """A polygraphy data loader over prepared feed dicts (reports each iteration for progress)."""
-
-    def __init__(self, feeds: Feeds, on_iteration: Callable[[int], None] | None):
-        self.feeds = feeds
-        self.on_iteration = on_iteration
-
-    def __len__(self) -> int:
-        return len(self.feeds)
-
-    def __iter__(self):
-        for i, f in enumerate(self.feeds):
-            if self.on_iteration is not None:
-                self.on_iteration(i)
-            yield f
-
-    def __getitem__(self, i: int):
-        return self.feeds[i]
 
 
 def precision_of(model: onnx.ModelProto) -> str:
