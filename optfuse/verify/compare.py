@@ -98,10 +98,27 @@ def verify(original: ModelSource, candidate: ModelSource,
     _prepare_polygraphy()
     # A model onnxruntime rejects is named: the original is bad input (exit 2), a candidate that
     # does not load has failed verification (exit 1).
-    ref = _run_all("original", original, ref_model, InputError, feeds, on_iteration)
-    got = _run_all("candidate", candidate, cand_model, VerificationError, feeds, None)
-    return _result(ref_model, plans, ref, got, options, precision_of(cand_model),
-                   seed, _label(original), _label(candidate), atol, rtol)
+    ref = _run_all("original", original, InputError, feeds, on_iteration)
+    runnable, method = _runnable(candidate, cand_model)
+    got = _run_all("candidate", runnable, VerificationError, feeds, None)
+    result = _result(ref_model, plans, ref, got, options, precision_of(cand_model),
+                     seed, _label(original), _label(candidate), atol, rtol)
+    result.method = method
+    return result
+
+
+def _runnable(candidate: ModelSource, model: onnx.ModelProto) -> tuple[ModelSource, str]:
+    """What onnxruntime runs for `candidate`, and how that differs from running it as it is
+    ("" when it runs unchanged): a BF16 model runs as its FP32 emulation (verify.emulate)."""
+    from .emulate import BF16_METHOD, emulate_bf16, uses_bf16
+
+    if not uses_bf16(model):
+        return candidate, ""
+    if not isinstance(candidate, onnx.ModelProto):
+        from ..ir import load_model
+
+        model = load_model(candidate)  # the emulation rewrites the weights (BF16 -> FP32 values)
+    return emulate_bf16(model), BF16_METHOD
 
 
 def _load_graph(path: str | os.PathLike) -> onnx.ModelProto:
@@ -111,12 +128,12 @@ def _load_graph(path: str | os.PathLike) -> onnx.ModelProto:
     return load_model(path, weights="disk")
 
 
-def _run_all(label: str, src: ModelSource, model: onnx.ModelProto, load_error: type[Exception], feeds: Feeds,
+def _run_all(label: str, src: ModelSource, load_error: type[Exception], feeds: Feeds,
              on_iteration: Callable[[int], None] | None) -> Feeds:
     """Every feed through one onnxruntime session of `src`; the session is gone when this returns."""
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
-    session = _session(label, src, model, load_error)
+    session = _session(label, src, load_error)
     outputs: Feeds = []
     try:
         with OnnxrtRunner(session, name=label) as runner:
@@ -144,7 +161,7 @@ def verify_against(original: str | os.PathLike, run_candidate: CandidateRunner, 
     plans, feeds = _plans_and_feeds(ref_model, options, iterations, seed, None)
     _prepare_polygraphy()
     ref = []
-    with OnnxrtRunner(_session("original", original, ref_model, InputError), name="original") as runner:
+    with OnnxrtRunner(_session("original", original, InputError), name="original") as runner:
         for f in feeds:
             ref.append(runner.infer(f))
     got = run_candidate(feeds)
@@ -162,11 +179,11 @@ def _plans_and_feeds(ref_model: onnx.ModelProto, options: VerifyOptions | None, 
     return plans, feeds
 
 
-def _session(label: str, src: ModelSource, model: onnx.ModelProto, err: type[Exception]):
+def _session(label: str, src: ModelSource, err: type[Exception]):
     from polygraphy.backend.onnxrt import SessionFromOnnx
 
     try:
-        return SessionFromOnnx(_bytes_or_path(src, model), providers=["cpu"])()
+        return SessionFromOnnx(_bytes_or_path(src), providers=["cpu"])()
     except Exception as exc:
         raise err(f"onnxruntime cannot load the {label} model: {_first_line(exc)}") from None
 
@@ -206,9 +223,9 @@ def _check_candidate_inputs(plans: list[InputPlan], cand: onnx.ModelProto) -> No
         raise InputError(f"the candidate needs inputs the original does not have: {', '.join(sorted(want - have))}")
 
 
-def _bytes_or_path(src: ModelSource, model: onnx.ModelProto) -> str | bytes:
+def _bytes_or_path(src: ModelSource) -> str | bytes:
     # a path keeps external data readable by onnxruntime; in-memory models go as bytes
-    return str(src) if isinstance(src, (str, os.PathLike)) else model.SerializeToString()
+    return str(src) if isinstance(src, (str, os.PathLike)) else src.SerializeToString()
 
 
 def _label(src: ModelSource) -> str:
