@@ -11,6 +11,8 @@ optimizer on the same model file.
 
 Each measured command runs in its own child process; its peak RSS is the child's ``ru_maxrss``
 (os.wait4), so the numbers are what ``/usr/bin/time -v`` reports as "Maximum resident set size".
+(Linux counts a child's peak from the RSS of the process it was forked from, so this process
+never holds a model: exports run in a child too.)
 Prints a Markdown table: model, weights, tool, wall time, peak RSS, RSS / weights, and optfuse's
 wall time over the optimizer's.
 """
@@ -160,8 +162,11 @@ def _small(args) -> list[Measurement]:
     for family, model_type in (("llama", "gpt2"), ("bert", "bert")):
         for layers in args.layers:
             with tempfile.TemporaryDirectory(prefix="bench-small-") as tmp:
-                path = make_model(Path(tmp) / f"{family}{layers}.onnx", family, "dynamo", layers,
-                                  None, None, None, None, None)
+                # exported by a child process: a child forked from a process holding torch and the
+                # model would start with that process's RSS as its peak
+                path = Path(tmp) / f"{family}{layers}.onnx"
+                subprocess.run([sys.executable, __file__, "make", str(path), "--family", family,
+                                "--layers", str(layers)], env=_env(), check=True, stdout=subprocess.DEVNULL)
                 rows += run_tools(path, model_type, verify=False, ort=True, label=f"{family} {layers} layers")
     return rows
 
