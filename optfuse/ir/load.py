@@ -92,7 +92,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
     on disk live (the folder of the model it was loaded from with ``weights="disk"``). The caller's
     `model` is left as it was.
     """
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+    from onnx.external_data_helper import _get_all_tensors, _get_initializer_tensors, uses_external_data
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,8 +106,11 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         tmp_model = tmp_dir / path.name
-        if external_data:
-            write_tensors(tensors, tmp_dir / data_name, data_name, weights_dir)
+        if external_data:  # initializers move to the data file (attribute tensors stay, as onnx saves them)
+            write_tensors(_get_initializer_tensors(model), tmp_dir / data_name, data_name, weights_dir)
+            for t in tensors:
+                if uses_external_data(t) and not _in_file(t, data_name):
+                    read_into(t, weights_dir)
         else:
             for t in tensors:
                 if uses_external_data(t):
@@ -121,6 +124,10 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
         _restore(before, tmp_dir if (tmp_dir / data_name).exists() else path.parent)
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return path
+
+
+def _in_file(t: onnx.TensorProto, location: str) -> bool:
+    return any(e.key == "location" and e.value == location for e in t.external_data)
 
 
 def _restore(before: list[tuple[onnx.TensorProto, list[tuple[str, str]] | None]], written_dir: Path) -> None:

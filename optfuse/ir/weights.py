@@ -28,6 +28,9 @@ SMALL_TENSOR_BYTES = 64 << 10
 _ALIGN_FROM = 64 << 10
 _PAGE = 4096
 _CHUNK = 64 << 20
+#: Types whose bytes are not one NumPy element each (strings; 4-bit and 2-bit packed types).
+_NOT_MAPPABLE = {getattr(onnx.TensorProto, n) for n in ("STRING", "INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+                 if hasattr(onnx.TensorProto, n)}
 
 
 class DiskValues(gs.ir.tensor.LazyValues):
@@ -41,7 +44,7 @@ class DiskValues(gs.ir.tensor.LazyValues):
         info = ExternalDataInfo(self.tensor)
         dtype = onnx.helper.tensor_dtype_to_np_dtype(self.tensor.data_type)
         path = self.weights_dir / info.location
-        if self.tensor.data_type in (onnx.TensorProto.STRING,) or dtype.itemsize * int(np.prod(self.shape)) == 0:
+        if self.tensor.data_type in _NOT_MAPPABLE or dtype.itemsize * int(np.prod(self.shape)) == 0:
             return np.array(onnx.numpy_helper.to_array(self.tensor, str(self.weights_dir)))
         values = np.memmap(path, dtype=dtype, mode="r", offset=int(info.offset or 0), shape=tuple(self.shape))
         values._optfuse_disk = self  # export_graph gives graphsurgeon the file reference back
