@@ -12,7 +12,9 @@ through Cast/CastLike, so they accept FP16 I/O unchanged). onnxconverter-common 
 BF16 is the FP16 result re-typed: every FP16 tensor, Cast target and constant becomes BF16, with
 initializers re-rounded from their FP32 originals (BF16 keeps FP32's range, so nothing is
 clamped twice). onnxruntime's CPU provider runs FP16 models (it inserts FP32 fallbacks where it
-lacks FP16 kernels) but almost no BF16 kernels, so BF16 models are for TensorRT.
+lacks FP16 kernels) but almost no BF16 kernels: ``optfuse.verify`` checks a BF16 model through
+its FP32 emulation (:mod:`optfuse.verify.emulate`: BF16-rounded weights and activations at the
+same points, FP32 arithmetic).
 
 The result (:class:`PrecisionResult`) is plain data; :mod:`optfuse.report` renders it.
 
@@ -176,7 +178,8 @@ def convert_precision(
         result.notes.append(f"{fixed} exported Cast-to-FP32 node(s) retargeted to {mode} (their consumers run in {mode})")
     if mode == "bf16":
         out = fp16_to_bf16(out, model)
-        result.notes.append("BF16 = the FP16 conversion re-typed to BF16; onnxruntime CPU has almost no BF16 kernels")
+        result.notes.append("BF16 = the FP16 conversion re-typed to BF16; onnxruntime CPU has almost no BF16 kernels, "
+                            "so verify runs it emulated in FP32 (BF16 values rounded at the same points)")
     check_optfuse_io(out)
     return out, result
 

@@ -19,6 +19,7 @@ import onnx_graphsurgeon as gs
 
 from . import DOMAIN
 from .ir.query import outside_uses
+from .ir.weights import export_graph
 from .pattern import Context, FusedOutput, FusionRule, NewTensor, Rewrite, match
 from .spec import get_spec, plugin_module
 
@@ -348,4 +349,4 @@ def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
 def inferable_model(graph: gs.Graph) -> onnx.ModelProto:
     """`graph` as a ModelProto shape inference can follow (optfuse nodes through their reference
     functions); the graph itself is left as it is."""
-    return add_functions(gs.export_onnx(graph.copy(), do_type_check=False))
+    return add_functions(export_graph(graph.copy(), do_type_check=False))

@@ -33,6 +33,43 @@ def test_external_data_round_trip(tmp_path):
     assert all(np.array_equal(onnx.numpy_helper.to_array(t), ref[t.name]) for t in loaded.graph.initializer)
 
 
+@pytest.mark.parametrize("external", [True, False])
+def test_disk_weights_stay_on_disk_and_are_streamed_on_save(tmp_path, external):
+    """weights="disk" reads only the small tensors; graphsurgeon reads a big one memory-mapped and
+    exports its file reference again; save_model copies (external) or reads in (inline) the bytes."""
+    from onnx.external_data_helper import uses_external_data
+
+    from optfuse.ir.weights import SMALL_TENSOR_BYTES, export_graph, import_graph
+
+    b = graphs.Builder()
+    big = np.random.default_rng(0).standard_normal((64, SMALL_TENSOR_BYTES // 64)).astype(np.float32)
+    small = np.arange(16, dtype=np.float32)
+    y = b.node("MatMul", b.node("Add", "x", b.const(small, "small")), b.const(big, "big"), out="y")
+    model = b.model([graphs.io("x", ["b", 64])], [graphs.io(y, ["b", big.shape[1]])])
+    _save_external(model, tmp_path / "m.onnx")
+    loaded = load_model(tmp_path / "m.onnx", weights="disk")
+    inits = {t.name: t for t in loaded.graph.initializer}
+    assert uses_external_data(inits["big"]) and not uses_external_data(inits["small"])
+    assert loaded.ByteSize() < big.nbytes // 4
+
+    graph = import_graph(loaded, tmp_path)
+    const = graph.tensors()["big"]
+    assert np.array_equal(const.values, big)  # read from the file
+    exported = export_graph(graph)
+    assert uses_external_data(next(t for t in exported.graph.initializer if t.name == "big"))
+
+    out = save_model(exported, tmp_path / "out" / "m2.onnx", external_data=external, weights_dir=tmp_path)
+    again = load_model(out)
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in again.graph.initializer}
+    assert np.array_equal(values["big"], big) and np.array_equal(values["small"], small)
+    assert (tmp_path / "out" / "m2.onnx.data").is_file() == external
+    assert uses_external_data(next(t for t in exported.graph.initializer if t.name == "big"))  # left as it was
+    data = onnx.load(str(out), load_external_data=False)
+    if external:
+        info = {e.key: e.value for e in next(t for t in data.graph.initializer if t.name == "big").external_data}
+        assert int(info["offset"]) % 4096 == 0  # page-aligned (onnxruntime maps it)
+
+
 @pytest.mark.parametrize("case", ["missing", "not_onnx", "truncated", "missing_data", "short_data"])
 def test_bad_models_raise_input_error(tmp_path, case):
     path = tmp_path / "m.onnx"

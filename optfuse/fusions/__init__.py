@@ -97,18 +97,21 @@ def _absorb(earlier, later):
 
 
 def fuse_model(model, dims: dict[str, int] | None = None, families: Iterable[str] | None = None,
-               options: FusionOptions | None = None):
+               options: FusionOptions | None = None, weights_dir=None):
     """sanitize -> match -> rewrite on a ModelProto; returns (fused ModelProto, FusionResult).
 
     The fused model embeds the reference function of each optfuse op it uses (onnxruntime runs it).
     `dims` (the analysis dims) are recorded in the result for the traffic estimate
-    (`optfuse.estimate.estimate_traffic`); fusing itself does not depend on them.
+    (`optfuse.estimate.estimate_traffic`); fusing itself does not depend on them. `weights_dir`:
+    where the tensors `model` left on disk live (its folder, for ``load_model(..., weights="disk")``);
+    the fused model refers to the same files for the weights it keeps.
     """
     from ..ir import sanitize
+    from ..ir.weights import export_graph
     from ..rewrite import add_functions
 
-    graph = sanitize(model)
+    graph = sanitize(model, weights_dir=weights_dir)
     result = fuse_graph(graph, families, options)
     result.dims = dict(dims or {})
-    fused = gs.export_onnx(graph)
+    fused = export_graph(graph)
     return add_functions(fused), result

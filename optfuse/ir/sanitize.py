@@ -11,21 +11,25 @@ import onnx_graphsurgeon as gs
 
 from .query import dtype_name
 from .shapes import infer_shapes
+from .weights import export_graph, import_graph
 
 # Folding a constant bigger than this would duplicate weights (e.g. a transposed copy).
 FOLD_SIZE_THRESHOLD = 64 << 20
 
 
-def sanitize(model: onnx.ModelProto, fold_constants: bool = True) -> gs.Graph:
-    """Return a clean graphsurgeon graph of `model` (the proto is not modified)."""
-    graph = gs.import_onnx(infer_shapes(model))
+def sanitize(model: onnx.ModelProto, fold_constants: bool = True, weights_dir=None) -> gs.Graph:
+    """Return a clean graphsurgeon graph of `model` (the proto is not modified).
+
+    weights_dir: where the tensors `model` left on disk live (``load_model(..., weights="disk")``).
+    """
+    graph = import_graph(infer_shapes(model), weights_dir)
     if fold_constants:
         _quiet_gs()
         graph.fold_constants(size_threshold=FOLD_SIZE_THRESHOLD, error_ok=True)
     remove_noop_casts(graph)
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     # folding can change shapes (e.g. constant Reshape targets): infer once more on the result
-    graph = gs.import_onnx(infer_shapes(gs.export_onnx(graph)))
+    graph = import_graph(infer_shapes(export_graph(graph)), weights_dir)
     return graph
 
 

@@ -7,6 +7,7 @@ reference functions first (``optfuse.rewrite.add_functions``), so inference can 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -68,9 +69,32 @@ def probe_dims(graph: gs.Graph) -> dict[str, int]:
     return {n: primes[i % len(primes)] + 48 * (i // len(primes)) for i, n in enumerate(names)}
 
 
+def _symbolic_shape_inference():
+    """onnxruntime's SymbolicShapeInference class, without importing the package ``onnxruntime.tools``:
+    that package's ``__init__`` imports torch when it is installed (seconds, for an export helper
+    nothing here uses). The module itself needs only numpy, onnx, sympy and packaging."""
+    import importlib.util
+    import sys
+
+    name = "onnxruntime.tools.symbolic_shape_infer"
+    if "onnxruntime.tools" in sys.modules or name in sys.modules:
+        return importlib.import_module(name).SymbolicShapeInference
+    own = "optfuse._ort_symbolic_shape_infer"
+    if own not in sys.modules:
+        ort = importlib.util.find_spec("onnxruntime")
+        if ort is None or not ort.submodule_search_locations:
+            raise ImportError("onnxruntime is not installed")
+        path = Path(next(iter(ort.submodule_search_locations))) / "tools" / "symbolic_shape_infer.py"
+        spec = importlib.util.spec_from_file_location(own, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[own] = module
+    return sys.modules[own].SymbolicShapeInference
+
+
 def _infer_static(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        SymbolicShapeInference = _symbolic_shape_inference()
 
         # The loop of SymbolicShapeInference.infer_shapes, minus its last step: when some shape
         # stays unknown, that dumps the model into the current directory and raises, whereas a

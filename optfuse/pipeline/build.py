@@ -88,7 +88,7 @@ def build(model: str | os.PathLike, output: str | os.PathLike | None = None, rec
     with progress.step("check") as step:
         plan = plan_target(target, recipe, backend, use_recipe_target=use_recipe_target)  # before any work
         model = Path(model)
-        proto = load_checked(model)  # bad input (text, truncated, empty, .data missing, a folder) is exit 2 here
+        proto = load_checked(model, weights="disk")  # bad input (text, truncated, empty, .data missing, a folder) is exit 2 here
         if not proto.graph.output:
             raise InputError(f"{model} has no graph outputs (an empty model): nothing to build")
         optfuse_nodes = sum(1 for n in proto.graph.node if n.domain == DOMAIN)

@@ -61,12 +61,12 @@ def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, statu
         with progress.step("load") as step:
             path = resolve_model(model, recipe, workdir=Path(tmp), status=progress)
             progress(f"loading {path}")
-            proto = load_checked(path)
+            proto = load_checked(path, weights="disk")
             step.detail = f"{len(proto.graph.node)} nodes"
+        run = _fuse_and_estimate(proto, recipe, progress, overrides, weights_dir=path.parent)  # (its weights may be in tmp)
         if model is None and recipe is not None and recipe.model.export is not None:
             e = recipe.model.export
             path = Path(f"<export {e.family} {e.exporter} attn={e.attn}>")
-    run = _fuse_and_estimate(proto, recipe, progress, overrides)
     report = build_report(run.result, estimate=run.estimate, model=str(path), recipe=recipe_label(recipe),
                           dims=run.dims, dims_source=run.dims_source, families=run.families,
                           options=options_record(recipe, overrides))
@@ -86,9 +86,11 @@ class _FuseRun:
 
 
 def _fuse_and_estimate(proto: onnx.ModelProto, recipe: Recipe | None, status: Status,
-                       overrides: Overrides = NO_OVERRIDES) -> _FuseRun:
+                       overrides: Overrides = NO_OVERRIDES, *, weights_dir: Path) -> _FuseRun:
     """sanitize -> match -> rewrite (fusions.fuse_model), then the estimate stage at the analysis dims
-    (two progress steps: fuse, estimate)."""
+    (two progress steps: fuse, estimate).
+
+    `proto` holds its big weights on disk, in `weights_dir`; the fused model refers to them there."""
     from ..estimate import estimate_traffic
     from ..fusions import fuse_model
 
@@ -97,7 +99,8 @@ def _fuse_and_estimate(proto: onnx.ModelProto, recipe: Recipe | None, status: St
     families = enabled_families(recipe)
     with progress.step("fuse") as step:
         progress("sanitizing, matching, rewriting")
-        fused, result = fuse_model(proto, dims=dims, families=families, options=fusion_options(recipe))
+        fused, result = fuse_model(proto, dims=dims, families=families, options=fusion_options(recipe),
+                                   weights_dir=weights_dir)
         replaced = sum(len(a.nodes) for a in result.accepted)
         step.detail = (f"{len(result.accepted)} matched ({replaced} nodes replaced), "
                        f"{len(result.rejected)} rejected")
@@ -131,11 +134,11 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
         out = Path(output) if output is not None else default_output(path)
         _check_output(path, out)
         progress(f"loading {path}")
-        proto = load_checked(path)
+        proto = load_checked(path, weights="disk")
         if verify_after:  # a tolerance for an output the model lacks is bad input before any work
             check_output_names(proto, overrides)
         step.detail = f"{len(proto.graph.node)} nodes"
-    run = _fuse_and_estimate(proto, recipe, progress, overrides)
+    run = _fuse_and_estimate(proto, recipe, progress, overrides, weights_dir=path.parent)
     progress(f"writing {out}")
     created = not out.parent.exists()
     try:  # the model, its external data and the reports go into a folder beside OUTPUT, then into place
@@ -146,7 +149,7 @@ def fuse(model: str | os.PathLike | None, output: str | os.PathLike | None = Non
     try:
         staged = staging / out.name
         with progress.step("write") as step:
-            save_model(run.fused, staged)
+            save_model(run.fused, staged, weights_dir=path.parent)
             step.detail = f"{len(run.fused.graph.node)} nodes"
         verification = None
         if verify_after:

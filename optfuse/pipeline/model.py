@@ -59,14 +59,15 @@ def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = 
         raise InputError(str(exc)) from None
 
 
-def load_checked(path: Path) -> onnx.ModelProto:
+def load_checked(path: Path, weights: str = "memory") -> onnx.ModelProto:
     """load_model plus a structural check: a graph that does not hold together is bad input (exit 2).
 
     Not onnx.checker: it rejects models onnxruntime runs (outputs without shapes, unsorted nodes).
+    `weights`: as ``ir.load_model`` (``"disk"`` leaves the big tensors in their files).
     """
     from ..ir import load_model
 
-    proto = load_model(path)
+    proto = load_model(path, weights=weights)
     problem = graph_problem(proto.graph)
     if problem:
         raise InputError(f"{path} is not a valid ONNX graph: {problem}")

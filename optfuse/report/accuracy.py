@@ -44,7 +44,10 @@ def accuracy_markdown(checks: Mapping[str, Check], title: str = "# Accuracy") ->
         if "outputs" not in d:
             lines += [f"not executed: {d.get('reason') or d.get('error')}", ""]
             continue
-        lines += [f"{d['iterations']} iteration(s), seed {d['seed']}: **{'pass' if d['passed'] else 'FAIL'}**", "",
+        lines += [f"{d['iterations']} iteration(s), seed {d['seed']}: **{'pass' if d['passed'] else 'FAIL'}**", ""]
+        if d.get("method"):
+            lines += [f"Candidate run as: {d['method']}.", ""]
+        lines += [
                   "| output | max abs | max rel | mean abs | atol | rtol | result |", "|---|---|---|---|---|---|---|"]
         for o in d["outputs"]:
             lines.append(f"| {o['name']} | {o['max_abs']:.3g} | {o['max_rel']:.3g} | {o['mean_abs']:.3g} | "
@@ -65,5 +68,6 @@ def verify_line(v: VerifyResult) -> str:
     worst = max(v.outputs, key=lambda o: o.max_abs / max(o.atol + o.rtol, 1e-30), default=None)
     if worst is None:
         return "no outputs compared"
-    return (f"{sum(o.passed for o in v.outputs)}/{len(v.outputs)} outputs within tolerance; worst {worst.name}: "
+    line = (f"{sum(o.passed for o in v.outputs)}/{len(v.outputs)} outputs within tolerance; worst {worst.name}: "
             f"max abs {worst.max_abs:.3g} (atol {worst.atol:g}, rtol {worst.rtol:g})")
+    return f"{line}; {v.method.split(' (')[0]}" if v.method else line

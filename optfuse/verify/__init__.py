@@ -1,7 +1,8 @@
 """Stage `verify`: run the original and the candidate model on the same inputs, compare every output.
 
-Both models run in onnxruntime (CPU) through polygraphy (``OnnxrtRunner(SessionFromOnnx(...))``,
-``Comparator.run``) on a list of feed dicts built here, so the inputs mean what the model expects:
+Both models run in onnxruntime (CPU) through polygraphy (``OnnxrtRunner(SessionFromOnnx(...))``),
+one session at a time and from their files (weights read by onnxruntime, never loaded here), on a
+list of feed dicts built here, so the inputs mean what the model expects:
 
 - from the recipe when it describes an input (``range``, ``kind``, ``npz``);
 - else inferred from the graph: an integer input used (through Cast/Reshape/...) as the indices of a

@@ -90,32 +90,67 @@ def verify(original: ModelSource, candidate: ModelSource,
     `atol`/`rtol` override the options for every output. `feeds` replaces input generation.
     `on_outputs` receives every output of both runs (``{"original": [...], "candidate": [...]}``,
     one name -> array dict per iteration), e.g. to save them.
+    Models given as paths run from their files (weights read by onnxruntime, not loaded here), one
+    session at a time: the original on every feed, then the candidate.
     """
-    from polygraphy.backend.onnxrt import OnnxrtRunner
-    from polygraphy.comparator import Comparator
-
-    from ..ir import load_model
-
-    ref_model = original if isinstance(original, onnx.ModelProto) else load_model(original)
-    cand_model = candidate if isinstance(candidate, onnx.ModelProto) else load_model(candidate)
+    ref_model = original if isinstance(original, onnx.ModelProto) else _load_graph(original)
+    cand_model = candidate if isinstance(candidate, onnx.ModelProto) else _load_graph(candidate)
     plans, feeds = _plans_and_feeds(ref_model, options, iterations, seed, feeds)
     _check_candidate_inputs(plans, cand_model)
 
     _prepare_polygraphy()
-    # Sessions are made up front so that a model onnxruntime rejects is named: the original is bad
-    # input (exit 2), a candidate that does not load has failed verification (exit 1).
-    runners = [OnnxrtRunner(_session("original", original, ref_model, InputError), name="original"),
-               OnnxrtRunner(_session("candidate", candidate, cand_model, VerificationError), name="candidate")]
+    # A model onnxruntime rejects is named: the original is bad input (exit 2), a candidate that
+    # does not load has failed verification (exit 1).
+    ref = _run_all("original", original, InputError, feeds, on_iteration)
+    runnable, method = _runnable(candidate, cand_model)
+    got = _run_all("candidate", runnable, VerificationError, feeds, None)
+    if on_outputs is not None:
+        on_outputs({"original": [dict(it) for it in ref], "candidate": [dict(it) for it in got]})
+    result = _result(ref_model, plans, ref, got, options, precision_of(cand_model),
+                     seed, _label(original), _label(candidate), atol, rtol)
+    result.method = method
+    return result
+
+
+def _runnable(candidate: ModelSource, model: onnx.ModelProto) -> tuple[ModelSource, str]:
+    """What onnxruntime runs for `candidate`, and how that differs from running it as it is
+    ("" when it runs unchanged): a BF16 model runs as its FP32 emulation (verify.emulate)."""
+    from .emulate import BF16_METHOD, emulate_bf16, uses_bf16
+
+    if not uses_bf16(model):
+        return candidate, ""
+    if not isinstance(candidate, onnx.ModelProto):
+        from ..ir import load_model
+
+        model = load_model(candidate)  # the emulation rewrites the weights (BF16 -> FP32 values)
+    return emulate_bf16(model), BF16_METHOD
+
+
+def _load_graph(path: str | os.PathLike) -> onnx.ModelProto:
+    """The model's graph and small constants; its big weights stay in their files (onnxruntime reads them)."""
+    from ..ir import load_model
+
+    return load_model(path, weights="disk")
+
+
+def _run_all(label: str, src: ModelSource, load_error: type[Exception], feeds: Feeds,
+             on_iteration: Callable[[int], None] | None) -> Feeds:
+    """Every feed through one onnxruntime session of `src`; the session is gone when this returns."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    session = _session(label, src, load_error)
+    outputs: Feeds = []
     try:
-        results = Comparator.run(runners, data_loader=_Loader(feeds, on_iteration))
+        with OnnxrtRunner(session, name=label) as runner:
+            for i, feed in enumerate(feeds):
+                if on_iteration is not None:
+                    on_iteration(i)
+                outputs.append(dict(runner.infer(feed)))
     except Exception as exc:
         raise VerificationError(f"onnxruntime could not run the models: {_first_line(exc)}") from None
-    if not results or len(results) != 2:
-        raise VerificationError("onnxruntime could not run the models (polygraphy returned no results)")
-    if on_outputs is not None:
-        on_outputs({name: [dict(it) for it in results[name]] for name in ("original", "candidate")})
-    return _result(ref_model, plans, results["original"], results["candidate"], options, precision_of(cand_model),
-                   seed, _label(original), _label(candidate), atol, rtol)
+    finally:
+        del session
+    return outputs
 
 
 def verify_against(original: str | os.PathLike, run_candidate: CandidateRunner, options: VerifyOptions | None = None,
@@ -127,11 +162,11 @@ def verify_against(original: str | os.PathLike, run_candidate: CandidateRunner, 
 
     from ..ir import load_model
 
-    ref_model = load_model(original)
+    ref_model = load_model(original, weights="disk")
     plans, feeds = _plans_and_feeds(ref_model, options, iterations, seed, None)
     _prepare_polygraphy()
     ref = []
-    with OnnxrtRunner(_session("original", original, ref_model, InputError), name="original") as runner:
+    with OnnxrtRunner(_session("original", original, InputError), name="original") as runner:
         for f in feeds:
             ref.append(runner.infer(f))
     got = run_candidate(feeds)
@@ -149,11 +184,11 @@ def _plans_and_feeds(ref_model: onnx.ModelProto, options: VerifyOptions | None, 
     return plans, feeds
 
 
-def _session(label: str, src: ModelSource, model: onnx.ModelProto, err: type[Exception]):
+def _session(label: str, src: ModelSource, err: type[Exception]):
     from polygraphy.backend.onnxrt import SessionFromOnnx
 
     try:
-        return SessionFromOnnx(_bytes_or_path(src, model), providers=["cpu"])()
+        return SessionFromOnnx(_bytes_or_path(src), providers=["cpu"])()
     except Exception as exc:
         raise err(f"onnxruntime cannot load the {label} model: {_first_line(exc)}") from None
 
@@ -172,26 +207,6 @@ def _result(ref_model: onnx.ModelProto, plans: list[InputPlan], ref_iters: Seque
         outputs.append(compare_arrays(o.name, [it[o.name] for it in ref_iters], [it[o.name] for it in cand_iters], a, r))
     infos = [InputInfo(p.name, np.dtype(p.dtype).name, list(p.shape), p.source) for p in plans]
     return VerifyResult(outputs, infos, len(ref_iters), seed, original, candidate)
-
-
-class _Loader:
-    """A polygraphy data loader over prepared feed dicts (reports each iteration for progress)."""
-
-    def __init__(self, feeds: Feeds, on_iteration: Callable[[int], None] | None):
-        self.feeds = feeds
-        self.on_iteration = on_iteration
-
-    def __len__(self) -> int:
-        return len(self.feeds)
-
-    def __iter__(self):
-        for i, f in enumerate(self.feeds):
-            if self.on_iteration is not None:
-                self.on_iteration(i)
-            yield f
-
-    def __getitem__(self, i: int):
-        return self.feeds[i]
 
 
 def precision_of(model: onnx.ModelProto) -> str:
@@ -213,9 +228,9 @@ def _check_candidate_inputs(plans: list[InputPlan], cand: onnx.ModelProto) -> No
         raise InputError(f"the candidate needs inputs the original does not have: {', '.join(sorted(want - have))}")
 
 
-def _bytes_or_path(src: ModelSource, model: onnx.ModelProto) -> str | bytes:
+def _bytes_or_path(src: ModelSource) -> str | bytes:
     # a path keeps external data readable by onnxruntime; in-memory models go as bytes
-    return str(src) if isinstance(src, (str, os.PathLike)) else model.SerializeToString()
+    return str(src) if isinstance(src, (str, os.PathLike)) else src.SerializeToString()
 
 
 def _label(src: ModelSource) -> str:

@@ -94,6 +94,7 @@ class VerifyResult:
     seed: int
     original: str = ""
     candidate: str = ""
+    method: str = ""  # how the candidate ran when not as it is (e.g. BF16 emulated in FP32); "" otherwise
 
     @property
     def passed(self) -> bool:
@@ -105,6 +106,8 @@ class VerifyResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if not self.method:
+            del d["method"]
         d["passed"] = self.passed
         return d
 
