@@ -235,6 +235,8 @@ def apply_plan(graph: gs.Graph, result: FusionResult, start_index: int = 0) -> N
                 inputs.append(gs.Variable.empty())
             elif isinstance(x, np.ndarray):
                 inputs.append(gs.Constant(f"{name}/{spec.inputs[j].name}", np.ascontiguousarray(x)))
+            elif isinstance(x, gs.ir.tensor.LazyValues):  # a derived weight, computed on export (ir.weights)
+                inputs.append(gs.Constant(f"{name}/{spec.inputs[j].name}", x))
             elif isinstance(x, NewTensor):
                 inputs.append(_materialize(x, name, graph, made, new_nodes))
             else:

@@ -73,14 +73,15 @@ def _peak_rss(cmd: list[str]) -> tuple[int, int, str]:
 
 
 def test_small_big_model_fuses_like_in_memory(tmp_path):
-    """The builder's graph (at a small size, weights still on disk) fuses: one RMSNorm, then a
-    SkipRMSNorm per residual Add, and verifies."""
+    """The builder's graph (at a small size, weights still on disk) fuses: every MatMul with its
+    residual Add into a GemmEpilogue (its weight transposed on export), every norm into an RMSNorm,
+    and verifies."""
     from optfuse.pipeline import fuse
 
     path, _ = big_model(tmp_path / "m", hidden=256, layers=3)
     out = fuse(path, tmp_path / "o" / "big.fused.onnx", verify_after=True, iterations=1)
     counts = {k: v for k, v in out.report["counts"].items() if v}
-    assert counts == {"RMSNorm": 1, "SkipRMSNorm": 3}, counts
+    assert counts == {"GemmEpilogue": 3, "RMSNorm": 4}, counts
     assert out.verification is not None and out.verification.passed
 
 
@@ -95,12 +96,13 @@ def test_fuse_and_verify_over_2gb_in_bounded_memory(tmp_path):
         assert rc == 0, err
         assert rss <= 1.0 * weights, f"fuse peaked at {rss / 1e9:.2f} GB for {weights / 1e9:.2f} GB of weights"
         report = json.loads((fused.parent / "big.fusion_report.json").read_text())
-        assert {k: v for k, v in report["counts"].items() if v} == {"RMSNorm": 1, "SkipRMSNorm": LAYERS}
+        assert {k: v for k, v in report["counts"].items() if v} == {"GemmEpilogue": LAYERS, "RMSNorm": LAYERS + 1}
         data = fused.parent / "big.fused.onnx.data"
         assert data.stat().st_size >= weights
         proto = onnx.load(str(fused), load_external_data=False)
         external = {t.name for t in proto.graph.initializer if t.data_location == TensorProto.EXTERNAL}
-        assert {f"w{i}" for i in range(LAYERS)} <= external
+        gemm_weights = {n.input[1] for n in proto.graph.node if n.op_type == "GemmEpilogue"}
+        assert len(gemm_weights) == LAYERS and gemm_weights <= external  # the [N, K] weights, streamed out
         shutil.rmtree(fused.parent)
 
         rc, rss, err = _peak_rss([sys.executable, "-m", "optfuse", "fuse", str(path), "-o", str(fused),

@@ -462,7 +462,7 @@ def test_progress_plain_lines(tmp_path, models):
     lines = progress_lines(res.stderr)
     assert [ln.split(":")[0] for ln in lines] == ["[1/5] load", "[2/5] fuse", "[3/5] estimate", "[4/5] write",
                                                  "[5/5] verify"]
-    assert "2 matched (4 nodes replaced), 0 rejected" in lines[1]
+    assert "4 matched (6 nodes replaced), 0 rejected" in lines[1]
     assert "3 iteration(s), 1/1 output(s) within tolerance" in lines[4]
     assert all(ln.endswith(" s") for ln in lines)
     assert not progress_lines(res.stdout)
@@ -510,7 +510,7 @@ def test_live_progress_on_a_terminal(tmp_path, models, monkeypatch):
     res = invoke("fuse", models / "res.onnx", "-o", tmp_path / "out" / "f.onnx")
     assert res.exit_code == 0, res.stderr
     shown = buf.getvalue()
-    for line in ("[1/4] load: 8 nodes", "[2/4] fuse: 2 matched (4 nodes replaced), 0 rejected",
+    for line in ("[1/4] load: 8 nodes", "[2/4] fuse: 4 matched (6 nodes replaced), 0 rejected",
                  "[3/4] estimate:", "[4/4] write:"):
         assert line in shown, shown
     assert "\x1b[" in shown  # drawn with terminal control codes, not plain lines

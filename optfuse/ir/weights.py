@@ -8,6 +8,11 @@ memory-maps just that tensor (read-only), and :func:`export_graph` hands graphsu
 original reference again for every constant whose values were read but not replaced, so an
 export copies no weight bytes. :func:`write_tensors` writes a model's initializers into one
 external data file by streaming them (file-to-file copies, one tensor at a time).
+
+A rewrite that derives a new constant from on-disk ones (a GEMM's weight transposed to [N, K], or
+sibling weights concatenated) gives it as :class:`DerivedValues`: nothing is computed until the
+graph is exported, and :func:`export_graph` then computes one such tensor at a time into a
+scratch data file (removed when the process exits), so the derived weights are never all in memory.
 """
 
 from __future__ import annotations
@@ -51,6 +56,73 @@ class DiskValues(gs.ir.tensor.LazyValues):
         return values
 
 
+class DerivedValues(gs.ir.tensor.LazyValues):
+    """A new constant computed from others only when needed: ``np.concatenate([f(v) for v in
+    parts], axis=0)`` cast to ``dtype``, where each part is (values, transpose) and values are an
+    array or a source still on disk (DiskValues: mapped only while this is computed). Shape and
+    dtype are known without computing."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, bool]], dtype: np.dtype):
+        shapes = [tuple(v.shape[::-1]) if t else tuple(v.shape) for v, t in parts]
+        shape = (sum(sh[0] for sh in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
+        header = onnx.TensorProto()
+        header.dims.extend(int(d) for d in shape)
+        header.data_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        super().__init__(header)
+        self.parts = parts
+        self.np_dtype = np.dtype(dtype)
+
+    def load(self) -> np.ndarray:
+        if not self.parts:
+            raise RuntimeError("derived weight already written to its scratch file")
+        sources = [(v.load() if isinstance(v, gs.ir.tensor.LazyValues) else v, t) for v, t in self.parts]
+        arrays = [(v.T if t else v) for v, t in sources]
+        out = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0]
+        return np.ascontiguousarray(out.astype(self.np_dtype, copy=False))
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether any source is a memory-mapped weight (then export writes it to a scratch file)."""
+        return any(isinstance(v, DiskValues) or getattr(v, "_optfuse_disk", None) is not None for v, _ in self.parts)
+
+
+_scratch: list[Path] = []
+
+
+def _scratch_file() -> Path:
+    """A data file for derived weights, removed at exit (one per process)."""
+    if not _scratch:
+        import atexit
+        import shutil
+        import tempfile
+
+        d = Path(tempfile.mkdtemp(prefix="optfuse-derived-"))
+        atexit.register(shutil.rmtree, d, True)
+        _scratch.append(d / "derived.data")
+        _scratch[0].touch()
+    return _scratch[0]
+
+
+def _spill(name: str, values: DerivedValues) -> "DiskValues":
+    """Compute `values` and append them to the scratch file; the tensor then lives there."""
+    path = _scratch_file()
+    data = values.load()
+    shape, nbytes = data.shape, data.nbytes
+    with open(path, "ab", buffering=0) as out:
+        pos = out.seek(0, os.SEEK_END)
+        if pos % _PAGE:
+            pos = out.seek(pos + _PAGE - pos % _PAGE)
+        _write_all(out, memoryview(data).cast("B"))
+    del data
+    values.parts = []  # drop the sources' memory maps: their pages count as this process's memory
+    t = onnx.TensorProto()
+    t.name = name
+    t.dims.extend(shape)
+    t.data_type = values.tensor.data_type
+    _set_external(t, str(path), pos, nbytes)  # an absolute location: write_tensors / read_into resolve it
+    return DiskValues(t, path.parent)
+
+
 def external_length(tensor: onnx.TensorProto) -> int:
     """Bytes an external tensor takes in its data file."""
     info = ExternalDataInfo(tensor)
@@ -87,7 +159,14 @@ def export_graph(graph: gs.Graph, **kwargs) -> onnx.ModelProto:
     read (memory-mapped) but not replaced is exported as its external reference."""
     for g in [graph, *graph.subgraphs(recursive=True)]:
         for t in g.tensors().values():
-            disk = getattr(getattr(t, "_values", None), "_optfuse_disk", None)
+            values = getattr(t, "_values", None)
+            if isinstance(values, DerivedValues):
+                if values.on_disk:
+                    t._values = _spill(t.name, values)  # computed now, one at a time, into the scratch file
+                else:
+                    t.values = values.load()
+                continue
+            disk = getattr(values, "_optfuse_disk", None)
             if disk is not None:
                 t._values = disk
     return gs.export_onnx(graph, **kwargs)
@@ -120,10 +199,10 @@ def write_tensors(tensors: Iterable[onnx.TensorProto], data_path: Path, location
             if size >= _ALIGN_FROM and pos % _PAGE:
                 pos = out.seek(pos + _PAGE - pos % _PAGE)  # a hole up to the boundary
             if uses_external_data(t):
-                if weights_dir is None:
-                    raise ValueError(f"tensor {t.name!r} is on disk but no weights_dir was given")
                 info = ExternalDataInfo(t)
-                _copy_range(Path(weights_dir) / info.location, int(info.offset or 0), size, out)
+                if weights_dir is None and not Path(info.location).is_absolute():
+                    raise ValueError(f"tensor {t.name!r} is on disk but no weights_dir was given")
+                _copy_range(Path(weights_dir or "/") / info.location, int(info.offset or 0), size, out)
             else:
                 _write_all(out, t.raw_data if t.HasField("raw_data") else onnx.numpy_helper.to_array(t).tobytes())
                 _clear_values(t)
@@ -131,7 +210,17 @@ def write_tensors(tensors: Iterable[onnx.TensorProto], data_path: Path, location
 
 
 def read_into(tensor: onnx.TensorProto, weights_dir: str | os.PathLike | None) -> None:
-    """Give an external tensor its bytes (raw_data) back from `weights_dir`."""
+    """Give an external tensor its bytes (raw_data) back from `weights_dir` (or from its absolute
+    location: a derived weight's scratch file)."""
+    info = ExternalDataInfo(tensor)
+    if Path(info.location).is_absolute():
+        with open(info.location, "rb") as f:
+            f.seek(int(info.offset or 0))
+            data = f.read(external_length(tensor))
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        tensor.raw_data = data
+        return
     if weights_dir is None:
         raise ValueError(f"tensor {tensor.name!r} is on disk but no weights_dir was given")
     from onnx.external_data_helper import load_external_data_for_tensor

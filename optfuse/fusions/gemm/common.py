@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ...ir.weights import DerivedValues
 from ...ir.query import const_value, dtype_name, node_attr, rank
 from ...spec import get_spec, plugin_module
 
@@ -41,7 +42,7 @@ class Weight:
     """A GEMM's constant weight as the ops take it: ``w`` [N, K] in A's dtype, alpha, and the bias
     a Gemm's C gives (beta folded in; None when it has no C)."""
 
-    w: np.ndarray
+    w: np.ndarray | DerivedValues  # computed on export when its source is a weight on disk
     alpha: float
     gemm_bias: np.ndarray | None
 
@@ -87,6 +88,10 @@ def weight(node: gs.Node, w: gs.Tensor, a: gs.Tensor, dt: str, c: gs.Tensor | No
     else:
         need(rank(a) is None or rank(a) >= 2, f"MatMul {node.name!r}: A is 1-D")
         nk = value.T
+    disk = getattr(w.values if isinstance(w, gs.Constant) else None, "_optfuse_disk", None)
+    if disk is not None:  # a weight on disk: derived when written, and the constant left unmapped
+        w._values = disk
+        return Weight(DerivedValues([(disk, nk is not value)], np_dtype(dt)), alpha, bias)
     return Weight(np.ascontiguousarray(nk.astype(np_dtype(dt))), alpha, bias)
 
 

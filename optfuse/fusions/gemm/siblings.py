@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...ir.weights import DerivedValues
 from ...ir.query import const_value
 from ...pattern import After, Context, FusedOutput, Match
 from .common import EPILOGUE, Reject, absent, check_a, check_limits, need, np_dtype, vector, weight
@@ -40,7 +41,7 @@ def plan_siblings(m: Match, ctx: Context) -> GemmPlan:
     split = After("Split", [FusedOutput(0), np.array(sizes, np.int64)], outs, {"axis": -1})
     info = {"activation": "none", "packed": len(branches), "N": sizes, "bias": any_bias,
             "gemms": f"{len(branches)} -> 1"}
-    return GemmPlan(EPILOGUE, [x, np.concatenate(weights, axis=0), bias_in, absent("residual", dt)], [None],
+    return GemmPlan(EPILOGUE, [x, _packed(weights, dt), bias_in, absent("residual", dt)], [None],
                     {"activation": "none"}, info, [split])
 
 
@@ -49,3 +50,13 @@ def check_siblings(m: Match, ctx: Context):
         return plan_siblings(m, ctx)
     except Reject as r:
         return str(r)
+
+
+def _packed(weights: list, dt: str):
+    """The siblings' weights stacked along N: in memory, or derived on export where any is on disk."""
+    if not any(isinstance(w, DerivedValues) for w in weights):
+        return np.concatenate(weights, axis=0)
+    parts = []
+    for w in weights:
+        parts += w.parts if isinstance(w, DerivedValues) else [(w, False)]
+    return DerivedValues(parts, np_dtype(dt))
