@@ -124,3 +124,27 @@ def test_concrete_shapes_resolve_symbols_and_write_nothing(tmp_path, monkeypatch
     shapes = concrete_shapes(gs.export_onnx(g), {"batch": 3, "seq": 5})
     assert shapes["y"] == (3, 5, 4)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_derived_weights_are_computed_once_into_aligned_scratch_tensors():
+    """A DerivedValues constant (a GEMM's transposed / packed weight) spilled on export: the values
+    are the transform of its sources, each tensor starts on a page, a second export reuses it."""
+    import ml_dtypes
+
+    from optfuse.ir import weights as W
+
+    a = np.arange(15, dtype=np.float32).reshape(3, 5)
+    b = np.arange(35, dtype=np.float32).reshape(7, 5) + 100
+    for dt in (np.float32, ml_dtypes.bfloat16):
+        packed = W.DerivedValues([(np.ascontiguousarray(a.T), True), (b, False)], dt)  # [5, 3]^T, then [7, 5]
+        assert list(packed.shape) == [10, 5]
+        first = W._spill("packed", packed)
+        second = W._spill("b", W.DerivedValues([(b, False)], dt))
+        assert W._spill("packed", packed) is first and packed.parts == []
+        want = np.concatenate([a, b]).astype(dt).astype(np.float32)
+        assert np.array_equal(np.asarray(first.load(), np.float32), want)
+        assert np.array_equal(np.asarray(packed.load(), np.float32), want)
+        assert np.array_equal(np.asarray(second.load(), np.float32), b.astype(dt).astype(np.float32))
+        for v in (first, second):
+            offset = int(next(e.value for e in v.tensor.external_data if e.key == "offset"))
+            assert offset % 4096 == 0

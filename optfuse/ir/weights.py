@@ -71,10 +71,11 @@ class DerivedValues(gs.ir.tensor.LazyValues):
         super().__init__(header)
         self.parts = parts
         self.np_dtype = np.dtype(dtype)
+        self.spilled: DiskValues | None = None  # where export wrote it (then `parts` is dropped)
 
     def load(self) -> np.ndarray:
-        if not self.parts:
-            raise RuntimeError("derived weight already written to its scratch file")
+        if self.spilled is not None:  # computed before: read back from the scratch file
+            return self.spilled.load()
         sources = [(v.load() if isinstance(v, gs.ir.tensor.LazyValues) else v, t) for v, t in self.parts]
         arrays = [(v.T if t else v) for v, t in sources]
         out = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0]
@@ -104,15 +105,17 @@ def _scratch_file() -> Path:
 
 
 def _spill(name: str, values: DerivedValues) -> "DiskValues":
-    """Compute `values` and append them to the scratch file; the tensor then lives there."""
+    """Compute `values` once and append them to the scratch file; the tensor then lives there."""
+    if values.spilled is not None:
+        return values.spilled
     path = _scratch_file()
-    data = values.load()
+    data = np.ascontiguousarray(values.load())
     shape, nbytes = data.shape, data.nbytes
-    with open(path, "ab", buffering=0) as out:
+    with open(path, "r+b", buffering=0) as out:  # not "ab": appends would ignore the alignment seek
         pos = out.seek(0, os.SEEK_END)
         if pos % _PAGE:
             pos = out.seek(pos + _PAGE - pos % _PAGE)
-        _write_all(out, memoryview(data).cast("B"))
+        _write_all(out, memoryview(data.reshape(-1).view(np.uint8)))
     del data
     values.parts = []  # drop the sources' memory maps: their pages count as this process's memory
     t = onnx.TensorProto()
@@ -120,7 +123,8 @@ def _spill(name: str, values: DerivedValues) -> "DiskValues":
     t.dims.extend(shape)
     t.data_type = values.tensor.data_type
     _set_external(t, str(path), pos, nbytes)  # an absolute location: write_tensors / read_into resolve it
-    return DiskValues(t, path.parent)
+    values.spilled = DiskValues(t, path.parent)
+    return values.spilled
 
 
 def external_length(tensor: onnx.TensorProto) -> int:

@@ -17,7 +17,7 @@ def plan_gated(m: Match, ctx: Context) -> GemmPlan:
     wu = weight(up, m["w_up"], a, dt)
     for node, w in ((gate, wg), (up, wu)):
         need(w.alpha == 1.0, f"Gemm {node.name!r} has alpha {w.alpha}; {GATED} has no alpha")
-    need(wg.w.shape == wu.w.shape, f"gate weight {list(wg.w.shape)} and up weight {list(wu.w.shape)} differ")
+    need(tuple(wg.w.shape) == tuple(wu.w.shape), f"gate weight {list(wg.w.shape)} and up weight {list(wu.w.shape)} differ")
     check_limits(GATED, wg.k, wg.n, f"{gate.op} {gate.name!r}")
     act = matched_activation(m)
     return GemmPlan(GATED, [a, wg.w, wu.w], [root], {"activation": act},
