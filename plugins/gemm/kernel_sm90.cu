@@ -8,7 +8,7 @@
 // accumulation. Arguments (TensorRT QDP order): A, W (GatedGemm: A, W_gate, W_up)[, bias]
 // [, residual], M (int32), y. Grid: one CTA per SM (persistent), 384 threads.
 //
-// Schedules (PINGPONG, launch_sm90.py picks one per shape class by measurement):
+// Schedules (PINGPONG; launch.py's sm90_schedules picks one per shape class, from the H200 table):
 // Cooperative (CUTLASS's "warp-specialized cooperative" kernel):
 //   * one producer warpgroup: a single thread streams the A and W boxes of every k-block of every
 //     tile of this CTA into a STAGES-deep shared-memory ring with TMA, guarded by mbarriers;
@@ -23,15 +23,15 @@
 //   warpgroup's epilogue runs while the other's MMAs use the tensor cores. A full residual is
 //   copied into the epilogue stage by the warpgroup itself (cp.async) when its tile starts.
 //
-// Tiles: 128 rows of A by 256 rows of W. GemmEpilogue: 256 output columns. GatedGemm: W rows
-// 0-127 of the tile are W_gate's rows n0..n0+127 and rows 128-255 are W_up's same rows, so one
-// thread holds the gate and the up value of each output (128 output columns): neither GEMM's
-// result reaches memory.
+// Tiles (cooperative; ping-pong: 128 x 128): 128 rows of A by 256 rows of W. GemmEpilogue: 256
+// output columns. GatedGemm: W rows 0-127 of the tile are W_gate's rows n0..n0+127 and rows
+// 128-255 are W_up's same rows, so one thread holds the gate and the up value of each output (128
+// output columns): neither GEMM's result reaches memory.
 //
 // Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16), N_DIM, K_DIM
 // (static), GATED, ACTIVATION (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]),
-// RESIDUAL_MODE (0 none, 1 scalar, 2 [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M. Needs
-// sm_90a (wgmma, setmaxnreg).
+// RESIDUAL_MODE (0 none, 1 scalar, 2 [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG.
+// Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
