@@ -233,3 +233,44 @@ for _name in ("__floordiv__", "__rfloordiv__", "__truediv__", "__mod__", "__int_
 def sym_cdiv(a: Any, b: Any) -> SymDim:
     """``cdiv`` for :class:`SymDim` (TensorRT's ``trtp.cdiv``)."""
     return SymDim(f"cdiv({SymDim._s(a)},{SymDim._s(b)})")
+
+
+# -- Triton interpreter cases in one child process ----------------------------------------------
+# TRITON_INTERPRET must be set before triton is imported, so an interpreter test module runs its
+# cases as a script in a child started with it: `interpreter_results(__file__)` in the module's
+# fixture, `run_interpreter_cases(CASES, run_case)` under its `if __name__ == "__main__":`.
+def interpreter_results(test_file: str, timeout: float = 1200) -> dict[str, str]:
+    """Run `test_file` as a script with TRITON_INTERPRET=1 (the project root on its path) and
+    return its cases' results: name -> "ok" or the failure's traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = str(Path(test_file).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"interpreter child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def run_interpreter_cases(cases: dict[str, tuple], run_case) -> None:
+    """The child's side: `run_case(*args)` for every case, then one JSON line of the results."""
+    import json
+    import os
+    import traceback
+    import warnings
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    warnings.filterwarnings("ignore")
+    out = {}
+    for name, args in cases.items():
+        try:
+            run_case(*args)
+            out[name] = "ok"
+        except Exception:  # reported per case by the parent
+            out[name] = traceback.format_exc(limit=3)[-2000:]
+    print(json.dumps(out))

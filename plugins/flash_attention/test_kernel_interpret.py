@@ -9,14 +9,9 @@ bf16 operands is wrong (Triton 3.9).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
-
 import pytest
+
+from optfuse.kernels.testing import interpreter_results, run_interpreter_cases
 
 # id -> (B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra)
 CASES = {
@@ -69,14 +64,7 @@ def _run_case(B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra):
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=1200)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"interpreter child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1])
+    return interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -85,16 +73,4 @@ def test_interpreter_matches_reference(results, case):
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    out = {}
-    for name, args in CASES.items():
-        try:
-            _run_case(*args)
-            out[name] = "ok"
-        except Exception:  # reported per case by the parent
-            out[name] = traceback.format_exc(limit=3)[-2000:]
-    print(json.dumps(out))
+    run_interpreter_cases(CASES, _run_case)
