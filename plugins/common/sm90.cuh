@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks shared by the plugins' CUDA kernels (flash_attention,
-// gemm): the wgmma operand type, shared-memory addresses, mbarriers, the generic -> async proxy
-// fence, publishing a device-built tensor map, wgmma fences / waits and shared-memory
-// descriptors. Needs u32 / u64 and OPTFUSE_DTYPE (1 fp16, 2 bf16) defined first.
+// gemm): the wgmma operand type, the packed 16-bit output pair, shared-memory addresses,
+// mbarriers, the generic -> async proxy fence, publishing a device-built tensor map, wgmma
+// fences / waits and shared-memory descriptors. Needs u32 / u64 and OPTFUSE_DTYPE (1 fp16, 2 bf16) defined first.
 
 #if OPTFUSE_DTYPE == 1
 #define WG_TY "f16"
@@ -10,6 +10,17 @@
 #else
 #error "OPTFUSE_DTYPE must be 1 (fp16) or 2 (bf16)"
 #endif
+
+// Two fp32 -> packed 16-bit pair of the I/O type (lo in the low half), round to nearest even.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if OPTFUSE_DTYPE == 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;

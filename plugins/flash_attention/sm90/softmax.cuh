@@ -7,17 +7,6 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-// Two fp32 -> packed 16-bit pair (lo in the low half), round to nearest even.
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if OPTFUSE_DTYPE == 1
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
 __device__ __forceinline__ float bias_to_float(const void* p, long long i) {
 #if BIAS_DTYPE == 0
     return ((const float*)p)[i];

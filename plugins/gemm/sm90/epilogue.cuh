@@ -39,16 +39,6 @@ __device__ __forceinline__ float activate(float x) {
 #endif
 }
 
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if OPTFUSE_DTYPE == 1
-    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-#else
-    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-#endif
-    return r;
-}
-
 __device__ __forceinline__ float lo_f32(u32 v) {
 #if OPTFUSE_DTYPE == 1
     float f;
