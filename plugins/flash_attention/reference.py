@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 from optfuse.functions import plugin_function
 from optfuse.spec import plugin_spec
 
-SPEC = plugin_spec(__file__)
+SPEC = plugin_spec(__file__, "FlashAttention")
 OP = SPEC.op
 #: What the fused node carries for an absent optional input (the function needs every input, see
 #: above): a scalar of q's dtype with this value.
@@ -47,25 +47,104 @@ def _attrs(op, attrs: dict) -> tuple[float, bool, int, int]:
     return scale, causal, int(attrs["num_heads"]), int(attrs["num_kv_heads"])
 
 
+def _int_attr(attrs: dict, name: str, spec=None) -> int:
+    spec = spec or SPEC
+    return int(attrs.get(name, spec.attr(name).default))
+
+
 def sample_inputs(op, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
     """Random float32 inputs in spec order (q, k, v and a full [B, H, Sq, Sk] bias; grouped-query
-    heads, Sk != Sq) and the attributes without a default: what the contract test runs through the
-    ONNX function and this reference."""
+    heads, Sk != Sq; BlockSparseAttention: a per-head layout of 4-key blocks) and the attributes
+    without a default: what the contract test runs through the ONNX function and this reference."""
     B, H, Hkv, Sq, Sk, D = 2, 4, 2, 5, 7, SPEC.limits["head_dims"][0]
     q = rng.standard_normal((B, H, Sq, D)).astype(np.float32)
     k, v = (rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32) for _ in range(2))
     bias = rng.standard_normal((B, H, Sq, Sk)).astype(np.float32)
-    return [q, k, v, bias], {"scale": D ** -0.5, "num_heads": H, "num_kv_heads": Hkv}
+    attrs = {"scale": D ** -0.5, "num_heads": H, "num_kv_heads": Hkv}
+    if _op_name(op) == BLOCK_SPARSE:
+        offsets, indices = random_layout(rng, H, Sq, Sk, 4, density=0.6)
+        return [q, k, v, bias, offsets, indices], {**attrs, "block_size": 4}
+    return [q, k, v, bias], attrs
+
+
+BLOCK_SPARSE = "BlockSparseAttention"
+BLOCK_SPARSE_SPEC = plugin_spec(__file__, BLOCK_SPARSE)
+
+
+def _op_name(op) -> str:
+    return getattr(op, "op", op) if op is not None else OP
+
+
+def random_layout(rng: np.random.Generator, heads: int, sq: int, sk: int, block: int, density: float,
+                  empty_rows: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """A random BSR layout (block_offsets [heads, Mb + 1], block_indices [heads, nnz], int32) with
+    about ``density`` of the key blocks visible per query block; with ``empty_rows`` some query
+    blocks may see none. Heads are padded to one nnz with trailing zeros past their offsets."""
+    mb, nb = -(-sq // block), -(-sk // block)
+    rows = []
+    for _ in range(heads):
+        lists = []
+        for _ in range(mb):
+            keep = np.flatnonzero(rng.random(nb) < density)
+            if not empty_rows and keep.size == 0:
+                keep = np.array([rng.integers(nb)])
+            lists.append(keep)
+        rows.append(lists)
+    nnz = max(1, max(sum(len(x) for x in lists) for lists in rows))
+    offsets = np.zeros((heads, mb + 1), np.int32)
+    indices = np.zeros((heads, nnz), np.int32)
+    for h, lists in enumerate(rows):
+        offsets[h, 1:] = np.cumsum([len(x) for x in lists])
+        flat = np.concatenate(lists) if lists else np.zeros(0, np.int64)
+        indices[h, :flat.size] = flat
+    return offsets, indices
+
+
+def layout_mask(offsets: np.ndarray, indices: np.ndarray, sq: int, sk: int, block: int) -> np.ndarray:
+    """The [Hl, Sq, Sk] boolean visibility a BSR layout gives (True: the key's block is listed)."""
+    hl, mb = offsets.shape[0], offsets.shape[1] - 1
+    nb = -(-sk // block)
+    if mb != -(-sq // block):
+        raise ValueError(f"block_offsets has {mb} query blocks, Sq = {sq} needs {-(-sq // block)}")
+    blocks = np.zeros((hl, mb, nb), bool)
+    for h in range(hl):
+        for m in range(mb):
+            idx = indices[h, offsets[h, m]:offsets[h, m + 1]]
+            if idx.size and (idx.min() < 0 or idx.max() >= nb or np.any(np.diff(idx) <= 0)):
+                raise ValueError(f"block_indices of head {h}, query block {m} are not strictly ascending in [0, {nb})")
+            blocks[h, m, idx] = True
+    full = np.repeat(np.repeat(blocks, block, axis=1), block, axis=2)
+    return full[:, :sq, :sk]
+
+
+def visible(sq: int, sk: int, causal: bool, window_left: int = -1, window_right: int = -1) -> np.ndarray:
+    """[Sq, Sk] boolean: which keys each query may see (off = Sk - Sq; see spec.yaml)."""
+    i = np.arange(sq)[:, None] + (sk - sq)
+    j = np.arange(sk)[None, :]
+    ok = np.ones((sq, sk), bool)
+    if causal:
+        ok &= j <= i
+    if window_left >= 0:
+        ok &= j >= i - window_left
+    if window_right >= 0:
+        ok &= j <= i + window_right
+    return ok
 
 
 def reference(op, inputs: list, attrs: dict) -> list[np.ndarray]:
-    """NumPy FlashAttention in float64; returns o in q's dtype.
+    """NumPy FlashAttention / BlockSparseAttention in float64; returns o in q's dtype.
 
-    ``op`` is the OpSpec (or anything; it is not read). ``inputs`` = [q, k, v, bias or None].
+    ``op``: the op name or OpSpec (None: FlashAttention). ``inputs`` = [q, k, v, bias or None]
+    (+ block_offsets, block_indices for BlockSparseAttention).
     """
     q, k, v = inputs[0], inputs[1], inputs[2]
     bias = inputs[3] if len(inputs) > 3 else None
+    sparse = _op_name(op) == BLOCK_SPARSE
+    spec = BLOCK_SPARSE_SPEC if sparse else SPEC
     scale, causal, h, hkv = _attrs(op, attrs)
+    softcap = float(attrs.get("softcap", spec.attr("softcap").default))
+    wl = -1 if sparse else _int_attr(attrs, "window_left")
+    wr = -1 if sparse else _int_attr(attrs, "window_right")
     B, H, Sq, D = q.shape
     Bk, Hkv, Sk, Dk = k.shape
     if H != h or Hkv != hkv or H % Hkv or Dk != D or v.shape != k.shape or Bk != B:
@@ -76,12 +155,18 @@ def reference(op, inputs: list, attrs: dict) -> list[np.ndarray]:
     kf = np.repeat(k.astype(np.float64), g, axis=1)  # query head i reads kv head i // g
     vf = np.repeat(v.astype(np.float64), g, axis=1)
     s = scale * (qf @ kf.transpose(0, 1, 3, 2))
+    if softcap > 0:
+        s = softcap * np.tanh(s / softcap)
     if bias is not None:
         s = s + np.broadcast_to(bias.astype(np.float64), s.shape)
-    if causal:
-        i = np.arange(Sq)[:, None]
-        j = np.arange(Sk)[None, :]
-        s = np.where(j > i + (Sk - Sq), -np.inf, s)
+    ok = np.broadcast_to(visible(Sq, Sk, causal, wl, wr), s.shape)
+    if sparse:
+        block = _int_attr(attrs, "block_size", spec)
+        lay = layout_mask(np.asarray(inputs[4]), np.asarray(inputs[5]), Sq, Sk, block)
+        if lay.shape[0] not in (1, H):
+            raise ValueError(f"block layout has {lay.shape[0]} heads, not 1 or {H}")
+        ok = ok & lay[None]
+    s = np.where(ok, s, -np.inf)
     m = s.max(axis=-1, keepdims=True) if Sk else np.full(s.shape[:-1] + (1,), -np.inf)
     dead = ~np.isfinite(m) & (m < 0)  # every score -inf (or Sk == 0)
     m = np.where(dead, 0.0, m)
