@@ -56,74 +56,123 @@ def _load_bias(b_base, rows, cols, Sq, Sk, stride_bm,
 
 
 @triton.jit
+def _scores_log2(qk, SCALE_LOG2: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Scores in log2 units: scale * qk, or with soft-capping softcap * tanh(scale * qk / softcap)
+    (tanh from one exp2: every arch and the interpreter have it)."""
+    if SOFTCAP > 0:
+        x = qk * (SCALE_LOG2 / (SOFTCAP * 1.4426950408889634))
+        t = 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+        return t * (SOFTCAP * 1.4426950408889634)
+    return qk * SCALE_LOG2
+
+
+@triton.jit
+def _attn_block(acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
+                rows, offs_n, offs_d, start_n, Sq, Sk, causal_off,
+                SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+                WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BIAS_M: tl.constexpr, BIAS_N: tl.constexpr,
+                IEEE: tl.constexpr):
+    """One key block [start_n, start_n + BLOCK_N) into (acc, l_i, m_i).
+
+    MASKED blocks check key < Sk and the causal / window limits of each row; the other blocks are
+    known to be fully visible and skip the mask arithmetic (the bulk of the work).
+    """
+    d_ok = offs_d < HEAD_DIM  # all-true unless D is padded to a power of two (80, 96)
+    cols = start_n + offs_n
+    kv_off = cols[:, None] * HEAD_DIM + offs_d[None, :]
+    # -- scores: q @ k^T in fp32 on the tensor cores ------------------------------------------
+    if MASKED:
+        kv_mask = (cols[:, None] < Sk) & d_ok[None, :]
+    else:
+        kv_mask = d_ok[None, :]
+    k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    # -- new row max, in log2 units -------------------------------------------------------------
+    if HAS_BIAS or MASKED or SCALE_LOG2 < 0 or SOFTCAP > 0:
+        s = _scores_log2(qk, SCALE_LOG2, SOFTCAP)
+        if HAS_BIAS:
+            s += _load_bias(b_base, rows, cols, Sq, Sk, stride_bm, BIAS_M, BIAS_N)
+        if MASKED:
+            ok = cols[None, :] < Sk
+            diag = rows[:, None] + causal_off
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= diag)
+            if WINDOW_RIGHT >= 0:
+                ok = ok & (cols[None, :] <= diag + WINDOW_RIGHT)
+            if WINDOW_LEFT >= 0:
+                ok = ok & (cols[None, :] >= diag - WINDOW_LEFT)
+            s = tl.where(ok, s, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no finite score so far: subtract 0 so exp2(-inf - 0) = 0, not NaN.
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(s - m_sub[:, None])
+    else:
+        # Hot path (no bias, no mask, no cap, scale > 0): max of the raw scores, one FMA per score.
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * SCALE_LOG2)
+        m_sub = m_ij
+        p = tl.math.exp2(qk * SCALE_LOG2 - m_sub[:, None])
+    # -- rescale what was accumulated under the old max ----------------------------------------
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_ij = tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    # -- acc += p @ v (p rounded to the input dtype, as every FlashAttention does) ---------------
+    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+    if IEEE:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    l_i = l_i * alpha + l_ij
+    return acc, l_i, m_ij
+
+
+@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q,
                     k_base, v_base, b_base, stride_bm,
                     rows, offs_n, offs_d, lo, hi, Sq, Sk, causal_off,
-                    SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BIAS_M: tl.constexpr, BIAS_N: tl.constexpr,
                     IEEE: tl.constexpr):
-    """Stream key blocks [lo, hi) into (acc, l_i, m_i).
-
-    MASKED blocks check key < Sk and, if CAUSAL, key <= row + causal_off; the other blocks are
-    known to be fully valid and skip the mask arithmetic (the bulk of the work).
-    """
-    d_ok = offs_d < HEAD_DIM  # all-true unless D is padded to a power of two (80, 96)
+    """Stream key blocks [lo, hi) (lo a multiple of BLOCK_N) into (acc, l_i, m_i)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        kv_off = cols[:, None] * HEAD_DIM + offs_d[None, :]
-        # -- scores: q @ k^T in fp32 on the tensor cores --------------------------------------
-        if MASKED:
-            kv_mask = (cols[:, None] < Sk) & d_ok[None, :]
-        else:
-            kv_mask = d_ok[None, :]
-        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        # -- new row max, in log2 units ---------------------------------------------------------
-        if HAS_BIAS or MASKED or SCALE_LOG2 < 0:
-            s = qk * SCALE_LOG2
-            if HAS_BIAS:
-                s += _load_bias(b_base, rows, cols, Sq, Sk, stride_bm, BIAS_M, BIAS_N)
-            if MASKED:
-                ok = cols[None, :] < Sk
-                if CAUSAL:
-                    ok = ok & (cols[None, :] <= rows[:, None] + causal_off)
-                s = tl.where(ok, s, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(s, 1))
-            # A row with no finite score so far: subtract 0 so exp2(-inf - 0) = 0, not NaN.
-            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(s - m_sub[:, None])
-        else:
-            # Hot path (no bias, no mask, scale > 0): max of the raw scores, one FMA per score.
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * SCALE_LOG2)
-            m_sub = m_ij
-            p = tl.math.exp2(qk * SCALE_LOG2 - m_sub[:, None])
-        # -- rescale what was accumulated under the old max ------------------------------------
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_ij = tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        # -- acc += p @ v (p rounded to the input dtype, as every FlashAttention does) -----------
-        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = tl.dot(p, v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        l_i = l_i * alpha + l_ij
-        m_i = m_ij
+        acc, l_i, m_i = _attn_block(
+            acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm, rows, offs_n, offs_d, start_n,
+            Sq, Sk, causal_off, SCALE_LOG2, HEAD_DIM, BLOCK_N, MASKED, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, SOFTCAP, HAS_BIAS, BIAS_M, BIAS_N, IEEE)
     return acc, l_i, m_i
 
 
 @triton.jit
+def _live_key_range(b_base, Sk, offs_n, BLOCK_N: tl.constexpr, THRESHOLD: tl.constexpr):
+    """First and last key whose key-padding bias is above THRESHOLD (masked: at or below it),
+    (Sk, -1) when there is none: one pass over the bias row."""
+    first = Sk
+    last = -1
+    for c0 in range(0, Sk, BLOCK_N):
+        cols = c0 + offs_n
+        b = tl.load(b_base + cols, mask=cols < Sk, other=float("-inf")).to(tl.float32)
+        live = b > THRESHOLD
+        first = tl.minimum(first, tl.min(tl.where(live, cols, Sk), 0))
+        last = tl.maximum(last, tl.max(tl.where(live, cols, -1), 0))
+    return first, last
+
+
+@triton.jit
 def _flash_attention_fwd_kernel(
-        Q, K, V, Bias, H, Hkv, Sq, Sk, Out,
+        Q, K, V, Bias, Offsets, Indices, H, Hkv, Sq, Sk, Nnz, Out,
         SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-        BIAS_M: tl.constexpr, BIAS_N: tl.constexpr, SCALAR_BIAS: tl.constexpr):
+        BIAS_M: tl.constexpr, BIAS_N: tl.constexpr, SCALAR_BIAS: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+        LAYOUT: tl.constexpr, LAYOUT_HEADS: tl.constexpr, LAYOUT_BLOCK: tl.constexpr):
     # -- which tile: query block fastest, then (b, h) -------------------------------------------
     num_m = tl.cdiv(Sq, BLOCK_M)
     pid = tl.program_id(0)
@@ -164,28 +213,79 @@ def _flash_attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     SCALE_LOG2: tl.constexpr = SCALE * 1.4426950408889634
     IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
-
-    # -- key ranges: full blocks without mask arithmetic, then the masked edge -------------------
     causal_off = Sk - Sq
-    n_full_blocks = Sk // BLOCK_N
-    if CAUSAL:
-        # keys <= start_m*BLOCK_M + causal_off are visible to every row of this block
-        first_row_keys = tl.maximum(start_m * BLOCK_M + causal_off + 1, 0)
-        n_full_blocks = tl.minimum(first_row_keys // BLOCK_N, n_full_blocks)
-        hi = tl.minimum(Sk, start_m * BLOCK_M + BLOCK_M + causal_off)
+    first_row = start_m * BLOCK_M
+    last_row = tl.minimum(first_row + BLOCK_M, Sq) - 1
+
+    if LAYOUT:
+        # -- block-sparse: the key blocks the layout lists for this query block ------------------
+        # (BLOCK_M divides LAYOUT_BLOCK; every listed block goes through the masked path, which
+        # also handles the Sk tail and causal diagonal)
+        lay_row = first_row // LAYOUT_BLOCK
+        h_l = off_h if LAYOUT_HEADS else 0
+        off_base = Offsets + h_l * (tl.cdiv(Sq, LAYOUT_BLOCK) + 1)
+        p0 = tl.load(off_base + lay_row)
+        p1 = tl.load(off_base + lay_row + 1)
+        for j in range(p0, p1):
+            kb = tl.load(Indices + h_l * Nnz + j)
+            for sub in tl.static_range(LAYOUT_BLOCK // BLOCK_N):
+                acc, l_i, m_i = _attn_block(
+                    acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm, rows, offs_n, offs_d,
+                    kb * LAYOUT_BLOCK + sub * BLOCK_N, Sq, Sk, causal_off, SCALE_LOG2, HEAD_DIM,
+                    BLOCK_N, True, CAUSAL, -1, -1, SOFTCAP, HAS_BIAS, BIAS_M, BIAS_N, IEEE)
     else:
+        # -- key range of the tile: the causal / window limits of its first and last rows --------
+        # keys a row may see: [row + off - WINDOW_LEFT, row + off (+ WINDOW_RIGHT)] within [0, Sk)
+        lo = Sk * 0
         hi = Sk
-    mid = n_full_blocks * BLOCK_N
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
-        rows, offs_n, offs_d, 0, mid, Sq, Sk, causal_off,
-        SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, CAUSAL,
-        HAS_BIAS, BIAS_M, BIAS_N, IEEE)
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
-        rows, offs_n, offs_d, mid, hi, Sq, Sk, causal_off,
-        SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, CAUSAL,
-        HAS_BIAS, BIAS_M, BIAS_N, IEEE)
+        full_lo = Sk * 0      # from here, no row's left window limit cuts a block
+        full_end = Sk         # below this, no row's right limit (causal, window, Sk) cuts a block
+        if WINDOW_LEFT >= 0:
+            lo = tl.maximum(first_row + causal_off - WINDOW_LEFT, 0)
+            full_lo = tl.maximum(last_row + causal_off - WINDOW_LEFT, 0)
+        if CAUSAL:
+            hi = tl.minimum(hi, last_row + causal_off + 1)
+            full_end = tl.minimum(full_end, first_row + causal_off + 1)
+        if WINDOW_RIGHT >= 0:
+            hi = tl.minimum(hi, last_row + causal_off + WINDOW_RIGHT + 1)
+            full_end = tl.minimum(full_end, first_row + causal_off + WINDOW_RIGHT + 1)
+        if HAS_BIAS and BIAS_N and not BIAS_M:
+            # Key padding: keys before the row's first unmasked key and after its last one add
+            # exactly 0 to every row that sees an unmasked key, so they are skipped -- unless some
+            # row of the tile would see none (then its average over masked keys is the result).
+            first, last = _live_key_range(b_base, Sk, offs_n, BLOCK_N,
+                                          -3.0e4 if Bias.dtype.element_ty == tl.float16 else -1.0e30)
+            first_top = Sk - 1
+            if CAUSAL:
+                first_top = tl.minimum(first_top, first_row + causal_off)
+            if WINDOW_RIGHT >= 0:
+                first_top = tl.minimum(first_top, first_row + causal_off + WINDOW_RIGHT)
+            last_bottom = Sk * 0
+            if WINDOW_LEFT >= 0:
+                last_bottom = last_row + causal_off - WINDOW_LEFT
+            if (first <= last) & (first_top >= first) & (last_bottom <= last):
+                lo = tl.maximum(lo, first)
+                hi = tl.minimum(hi, last + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        hi = tl.maximum(hi, lo)
+        full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
+        full_hi = tl.minimum(tl.maximum((tl.maximum(full_end, 0) // BLOCK_N) * BLOCK_N, full_lo), hi)
+        # masked left edge, full blocks without mask arithmetic, masked right edge
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
+            rows, offs_n, offs_d, lo, full_lo, Sq, Sk, causal_off,
+            SCALE_LOG2, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+            HAS_BIAS, BIAS_M, BIAS_N, IEEE)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
+            rows, offs_n, offs_d, full_lo, full_hi, Sq, Sk, causal_off,
+            SCALE_LOG2, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+            HAS_BIAS, BIAS_M, BIAS_N, IEEE)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
+            rows, offs_n, offs_d, full_hi, hi, Sq, Sk, causal_off,
+            SCALE_LOG2, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+            HAS_BIAS, BIAS_M, BIAS_N, IEEE)
 
     # -- epilogue: normalise; rows with no visible key (l = 0) give 0 -----------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

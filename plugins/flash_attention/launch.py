@@ -38,9 +38,63 @@ SM90_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
 SM90_Q_BUFFERS = 2  # kernel_sm90.cu Q_BUFFERS: Q tiles in shared memory
 SPEC = plugin_spec(__file__, "FlashAttention")
 OP = SPEC.op
+#: Block-sparse attention: the same kernels, the key loop walking a BSR layout's blocks.
+BLOCK_SPARSE = "BlockSparseAttention"
+BLOCK_SPARSE_SPEC = plugin_spec(__file__, BLOCK_SPARSE)
+OPS = (OP, BLOCK_SPARSE)
 DTYPES = SPEC.inputs[0].dtypes
 HEAD_DIMS = tuple(SPEC.limits["head_dims"])
 DEFAULT_CAUSAL = SPEC.attr("causal").default
+LAYOUT_BLOCKS = tuple(BLOCK_SPARSE_SPEC.limits["block_sizes"])
+
+
+@dataclass(frozen=True)
+class Sparsity:
+    """What an op's attributes say about the key blocks a tile visits (compiled into the kernels):
+    the window limits (-1: none), the soft-cap (0: none) and, for BlockSparseAttention, the layout
+    (block size, one layout row per head or shared)."""
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    layout: bool = False
+    layout_heads: bool = False
+    layout_block: int = 128
+
+    @property
+    def any_window(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    def tag(self) -> str:
+        """Name parts: ``_window<l>_<r>``, ``_softcap<c>``, ``_bsr`` / ``_bsr_heads``."""
+        out = ""
+        if self.any_window:
+            out += f"_window{self.window_left}_{self.window_right}"
+        if self.softcap > 0:
+            out += f"_softcap{self.softcap:g}"
+        if self.layout:
+            out += "_bsr_heads" if self.layout_heads else "_bsr"
+        return out
+
+
+def sparsity_of(op: Any, attrs: dict, static_shape: dict | None = None) -> Sparsity:
+    """The Sparsity of a node: its window / softcap attributes and, for BlockSparseAttention, its
+    layout (``static_shape['layout_heads']``: the block_offsets input has a row per head)."""
+    name = getattr(op, "op", op)
+    if name == BLOCK_SPARSE:
+        spec = BLOCK_SPARSE_SPEC
+        block = int(attrs.get("block_size", spec.attr("block_size").default))
+        if block not in LAYOUT_BLOCKS:
+            raise ValueError(f"{BLOCK_SPARSE}: block_size {block} not in {LAYOUT_BLOCKS}")
+        return Sparsity(softcap=float(attrs.get("softcap", spec.attr("softcap").default) or 0.0),
+                        layout=True, layout_heads=bool((static_shape or {}).get("layout_heads", False)),
+                        layout_block=block)
+    wl = int(attrs.get("window_left", SPEC.attr("window_left").default))
+    wr = int(attrs.get("window_right", SPEC.attr("window_right").default))
+    cap = float(attrs.get("softcap", SPEC.attr("softcap").default) or 0.0)
+    if wl < -1 or wr < -1 or cap < 0:
+        raise ValueError(f"{OP}: window_left {wl}, window_right {wr}, softcap {cap}: windows are >= -1, "
+                         f"softcap >= 0")
+    return Sparsity(window_left=wl, window_right=wr, softcap=cap)
 
 
 @dataclass(frozen=True)
@@ -148,15 +202,18 @@ def sm90_eligible(dtype: str, head_dim: int, pattern: tuple[int, int, int, int] 
 
 def choose_config(dtype: Any, head_dim: int, causal: bool, *,
                   arch: int | None = None, pattern: tuple[int, int, int, int] | None = None,
-                  scale: float = 1.0) -> FAConfig:
+                  scale: float = 1.0, layout: bool = False) -> FAConfig:
     """The config for a specialization. ``arch`` is the target (None: unknown, so the portable
-    Triton kernel); on sm_90 the CUDA kernel is chosen wherever it applies (sm90_eligible)."""
+    Triton kernel); on sm_90 the CUDA kernel is chosen wherever it applies (sm90_eligible).
+    ``layout`` (BlockSparseAttention): tiles of 128 query rows on sm_90 (the Triton tiles all
+    divide the 128-block layout)."""
     dtype = norm_dtype(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
     keypad = is_keypad(pattern)
     if sm90_eligible(dtype, head_dim, pattern, scale, arch) and SM90_DEFAULTS.get((head_dim, bool(causal), keypad)):
-        return sm90_config(head_dim, causal, keypad=keypad)
+        # a layout's 128-row blocks are the tiles of two consumer warpgroups
+        return sm90_config(head_dim, causal, keypad=keypad, block_m=128 if layout else None)
     cls = "float32" if dtype == "float32" else "half"
     return TUNED.get((cls, head_dim, bool(causal))) or _default_config(dtype, head_dim, causal)
 
@@ -186,10 +243,11 @@ def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None 
     return out
 
 
-def _check_op(op: Any) -> None:
+def _check_op(op: Any) -> str:
     name = getattr(op, "op", op)
-    if name != OP:
+    if name not in OPS:
         raise ValueError(f"flash_attention plugin has no op {name!r}")
+    return name
 
 
 def bias_pattern(bias_shape: Sequence[Any] | None) -> tuple[int, int, int, int] | None:
@@ -217,10 +275,11 @@ def _head_dim(static_shape: dict) -> int:
 
 
 def _config_for(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
-                static_shape: dict | None) -> FAConfig:
+                static_shape: dict | None, layout: bool = False) -> FAConfig:
     arch = (static_shape or {}).get("arch")
     return choose_config(dtype, head_dim, causal,
-                         arch=None if arch is None else int(arch), pattern=pattern, scale=scale)
+                         arch=None if arch is None else int(arch), pattern=pattern, scale=scale,
+                         layout=layout)
 
 
 def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
@@ -261,22 +320,23 @@ def _bias_tag(pattern) -> str:
 
 
 def _source_name(dtype: str, head_dim: int, causal: bool, pattern, scale: float, cfg: FAConfig,
-                 tma: bool = False) -> str:
-    """``flash_attention/FlashAttention/<dtype>/scale<s>/fa_<impl>_d<D>_<causal|full>_<bias>_<config>``,
+                 tma: bool = False, sparsity: Sparsity = Sparsity(), op: str = OP) -> str:
+    """``flash_attention/<op>/<dtype>/scale<s>/fa_<impl>_d<D>_<causal|full>_<bias>[<sparsity>]_<config>``,
     the config in words: Triton ``128x64_8warps_3stages``; sm90 ``<2|3>wg_<n>stages`` and the
-    options that are on (``tma``, ``ones_sum``, ``kv_one_full``, ``softmax_stream``)."""
+    options that are on (``tma``, ``ones_sum``, ``kv_one_full``, ``softmax_stream``); the sparsity
+    as Sparsity.tag spells it (``_window1023_-1``, ``_softcap50``, ``_bsr``)."""
     if cfg.impl == "sm90":
         flags = [("tma", tma), ("ones_sum", cfg.ones_sum), ("kv_one_full", cfg.kv_one_full),
                  ("softmax_stream", cfg.softmax_stream)]
         config = "_".join([f"{cfg.block_m // 64}wg", f"{cfg.num_stages}stages"] + [n for n, on in flags if on])
     else:
         config = f"{cfg.block_m}x{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages"
-    return (f"flash_attention/{OP}/{dtype}/scale{scale:.6g}/fa_{cfg.impl}_d{head_dim}_"
-            f"{'causal' if causal else 'full'}_{_bias_tag(pattern)}_{config}")
+    return (f"flash_attention/{op}/{dtype}/scale{scale:.6g}/fa_{cfg.impl}_d{head_dim}_"
+            f"{'causal' if causal else 'full'}_{_bias_tag(pattern)}{sparsity.tag()}_{config}")
 
 
 def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float, cfg: FAConfig,
-                 bias_dtype: str) -> KernelSource:
+                 bias_dtype: str, sparsity: Sparsity = Sparsity(), op: str = OP) -> KernelSource:
     if not sm90_eligible(dtype, head_dim, pattern, scale, 90):
         raise ValueError(f"FlashAttention sm90 kernel: {dtype} D={head_dim} bias {pattern} "
                          f"scale {scale} not supported (use the Triton kernel)")
@@ -288,6 +348,9 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
                          f"head_dim 64, not {head_dim}")
     if cfg.ones_sum and head_dim != 64:
         raise ValueError(f"FlashAttention sm90 kernel: ones_sum only at head_dim 64, not {head_dim}")
+    if sparsity.layout and (cfg.block_m != 128 or sparsity.layout_block != 128):
+        raise ValueError(f"FlashAttention sm90 kernel: a block layout needs 128-row tiles and 128-blocks "
+                         f"(block_m {cfg.block_m}, block_size {sparsity.layout_block})")
     mode = _bias_mode(pattern)
     scale_log2 = scale * 1.4426950408889634
     defines = {
@@ -300,23 +363,44 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         **({"TMA": "1"} if _sm90_tma(cfg, mode) else {}),
         **({"KV_ONE_FULL": "1"} if cfg.kv_one_full else {}),
         **({"SOFTMAX_STREAM": "1"} if cfg.softmax_stream else {}),
+        **_sparsity_defines(sparsity, scale),
     }
     return KernelSource(
-        name=_source_name(dtype, head_dim, causal, pattern, scale, cfg, tma=_sm90_tma(cfg, mode)),
+        name=_source_name(dtype, head_dim, causal, pattern, scale, cfg, tma=_sm90_tma(cfg, mode),
+                          sparsity=sparsity, op=op),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,
-        n_inputs=3 + (pattern is not None),
-        n_extra=5,
+        n_inputs=3 + (pattern is not None) + 2 * sparsity.layout,
+        n_extra=5 + sparsity.layout,
         n_outputs=1,
         defines=defines,
         threads=32 * cfg.num_warps,
         pointer_align=16,
         arch_suffix="a",
-        meta={"op": OP, "dtype": dtype, "head_dim": head_dim, "causal": causal, "scale": scale,
+        meta={"op": op, "dtype": dtype, "head_dim": head_dim, "causal": causal, "scale": scale,
               "bias_pattern": pattern, "bias_dtype": bias_dtype if pattern is not None else None,
-              "config": asdict(cfg), "shared_mem": sm90_shared_mem(head_dim, cfg, mode)},
+              "config": asdict(cfg), "shared_mem": sm90_shared_mem(head_dim, cfg, mode),
+              "sparsity": asdict(sparsity)},
     )
+
+
+def _sparsity_defines(sp: Sparsity, scale: float) -> dict[str, str]:
+    """kernel_sm90.cu's defines for the windows, the soft-cap (SOFTCAP_IN = scale / softcap
+    multiplies the raw score before tanh, SOFTCAP_LOG2 = softcap * log2(e) after it) and the
+    layout; none for a dense op."""
+    out: dict[str, str] = {}
+    if sp.window_left >= 0:
+        out["WINDOW_LEFT"] = str(sp.window_left)
+    if sp.window_right >= 0:
+        out["WINDOW_RIGHT"] = str(sp.window_right)
+    if sp.softcap > 0:
+        out["SOFTCAP_IN"] = f"{scale / sp.softcap!r}f"
+        out["SOFTCAP_LOG2"] = f"{sp.softcap * 1.4426950408889634!r}f"
+    if sp.layout:
+        out["LAYOUT"] = "1"
+        out["LAYOUT_HEADS"] = str(int(sp.layout_heads))
+    return out
 
 
 def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
@@ -324,18 +408,22 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     """What to compile: dtype is q's (k, v, o share it); bias may have its own
     (``static_shape['bias_dtype']``, default q's). ``static_shape['arch']`` (the target compute
     capability, when known) lets sm_90 pick the CUDA kernel (choose_config)."""
-    _check_op(op)
+    name = _check_op(op)
     dtype = norm_dtype(dtype)
     head_dim = _head_dim(static_shape)
     scale = float(attrs["scale"])
     causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
+    sp = sparsity_of(name, attrs, static_shape)
     pattern = bias_pattern(static_shape.get("bias_shape"))
     mode = _bias_mode(pattern)
     has_bias, scalar_bias = mode == 2, mode == 1
-    cfg = config or _config_for(dtype, head_dim, causal, pattern, scale, static_shape)
+    cfg = config or _config_for(dtype, head_dim, causal, pattern, scale, static_shape, layout=sp.layout)
     if cfg.impl == "sm90":
         return _sm90_source(dtype, head_dim, causal, pattern, scale, cfg,
-                            norm_dtype(static_shape.get("bias_dtype") or dtype))
+                            norm_dtype(static_shape.get("bias_dtype") or dtype), sp, name)
+    if sp.layout and (sp.layout_block % cfg.block_m or sp.layout_block % cfg.block_n):
+        raise ValueError(f"{name}: Triton tiles {cfg.block_m} x {cfg.block_n} do not divide the "
+                         f"{sp.layout_block}-blocks of the layout")
     ty = "*" + TRITON_TYPE[dtype]
     signature = {"Q": ty, "K": ty, "V": ty}
     constexprs: dict[str, Any] = {}
@@ -344,29 +432,41 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
         signature["Bias"] = "*" + TRITON_TYPE[bdt]
     else:
         constexprs["Bias"] = None
-    signature.update({"H": "i32", "Hkv": "i32", "Sq": "i32", "Sk": "i32", "Out": ty})
+    if sp.layout:
+        signature.update({"Offsets": "*i32", "Indices": "*i32"})
+    else:
+        constexprs.update({"Offsets": None, "Indices": None})
+    signature.update({"H": "i32", "Hkv": "i32", "Sq": "i32", "Sk": "i32"})
+    if sp.layout:
+        signature["Nnz"] = "i32"
+    else:
+        constexprs["Nnz"] = None
+    signature["Out"] = ty
     flags = pattern or (0, 0, 0, 0)
     constexprs.update({
         "SCALE": scale, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "CAUSAL": causal,
         "HAS_BIAS": has_bias, "BIAS_B": flags[0], "BIAS_H": flags[1], "BIAS_M": flags[2],
         "BIAS_N": flags[3], "SCALAR_BIAS": scalar_bias,
+        "WINDOW_LEFT": sp.window_left, "WINDOW_RIGHT": sp.window_right, "SOFTCAP": sp.softcap,
+        "LAYOUT": sp.layout, "LAYOUT_HEADS": sp.layout_heads, "LAYOUT_BLOCK": sp.layout_block,
     })
     return KernelSource(
-        name=_source_name(dtype, head_dim, causal, pattern, scale, cfg),
+        name=_source_name(dtype, head_dim, causal, pattern, scale, cfg, sparsity=sp, op=name),
         lang="triton",
         path=KERNEL_PATH,
         entry=ENTRY,
-        n_inputs=3 + (pattern is not None),
-        n_extra=4,
+        n_inputs=3 + (pattern is not None) + 2 * sp.layout,
+        n_extra=4 + sp.layout,
         n_outputs=1,
         signature=signature,
         constexprs=constexprs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pointer_align=16,
-        meta={"op": OP, "dtype": dtype, "head_dim": head_dim, "causal": causal, "scale": scale,
-              "bias_pattern": flags if pattern is not None else None, "config": asdict(cfg)},
+        meta={"op": name, "dtype": dtype, "head_dim": head_dim, "causal": causal, "scale": scale,
+              "bias_pattern": flags if pattern is not None else None, "config": asdict(cfg),
+              "sparsity": asdict(sp)},
     )
 
 
@@ -375,31 +475,37 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
                   config: FAConfig | None = None) -> LaunchParams:
     """One program per (BLOCK_M query rows, b, h): grid x = cdiv(Sq, BLOCK_M) * B * H.
 
-    ``shapes`` = [q, k, v(, bias)] shapes: q [B, H, Sq, D], k/v [B, Hkv, Sk, D].
+    ``shapes`` = [q, k, v(, bias)] shapes: q [B, H, Sq, D], k/v [B, Hkv, Sk, D];
+    BlockSparseAttention: [q, k, v(, bias), block_offsets, block_indices] -- its extra argument
+    after Sk (Triton) or num_tiles (CUDA) is nnz, the row length of block_indices.
     """
-    _check_op(op)
+    name = _check_op(op)
     dtype = norm_dtype(dtypes[0])
     q, k = shapes[0], shapes[1]
     B, H, Sq = q[0], q[1], q[2]
     Hkv, Sk = k[1], k[2]
     head_dim = _head_dim(static_shape) if static_shape else static_int(q[3], "head_dim")
     causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
-    bias_shape = (static_shape or {}).get("bias_shape", shapes[3] if len(shapes) > 3 else None)
+    layout = name == BLOCK_SPARSE
+    n_tensors = len(shapes) - 2 * layout
+    bias_shape = (static_shape or {}).get("bias_shape", shapes[3] if n_tensors > 3 else None)
     pattern = bias_pattern(bias_shape)
-    cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), static_shape)
+    cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), static_shape,
+                                layout=layout)
+    nnz = [shapes[-1][1]] if layout else []
     if cfg.impl == "sm90":
         # persistent: a fixed grid walks num_tiles = cdiv(Sq, block_m) * B * H tiles
         return LaunchParams(
             grid=(int((static_shape or {}).get("sm_count") or SM90_GRID), 1, 1),
             block=(32 * cfg.num_warps, 1, 1),
             shared_mem=sm90_shared_mem(head_dim, cfg, _bias_mode(pattern)),
-            extra_args=[H, Hkv, Sq, Sk, cdiv(Sq, cfg.block_m) * (B * H)],
+            extra_args=[H, Hkv, Sq, Sk, cdiv(Sq, cfg.block_m) * (B * H)] + nnz,
         )
     return LaunchParams(
         grid=(cdiv(Sq, cfg.block_m) * (B * H), 1, 1),
         block=(cfg.num_warps * 32, 1, 1),
         shared_mem=0,  # Triton's shared memory comes with the artifact (metadata.shared)
-        extra_args=[H, Hkv, Sq, Sk],
+        extra_args=[H, Hkv, Sq, Sk] + nnz,
     )
 
 

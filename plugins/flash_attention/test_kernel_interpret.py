@@ -28,7 +28,43 @@ CASES = {
     "negative_scale": (1, 2, 1, 21, 21, 32, 1, None, "float16", {"scale": -0.2}),
     "rising_row_max": (1, 2, 1, 37, 53, 32, 0, None, "float16", {"spread": True}),
     "rising_row_max_causal": (1, 2, 2, 45, 67, 64, 1, (), "float16", {"spread": True}),
+    # windows (causal within w keys, two-sided, Sk != Sq), soft-capping
+    "sliding_window_causal": (1, 2, 1, 70, 70, 32, 1, None, "float16", {"window": (20, -1)}),
+    "sliding_window_sk_gt_sq": (1, 2, 2, 29, 61, 32, 1, (), "float16", {"window": (7, -1)}),
+    "window_two_sided": (1, 2, 1, 53, 53, 32, 0, None, "float32", {"window": (9, 4)}),
+    "window_one_key": (1, 2, 1, 40, 40, 32, 1, None, "float32", {"window": (0, -1)}),
+    "softcap_causal": (1, 2, 1, 37, 37, 32, 1, None, "float16", {"softcap": 2.0, "scale": 0.9}),
+    "softcap_window_fp32": (1, 2, 1, 41, 41, 32, 1, None, "float32", {"softcap": 1.5, "window": (10, -1)}),
+    # key padding: blocks before the first and after the last unmasked key are skipped
+    "keypad_right": (3, 2, 1, 45, 70, 32, 0, (3, 1, 1, 70), "float32", {"keypad": "right"}),
+    "keypad_left_causal": (3, 2, 2, 60, 60, 32, 1, (3, 1, 1, 60), "float32", {"keypad": "left"}),
+    "keypad_window": (3, 2, 1, 64, 64, 32, 1, (3, 1, 1, 64), "float32", {"keypad": "right", "window": (12, -1)}),
+    "keypad_dead_batch": (2, 2, 1, 33, 50, 32, 0, (2, 1, 1, 50), "float32", {"keypad": "dead"}),
+    "keypad_fp16_bias": (2, 2, 1, 33, 50, 32, 0, (2, 1, 1, 50), "float16", {"keypad": "right"}),
+    # block layouts (128-blocks; shared or per head; empty query blocks; causal on top)
+    "layout_shared": (1, 2, 1, 300, 280, 32, 0, None, "float16", {"layout": (0.5, 1)}),
+    "layout_heads_causal": (1, 2, 2, 260, 260, 32, 1, (), "float16", {"layout": (0.6, 2)}),
+    "layout_keypad": (2, 2, 1, 200, 270, 32, 0, (2, 1, 1, 270), "float32", {"layout": (0.7, 1), "keypad": "right"}),
 }
+
+
+def _key_padding(bias, how: str):
+    """A key-padding bias [B, 1, 1, Sk]: 0 for real keys, finfo.min for padding (HF's mask)."""
+    import torch
+
+    B, Sk = bias.shape[0], bias.shape[-1]
+    lo = torch.finfo(torch.float16 if bias.dtype == torch.float16 else torch.float32).min
+    bias.zero_()
+    for b in range(B):
+        n = max(1, Sk * (b + 1) // (B + 1))  # 1/4, 2/4, 3/4 real keys
+        if how == "right":
+            bias[b, ..., n:] = lo
+        elif how == "left":
+            bias[b, ..., :Sk - n] = lo
+        elif how == "dead":  # batch 0 has no real key at all: the uniform average over all keys
+            bias[b, ..., n:] = lo
+            if b == 0:
+                bias[b] = lo
 
 
 def _run_case(B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra):
@@ -46,15 +82,32 @@ def _run_case(B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra):
         bias[..., 7, ::2] = float("-inf")                 # partly masked: a normal softmax
     elif extra.get("poison") == "all":
         bias.fill_(float("-inf"))
+    if "keypad" in extra:
+        _key_padding(bias, extra["keypad"])
     attrs = T.attrs_for(H, Hkv, D, causal, extra.get("scale"))
+    if "window" in extra:
+        attrs["window_left"], attrs["window_right"] = extra["window"]
+    if "softcap" in extra:
+        attrs["softcap"] = extra["softcap"]
+    layout = None
+    if "layout" in extra:
+        import numpy as np
+
+        density, heads = extra["layout"]
+        R = T.reference_mod()
+        layout = R.random_layout(np.random.default_rng(1), heads, Sq, Sk, 128, density)
+        attrs["block_size"] = 128
     if extra.get("spread"):  # growing key norms: the row max keeps rising, every block rescales
         k.mul_(torch.linspace(0.5, 8.0, Sk).reshape(1, 1, Sk, 1).to(k.dtype))
     cfg = L.FAConfig(16, 16, 1, 1)
     src, params = T.case_sources(dtype, [q.shape, k.shape, v.shape, None if bias is None else bias.shape],
-                                 attrs, config=cfg)
+                                 attrs, config=cfg, layout=layout)
     out = torch.full_like(q, float("nan"))
-    T.run_triton(src, params, [q, k, v] + ([bias] if bias is not None else []), [out], interpret=True)
-    ref = T.reference_of(q, k, v, bias, attrs)
+    ins = [q, k, v] + ([bias] if bias is not None else [])
+    if layout is not None:
+        ins += [torch.from_numpy(layout[0]), torch.from_numpy(layout[1])]
+    T.run_triton(src, params, ins, [out], interpret=True)
+    ref = T.reference_of(q, k, v, bias, attrs, layout=layout)
     T.check_close(out, ref, dtype, src.name)
     if extra.get("poison") == "rows":
         assert (out[..., 3, :] == 0).all(), "an all -inf row must give 0"

@@ -38,17 +38,23 @@ def attrs_for(H: int, Hkv: int, D: int, causal: bool, scale: float | None = None
 
 def case_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict,
                  config=None, bias_dtype: str | None = None,
-                 arch: int | None = None) -> tuple[KernelSource, LaunchParams]:
+                 arch: int | None = None, layout=None) -> tuple[KernelSource, LaunchParams]:
     """(KernelSource, LaunchParams) for concrete shapes [q, k, v, bias-or-None]. ``arch`` is the
-    target the choice may depend on (90: the CUDA kernel where it applies; None: Triton)."""
+    target the choice may depend on (90: the CUDA kernel where it applies; None: Triton).
+    ``layout`` = (block_offsets, block_indices) arrays: the case is BlockSparseAttention."""
     L = launch_mod()
+    op = OP if layout is None else L.BLOCK_SPARSE
     q = list(shapes[0])
     bias = shapes[3] if len(shapes) > 3 else None
     static = {"head_dim": q[3], "bias_shape": None if bias is None else tuple(bias),
               "bias_dtype": bias_dtype, "arch": arch}
-    src = L.kernel_config(OP, dtype, attrs, static, config=config)
+    if layout is not None:
+        static["layout_heads"] = int(layout[0].shape[0]) != 1
+    src = L.kernel_config(op, dtype, attrs, static, config=config)
     shp = [list(s) for s in shapes[:3]] + ([list(bias)] if bias is not None else [])
-    params = L.launch_params(OP, shp, [dtype], attrs, config=config, static_shape=static)
+    if layout is not None:
+        shp += [list(layout[0].shape), list(layout[1].shape)]
+    params = L.launch_params(op, shp, [dtype], attrs, config=config, static_shape=static)
     return src, params
 
 
@@ -122,11 +128,17 @@ def to_numpy64(t):
     return None if t is None else t.detach().float().cpu().double().numpy()
 
 
-def reference_of(q, k, v, bias, attrs):
+def reference_of(q, k, v, bias, attrs, layout=None):
+    """The float64 reference; ``layout`` = (block_offsets, block_indices): BlockSparseAttention."""
     import numpy as np
 
     R = reference_mod()
-    o = R.reference(None, [to_numpy64(q), to_numpy64(k), to_numpy64(v), to_numpy64(bias)], attrs)[0]
+    ins = [to_numpy64(q), to_numpy64(k), to_numpy64(v), to_numpy64(bias)]
+    op = None
+    if layout is not None:
+        op = R.BLOCK_SPARSE
+        ins += [np.asarray(layout[0]), np.asarray(layout[1])]
+    o = R.reference(op, ins, attrs)[0]
     return np.asarray(o, dtype=np.float64)
 
 
