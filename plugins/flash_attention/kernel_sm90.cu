@@ -1,11 +1,17 @@
 // FlashAttention forward for Hopper (sm_90a) in CUDA C++: an FA3-style schedule behind the same
 // launch contract as the Triton kernel (kernel.py).
 //
-//     o[b, h] = softmax(scale * q[b, h] @ k[b, h // G]^T (+ key bias) (+ causal mask)) @ v[b, h // G]
+//     o[b, h] = softmax(cap(scale * q[b, h] @ k[b, h // G]^T) (+ key bias) (+ causal / window mask)) @ v[b, h // G]
 //
 // q, o: [B, H, Sq, D]; k, v: [B, Hkv, Sk, D]; contiguous fp16/bf16; D in {64, 128}.
-// Arguments (TensorRT QDP order): q, k, v[, bias], H, Hkv, Sq, Sk, num_tiles (int32), o;
-// num_tiles = cdiv(Sq, BLOCK_M) * B * H, grid = one CTA per SM (persistent).
+// Arguments (TensorRT QDP order): q, k, v[, bias][, block_offsets, block_indices], H, Hkv, Sq, Sk,
+// num_tiles[, nnz] (int32), o; num_tiles = cdiv(Sq, BLOCK_M) * B * H, grid = one CTA per SM
+// (persistent). The layout arguments are BlockSparseAttention's (LAYOUT).
+//
+// Sparsity (sm90/sparsity.cuh): a tile visits only the key blocks its rows can see -- the causal
+// and window limits, the live range of a key-padding bias, the blocks a layout lists -- and masks
+// only the blocks some row's limit cuts; the producer and the consumers derive the same block list
+// from the same arguments.
 //
 // Why this kernel exists: the Triton kernel (FA2 schedule) keeps the tensor cores idle while the
 // same warps compute exp2/max/sum; at D = 128 the exponentials alone take half the MMA time of a
@@ -60,6 +66,13 @@ typedef unsigned short u16;
 #endif
 #ifndef SCALE_LOG2
 #define SCALE_LOG2 0.12751743074602467f
+#endif
+// What turns a raw score into log2 units: scale * log2(e), or 1 after the soft-cap (sparsity.cuh
+// apply_softcap, SOFTCAP_IN / SOFTCAP_LOG2 set by launch.py), which leaves log2 units itself.
+#ifdef SOFTCAP_IN
+#define SCORE_LOG2 1.0f
+#else
+#define SCORE_LOG2 SCALE_LOG2
 #endif
 #ifndef STAGES
 #define STAGES 2
@@ -119,7 +132,10 @@ typedef unsigned short u16;
 #define BLOCK_M (64 * CONSUMERS)         // query rows per CTA
 #define D HEAD_DIM
 #define NTHREADS (128 * (CONSUMERS + 1)) // producer warpgroup + consumer warpgroups
-#if CONSUMERS == 2
+#if CONSUMERS == 2 && BIAS_MODE == 2 && CAUSAL && HEAD_DIM == 128
+#define PRODUCER_REGS 64                 // 56 spilled the key-padding live range with the causal pairs
+#define CONSUMER_REGS 216                // 128 * 64 + 256 * 216 <= 64K registers
+#elif CONSUMERS == 2
 #define PRODUCER_REGS 56                 // 40 spilled the causal pair indexing (D = 64, no key bias)
 #define CONSUMER_REGS 224                // 128 * 56 + 256 * 224 <= 64K registers
 #else
@@ -177,7 +193,28 @@ typedef unsigned short u16;
 #include "sm90/barriers.cuh"  // mbarriers, proxy fence, turn-taking named barriers
 #include "sm90/loads.cuh"     // producer: TMA with device-built tensor maps, cp.async fallback
 #include "sm90/wgmma.cuh"     // mainloop MMAs: descriptors, wgmma, S = Q K^T and O += P V
-#include "sm90/softmax.cuh"   // consumers: masks, online softmax, rescale, packing
+#include "sm90/softmax.cuh"   // consumers: online softmax, rescale, packing
+#include "sm90/sparsity.cuh"  // the key blocks a tile visits (windows, key padding, layouts), masks, soft-cap
+
+// The key-padding live range of a tile's batch (sparsity.cuh), per warp, rescanned only when the
+// batch changes between the CTA's tiles; without a key-padding bias (or with a layout) the range
+// is (Sk, -1): none.
+#if BIAS_MODE == 2 && !LAYOUT
+#define KEYPAD_RANGE                                                                                 \
+    if ((BIAS_BATCH ? b : 0) != kp_batch) {                                                        \
+        kp_batch = BIAS_BATCH ? b : 0;                                                             \
+        live_key_range(Bias, (long long)kp_batch * Sk, Sk, kp_first, kp_last);                     \
+    }
+#define KEYPAD_STATE int kp_batch = -1, kp_first = Sk, kp_last = -1;
+#else
+#define KEYPAD_RANGE
+#define KEYPAD_STATE const int kp_first = Sk, kp_last = -1;
+#endif
+#if LAYOUT
+#define LAYOUT_ARGS(h) , Offsets, Indices, nnz, (h)
+#else
+#define LAYOUT_ARGS(h)
+#endif
 
 // ---- the kernel --------------------------------------------------------------------------------
 // Persistent: the grid is one CTA per SM (launch.py); each CTA walks a fixed list of tiles (a tile
@@ -189,7 +226,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #if BIAS_MODE != 0
     const void* __restrict__ Bias,
 #endif
-    int H, int Hkv, int Sq, int Sk, int num_tiles, u16* __restrict__ O
+#if LAYOUT
+    const int* __restrict__ Offsets, const int* __restrict__ Indices,
+#endif
+    int H, int Hkv, int Sq, int Sk, int num_tiles,
+#if LAYOUT
+    int nnz,
+#endif
+    u16* __restrict__ O
 #if PROFILE
     , u32* __restrict__ Prof
 #endif
@@ -255,7 +299,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             const u32 u = (units - 1 - bid) / grid * grid + bid;  // this CTA's last unit
             const int last_bh = u / per, last_mb = u % per;
             const int rows = min(bm, Sq - last_mb * bm);
-            const bool loads = !CAUSAL || last_mb * bm + bm + causal_off > 0;  // n_blocks > 0
+            // that tile visits a key block (the live-range narrowing never empties a tile)
+            const bool loads = tile_blocks(last_mb * bm, bm, Sq, Sk, causal_off, Sk, -1 LAYOUT_ARGS(last_bh % H)).n > 0;
             unsigned char* g = reinterpret_cast<unsigned char*>(O + ((long long)last_bh * Sq + (long long)last_mb * bm) * D);
             if (loads && rows * D * 2 >= 3 * 128 && ((u64)g & 63) == 0) tmaps = g;
         }
@@ -320,8 +365,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     const int m0 = mb * bm;                                                                        \
     const int b = bh / H, h = bh % H;                                                              \
     const int kvh = b * Hkv + h / (H / Hkv); /* GQA: index the shared kv head, never copy it */  \
-    const int kv_end = CAUSAL ? min(Sk, m0 + bm + causal_off) : Sk;                                \
-    const int n_blocks = kv_end > 0 ? (kv_end + BLOCK_N - 1) / BLOCK_N : 0;                        \
+    KEYPAD_RANGE                                                                                   \
+    const KeyBlocks kbs = tile_blocks(m0, bm, Sq, Sk, causal_off, kp_first, kp_last LAYOUT_ARGS(h)); \
+    const int n_blocks = kbs.n;                                                                    \
     (void)b; (void)kvh;
 
     if (wg == 0) {
@@ -356,6 +402,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #endif
         PROF_DECL
         int it = 0, tc = 0;  // K/V tiles and Q tiles loaded so far (ring positions and phases)
+        KEYPAD_STATE
         TILE_LOOP {
             TILE_COORDS
             if (n_blocks == 0) continue;  // every row of this tile is dead: nothing to load
@@ -382,7 +429,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             for (int j = 0; j < n_blocks; ++j, ++it) {
                 const int s = it % STAGES;
                 const u32 ph = (it / STAGES) & 1;
-                const int kv0 = j * BLOCK_N;
+                const int kv0 = block_at(kbs, j) * BLOCK_N;
                 PROF(PR_POST)
                 mbar_wait(BAR_EMPTY_K(s), ph ^ 1);  // a fresh barrier passes parity 1 at once
                 PROF(PR_WAIT_KV)
@@ -428,16 +475,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
         const u32 q_wg = cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
         int it = 0, tc = 0;
+        KEYPAD_STATE
         if (cw == nc - 1) named_arrive(1);  // warpgroup 0 issues first
         TILE_LOOP {
             TILE_COORDS
             const int r0 = m0 + row_in_tile, r1 = r0 + 8;
-            // keys visible to each row: < Sk and (causal) <= row + causal_off
-            const int lim0 = CAUSAL ? min(Sk - 1, r0 + causal_off) : Sk - 1;
-            const int lim1 = CAUSAL ? min(Sk - 1, r1 + causal_off) : Sk - 1;
-            // blocks below n_clean need no mask for any row of the tile
-            int n_clean = Sk / BLOCK_N;
-            if (CAUSAL) n_clean = min(n_clean, max(m0 + causal_off + 1, 0) / BLOCK_N);
+            // keys visible to each row: [low, lim] with lim < Sk, (causal) <= row + causal_off,
+            // (right window) <= row + causal_off + WINDOW_RIGHT, and (left window) low = row +
+            // causal_off - WINDOW_LEFT; blocks kbs.clean_lo <= kb < kbs.clean_hi need no mask
+            int lim0 = Sk - 1, lim1 = Sk - 1;
+            if (CAUSAL) lim0 = min(lim0, r0 + causal_off), lim1 = min(lim1, r1 + causal_off);
+            if (WINDOW_RIGHT >= 0)
+                lim0 = min(lim0, r0 + causal_off + WINDOW_RIGHT), lim1 = min(lim1, r1 + causal_off + WINDOW_RIGHT);
+            const int low0 = r0 + causal_off - WINDOW_LEFT, low1 = r1 + causal_off - WINDOW_LEFT;
+#define MASK_BLOCK(kb)                                                                               \
+    if ((kb) < kbs.clean_lo || (kb) >= kbs.clean_hi) apply_mask(s, (kb) * BLOCK_N, lim0, lim1, low0, low1, q4);
 
             float o[O_REGS];
 #pragma unroll
@@ -476,7 +528,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     wgmma_wait<0>();
                     fence_regs(s);
                     PROF(PR_WAIT_S)
-                    if (0 >= n_clean) apply_mask(s, 0, lim0, lim1, q4);
+                    apply_softcap(s);
+                    MASK_BLOCK(block_at(kbs, 0))
 #if SOFTMAX_STREAM
                     {
                         float ms0, ms1;
@@ -504,8 +557,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         PROF(PR_WAIT_PV)                                                                             \
         mbar_arrive_warp(BAR_EMPTY_V(stage));                                                        \
     }
+#if LAYOUT
+                int kb_next = n_blocks > 1 ? block_at(kbs, 1) : 0;  // loaded a block ahead
+#endif
                 for (int j = 1; j < n_blocks; ++j) {
                     const int sj = (it + j) % STAGES, sp = (it + j - 1) % STAGES;
+#if LAYOUT
+                    const int kb = kb_next;
+                    if (j + 1 < n_blocks) kb_next = block_at(kbs, j + 1);
+#else
+                    const int kb = kbs.first + j;
+#endif
                     KV_WAIT(BAR_FULL_K(sj), ((it + j) / STAGES) & 1);
                     if (!KV_ONE_FULL) KV_WAIT(BAR_FULL_V(sp), ((it + j - 1) / STAGES) & 1);
                     PROF(PR_WAIT_KV)
@@ -524,7 +586,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     wgmma_wait<1>();  // S_j ready; PV still running
                     fence_regs(s);
                     PROF(PR_WAIT_S)
-                    if (j >= n_clean) apply_mask(s, j * BLOCK_N, lim0, lim1, q4);
+                    apply_softcap(s);
+                    MASK_BLOCK(kb)
 #if SOFTMAX_STREAM
                     float ms0, ms1;
                     const bool resc =

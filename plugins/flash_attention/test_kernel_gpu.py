@@ -166,7 +166,115 @@ def test_sm90_output_not_64_byte_aligned(tma, seed):
     _check_case(case, seed, arch=90, config=cfg, out_offset=8)
 
 
-def _check_case(case, seed, arch=None, config=None, out_offset=0):
+# Sparse cases: (B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra) with extra: window
+# (window_left, window_right), softcap, keypad (right / left / dead / holes: how the key-padding
+# bias masks), layout (density, layout heads). Lengths are not multiples of the 128-blocks.
+SPARSE_CASES = [
+    # sliding windows w = 1 .. S (causal, window_left = w - 1), Sk > Sq, two-sided
+    (1, 4, 2, 1500, 1500, 128, 1, None, "bfloat16", {"window": (0, -1)}),
+    (1, 4, 2, 1500, 1500, 128, 1, None, "bfloat16", {"window": (63, -1)}),
+    (1, 4, 2, 1500, 1500, 64, 1, None, "float16", {"window": (127, -1)}),
+    (1, 4, 2, 1500, 1500, 64, 1, None, "bfloat16", {"window": (128, -1)}),
+    (1, 4, 1, 4200, 4200, 64, 1, None, "bfloat16", {"window": (1000, -1)}),  # three consumers
+    (1, 4, 2, 1500, 1500, 128, 1, (), "float16", {"window": (1499, -1)}),
+    (1, 4, 1, 700, 1900, 64, 1, None, "bfloat16", {"window": (300, -1)}),
+    (2, 4, 4, 1000, 1000, 64, 0, None, "float16", {"window": (200, 50)}),
+    (2, 4, 4, 1000, 1000, 128, 0, None, "bfloat16", {"window": (-1, 300)}),
+    # soft-capping (Gemma 2), with and without a window
+    (1, 4, 2, 777, 777, 128, 1, None, "bfloat16", {"softcap": 30.0}),
+    (2, 4, 2, 600, 600, 64, 1, None, "float16", {"softcap": 50.0, "window": (255, -1)}),
+    # key padding: the live range skipped to, per batch, lengths off the block grid
+    (4, 4, 2, 1000, 1000, 128, 0, (4, 1, 1, 1000), "bfloat16", {"keypad": "right"}),
+    (4, 4, 2, 1000, 1000, 64, 0, (4, 1, 1, 1000), "float16", {"keypad": "right"}),
+    (3, 4, 2, 900, 900, 128, 1, (3, 1, 1, 900), "float16", {"keypad": "left"}),
+    (3, 4, 1, 900, 900, 64, 1, (3, 1, 1, 900), "bfloat16", {"keypad": "right"}),
+    (3, 4, 2, 700, 700, 64, 0, (3, 1, 1, 700), "bfloat16", {"keypad": "dead"}),
+    (3, 4, 2, 700, 700, 128, 0, (3, 1, 1, 700), "float16", {"keypad": "holes"}),
+    (2, 4, 2, 800, 800, 128, 1, (2, 1, 1, 800), "bfloat16", {"keypad": "right", "window": (200, -1)}),
+    (1, 8, 2, 1300, 1300, 64, 0, (1, 1, 1, 1300), "float16", {"keypad": "right"}),
+    # block layouts (BSR of 128-blocks): densities, per head or shared, causal, empty query blocks
+    (1, 4, 2, 1500, 1400, 128, 0, None, "bfloat16", {"layout": (0.1, 4)}),
+    (1, 4, 2, 1500, 1400, 64, 0, None, "float16", {"layout": (0.5, 1)}),
+    (2, 4, 4, 1000, 1000, 128, 1, None, "float16", {"layout": (0.3, 4)}),
+    (2, 4, 1, 1000, 1000, 64, 1, (), "bfloat16", {"layout": (0.25, 1)}),
+    (2, 4, 2, 900, 1000, 128, 0, (2, 1, 1, 1000), "bfloat16", {"layout": (0.5, 4), "keypad": "right"}),
+    (1, 2, 2, 3000, 3000, 128, 0, None, "bfloat16", {"layout": (0.05, 2)}),
+]
+
+
+def _key_padding(bias, how: str):
+    """HF key-padding masks in a [B, 1, 1, Sk] bias: 0 for real keys, finfo.min for padding."""
+    B, Sk = bias.shape[0], bias.shape[-1]
+    lo = torch.finfo(bias.dtype).min
+    bias.zero_()
+    for b in range(B):
+        n = max(1, Sk * (b + 1) // (B + 1) - 13)  # real keys: never a multiple of 128
+        if how in ("right", "dead"):
+            bias[b, ..., n:] = lo
+        elif how == "left":
+            bias[b, ..., :Sk - n] = lo
+        elif how == "holes":  # padding inside the live range too (computed, not skipped)
+            bias[b, ..., n:] = lo
+            bias[b, ..., n // 3:n // 2] = lo
+        if how == "dead" and b == 0:
+            bias[b] = lo  # no real key: the uniform average over all keys
+
+
+def _sparse_attrs(case):
+    B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra = case
+    attrs = T.attrs_for(H, Hkv, D, causal)
+    if "window" in extra:
+        attrs["window_left"], attrs["window_right"] = extra["window"]
+    if "softcap" in extra:
+        attrs["softcap"] = extra["softcap"]
+    layout = None
+    if "layout" in extra:
+        density, heads = extra["layout"]
+        R = T.reference_mod()
+        layout = R.random_layout(np.random.default_rng(Sq + Sk), heads, Sq, Sk, 128, density)
+        attrs["block_size"] = 128
+    return attrs, layout
+
+
+def _sparse_id(c):
+    extra = ",".join(f"{k}={v}" for k, v in c[9].items()).replace(" ", "")
+    return "-".join(map(str, c[:9])).replace(" ", "") + "-" + extra
+
+
+@pytest.mark.parametrize("impl", ["triton", "sm90"])
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=_sparse_id)
+def test_sparse_matches_reference(case, impl, seed):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if impl == "sm90" and (not _sm90_applies(case) or _device_arch() != 90):
+        pytest.skip("the CUDA (sm90) kernel does not take this case / needs an sm_90 device")
+    attrs, layout = _sparse_attrs(case)
+    cfg = None
+    if impl == "sm90":
+        cfg = _sm90_default(case)
+        if layout is not None:
+            cfg = dataclasses.replace(cfg, block_m=128, num_warps=12)
+    _check_case(case[:9] + (None,), seed, arch=90 if impl == "sm90" else None, config=cfg,
+                attrs=attrs, layout=layout, keypad=case[9].get("keypad"))
+
+
+@pytest.mark.parametrize("variant", [dict(tma=False), dict(num_stages=3), dict(softmax_stream=True)],
+                         ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
+@pytest.mark.parametrize("case", [c for c in SPARSE_CASES if _sm90_applies(c)][::3], ids=_sparse_id)
+def test_sparse_sm90_variants(case, variant, seed):
+    if not torch.cuda.is_available() or _device_arch() != 90:
+        pytest.skip("needs an sm_90 device")
+    attrs, layout = _sparse_attrs(case)
+    cfg = dataclasses.replace(_sm90_default(case), **variant)
+    if layout is not None:
+        cfg = dataclasses.replace(cfg, block_m=128, num_warps=12)
+    if L.sm90_shared_mem(case[5], cfg, 2) > L.SM90_SMEM_LIMIT:
+        pytest.skip("K/V ring exceeds shared memory")
+    _check_case(case[:9] + (None,), seed, arch=90, config=cfg, attrs=attrs, layout=layout,
+                keypad=case[9].get("keypad"))
+
+
+def _check_case(case, seed, arch=None, config=None, out_offset=0, attrs=None, layout=None, keypad=None):
     from optfuse.kernels import launch
 
     B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, poison = case
@@ -174,10 +282,12 @@ def _check_case(case, seed, arch=None, config=None, out_offset=0):
     q, k, v, bias = T.random_inputs(B, H, Hkv, Sq, Sk, D, dtype, bias_shape, generator=gen)
     if poison:
         _poison_bias(bias, poison)
-    attrs = T.attrs_for(H, Hkv, D, causal)
+    if keypad:
+        _key_padding(bias, keypad)
+    attrs = attrs or T.attrs_for(H, Hkv, D, causal)
     src, params = T.case_sources(dtype, [q.shape, k.shape, v.shape,
                                          None if bias is None else bias.shape], attrs,
-                                 config=config, arch=arch)
+                                 config=config, arch=arch, layout=layout)
     if arch == 90:
         assert src.lang == "cuda", src.name
     art = T.get_artifact(src)
@@ -186,10 +296,12 @@ def _check_case(case, seed, arch=None, config=None, out_offset=0):
     out = torch.full((dev[0].numel() + out_offset,), float("nan"), dtype=dev[0].dtype,
                      device=dev[0].device)[out_offset:].view(dev[0].shape)
     ins = dev[:3] + ([dev[3]] if bias is not None else [])
+    if layout is not None:
+        ins += [torch.from_numpy(a).cuda() for a in layout]
+    ref = T.reference_of(q, k, v, bias, attrs, layout=layout)
     for _ in range(2):  # twice: a race or a read of unwritten memory shows as a changing result
         out.fill_(float("nan"))
         launch(art, params, ins, [out], torch.cuda.current_stream().cuda_stream, sync=True)
-        ref = T.reference_of(q, k, v, bias, attrs)
         T.check_close(out, ref, dtype, src.name)
     if poison == "rows":
         assert (out[..., 3, :] == 0).all()

@@ -1,5 +1,5 @@
 // kernel_sm90.cu, the consumers' math between the MMAs: exp2, 16-bit packing, the key bias,
-// masks, the online softmax (plain and as one instruction stream) and the O rescale.
+// the online softmax (plain and as one instruction stream) and the O rescale.
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -32,20 +32,6 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Scores of key block kv0 that no row may see: keys >= Sk, and (causal) keys > row + causal_off.
-// The limits are taken relative to this thread's first column, so each test is one compare of a
-// register with the constant 8n + j (no per-element column arithmetic).
-__device__ __forceinline__ void apply_mask(float (&s)[64], int kv0, int lim0, int lim1, int q4) {
-    const int rel0 = lim0 - kv0 - 2 * q4, rel1 = lim1 - kv0 - 2 * q4;
-#pragma unroll
-    for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            if (8 * n + j > rel0) s[4 * n + j] = NEG_INF;
-            if (8 * n + j > rel1) s[4 * n + 2 + j] = NEG_INF;
-        }
-}
-
 // Part one of the online softmax of a block: the key bias (BIAS_MODE 2, in place), the rows' block
 // maxima and the new running maxima. Sets m (the running maxima), ms (what the exponents subtract:
 // m, or 0 while a row has seen no finite score, so that exp2 gives 0, not NaN) and alpha =
@@ -55,18 +41,18 @@ template <bool FIRST>
 __device__ __forceinline__ bool softmax_max(float (&s)[64], float& m0, float& m1, float& ms0, float& ms1,
                                             float& alpha0, float& alpha1, const float* bias_s, int q4) {
 #if BIAS_MODE == 2
-    // key bias (already in log2 units): t = s * SCALE_LOG2 + b[col]
+    // key bias (already in log2 units): t = s * SCORE_LOG2 + b[col]
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
         const float2 b = *reinterpret_cast<const float2*>(bias_s + 8 * n + 2 * q4);
-        s[4 * n + 0] = fmaf(s[4 * n + 0], SCALE_LOG2, b.x);
-        s[4 * n + 1] = fmaf(s[4 * n + 1], SCALE_LOG2, b.y);
-        s[4 * n + 2] = fmaf(s[4 * n + 2], SCALE_LOG2, b.x);
-        s[4 * n + 3] = fmaf(s[4 * n + 3], SCALE_LOG2, b.y);
+        s[4 * n + 0] = fmaf(s[4 * n + 0], SCORE_LOG2, b.x);
+        s[4 * n + 1] = fmaf(s[4 * n + 1], SCORE_LOG2, b.y);
+        s[4 * n + 2] = fmaf(s[4 * n + 2], SCORE_LOG2, b.x);
+        s[4 * n + 3] = fmaf(s[4 * n + 3], SCORE_LOG2, b.y);
     }
     const float sc = 1.0f;
 #else
-    const float sc = SCALE_LOG2;  // folded into the exponent's FFMA
+    const float sc = SCORE_LOG2;  // folded into the exponent's FFMA
 #endif
 #if SOFTMAX_STREAM
     // four partial maxima per row: a chain of 8 dependent FMNMX instead of 32
@@ -110,7 +96,7 @@ __device__ __forceinline__ bool softmax_max(float (&s)[64], float& m0, float& m1
 // The exponentials of scores n-block n (in place): p = exp2(s * sc - ms); their per-thread row
 // sums (unless ONES_SUM) added to sum0 / sum1.
 __device__ __forceinline__ void exp_nblock(float (&s)[64], int n, float ms0, float ms1, float& sum0, float& sum1) {
-    const float sc = BIAS_MODE == 2 ? 1.0f : SCALE_LOG2;
+    const float sc = BIAS_MODE == 2 ? 1.0f : SCORE_LOG2;
     s[4 * n + 0] = ex2(fmaf(s[4 * n + 0], sc, -ms0));
     s[4 * n + 1] = ex2(fmaf(s[4 * n + 1], sc, -ms0));
     s[4 * n + 2] = ex2(fmaf(s[4 * n + 2], sc, -ms1));
@@ -131,7 +117,7 @@ __device__ __forceinline__ void add_row_sums(float& l0, float& l1, float sum0, f
     }
 }
 
-// Online softmax of one block, in place: s becomes p = exp2(s * SCALE_LOG2 (+ bias) - m_new).
+// Online softmax of one block, in place: s becomes p = exp2(s * SCORE_LOG2 (+ bias) - m_new).
 // Sets alpha = exp2(m_old - m_new) per row (0 while a row has seen no finite score); returns
 // whether O needs rescaling (false when the warp kept its maxima: alpha = 1, warp-uniform).
 template <bool FIRST>

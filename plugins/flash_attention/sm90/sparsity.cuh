@@ -1,0 +1,143 @@
+// kernel_sm90.cu, which key blocks a tile visits: the causal / window limits of its rows, the live
+// range of a key-padding bias, a block layout (BSR); the masks of the partial blocks and the
+// soft-cap. The producer and the consumers call the same functions on the same arguments, so they
+// agree on every tile's block list without talking to each other.
+//
+// Visibility (spec.yaml; off = Sk - Sq): key j is visible to row i iff
+//     j <= i + off (CAUSAL),  j >= i + off - WINDOW_LEFT,  j <= i + off + WINDOW_RIGHT,  j < Sk
+// (the window limits only when defined), and for BlockSparseAttention its block is listed.
+
+#ifndef WINDOW_LEFT
+#define WINDOW_LEFT -1
+#endif
+#ifndef WINDOW_RIGHT
+#define WINDOW_RIGHT -1
+#endif
+#ifndef LAYOUT
+#define LAYOUT 0
+#endif
+#ifndef LAYOUT_HEADS
+#define LAYOUT_HEADS 0
+#endif
+// A key-padding bias at or below this masks its key: it adds exactly 0 to any row that also sees
+// an unmasked key (fp16 masks are finfo(float16).min = -65504).
+#define KEYPAD_MASKED (BIAS_DTYPE == 1 ? -3.0e4f : -1.0e30f)
+
+// The blocks one tile visits: blocks first .. first + n - 1, or (LAYOUT) list[0 .. n - 1]. A block
+// kb needs the per-row mask unless clean_lo <= kb < clean_hi (no row's limit cuts it).
+struct KeyBlocks {
+    int first, n, clean_lo, clean_hi;
+#if LAYOUT
+    const int* list;
+#endif
+};
+
+__device__ __forceinline__ int block_at(const KeyBlocks& r, int j) {
+#if LAYOUT
+    return __ldg(r.list + j);
+#else
+    return r.first + j;
+#endif
+}
+
+// Every row's visible keys [row + off - WINDOW_LEFT, min(row + off (+ WINDOW_RIGHT), Sk - 1)], for
+// the tile's rows m0 .. m0 + bm - 1 (those < Sq). live_first / live_last: the live range of the
+// key-padding row of this batch (live_first > live_last: none, or not a key-padding bias). Keys
+// outside it add exactly 0 to a row that sees a live key, so they are skipped when every row of
+// the tile does (checking its first and last rows is enough: their windows bound the others').
+__device__ __forceinline__ KeyBlocks tile_blocks(int m0, int bm, int Sq, int Sk, int off, int live_first,
+                                                 int live_last
+#if LAYOUT
+                                                 , const int* offsets, const int* indices, int nnz, int h
+#endif
+                                                 ) {
+    const int first_row = m0, last_row = min(m0 + bm, Sq) - 1;
+    int lo = 0, hi = Sk, clean_lo = 0, clean_hi = Sk;
+    if (WINDOW_LEFT >= 0) {
+        lo = max(first_row + off - WINDOW_LEFT, 0);
+        clean_lo = max(last_row + off - WINDOW_LEFT, 0);
+    }
+    if (CAUSAL) {
+        hi = min(hi, last_row + off + 1);
+        clean_hi = min(clean_hi, first_row + off + 1);
+    }
+    if (WINDOW_RIGHT >= 0) {
+        hi = min(hi, last_row + off + WINDOW_RIGHT + 1);
+        clean_hi = min(clean_hi, first_row + off + WINDOW_RIGHT + 1);
+    }
+    KeyBlocks r;
+    r.clean_lo = (clean_lo + BLOCK_N - 1) / BLOCK_N;
+    r.clean_hi = max(clean_hi, 0) / BLOCK_N;
+#if LAYOUT
+    (void)live_first, (void)live_last;
+    const int lh = LAYOUT_HEADS ? h : 0, mb = m0 / BLOCK_N;
+    const int* row = offsets + lh * ((Sq + BLOCK_N - 1) / BLOCK_N + 1) + mb;
+    const int p0 = __ldg(row), p1 = __ldg(row + 1);
+    r.first = 0;
+    r.n = hi > lo ? p1 - p0 : 0;
+    r.list = indices + (long long)lh * nnz + p0;
+#else
+    if (live_first <= live_last) {
+        int top = Sk - 1, bottom = 0;  // the first row's last visible key, the last row's first
+        if (CAUSAL) top = min(top, first_row + off);
+        if (WINDOW_RIGHT >= 0) top = min(top, first_row + off + WINDOW_RIGHT);
+        if (WINDOW_LEFT >= 0) bottom = last_row + off - WINDOW_LEFT;
+        if (top >= live_first && bottom <= live_last) {
+            lo = max(lo, live_first);
+            hi = min(hi, live_last + 1);
+        }
+    }
+    r.first = lo / BLOCK_N;
+    r.n = hi > lo ? (hi + BLOCK_N - 1) / BLOCK_N - r.first : 0;
+#endif
+    return r;
+}
+
+// The live range (first, last key whose bias is above KEYPAD_MASKED; NaN counts as live) of one
+// key-padding row, by one warp: (Sk, -1) when every key is masked. Each warp scans on its own (no
+// barrier), once per batch change of its CTA's tiles (the callers cache it).
+__device__ __forceinline__ void live_key_range(const void* bias, long long row, int Sk, int& first, int& last) {
+    const int lane = threadIdx.x % 32;
+    int f = Sk, l = -1;
+#pragma unroll 1
+    for (int c = lane; c < Sk; c += 32) {
+        const float x = bias_to_float(bias, row + c);
+        if (!(x <= KEYPAD_MASKED)) {
+            f = min(f, c);
+            l = c;
+        }
+    }
+    first = __reduce_min_sync(0xffffffffu, f);
+    last = __reduce_max_sync(0xffffffffu, l);
+}
+
+// Scores of key block kv0 no row may see: keys past each row's upper limit (lim: Sk, causal,
+// right window) and, with a left window, before its lower limit (low). Limits relative to this
+// thread's first column, so each test compares a register with the constant 8n + j.
+__device__ __forceinline__ void apply_mask(float (&s)[64], int kv0, int lim0, int lim1, int low0, int low1, int q4) {
+    const int rel0 = lim0 - kv0 - 2 * q4, rel1 = lim1 - kv0 - 2 * q4;
+    const int lr0 = low0 - kv0 - 2 * q4, lr1 = low1 - kv0 - 2 * q4;
+    (void)lr0, (void)lr1;
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (8 * n + j > rel0 || (WINDOW_LEFT >= 0 && 8 * n + j < lr0)) s[4 * n + j] = NEG_INF;
+            if (8 * n + j > rel1 || (WINDOW_LEFT >= 0 && 8 * n + j < lr1)) s[4 * n + 2 + j] = NEG_INF;
+        }
+}
+
+// Soft-capping (SOFTCAP_IN = scale / c, SOFTCAP_LOG2 = c log2(e)): the raw score x becomes
+// c tanh(scale x / c) in log2 units, before the bias and the masks. tanh from ex2 and a division
+// (tanh.approx's 2^-11 relative error would show in fp16 outputs).
+#ifdef SOFTCAP_IN
+__device__ __forceinline__ void apply_softcap(float (&s)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const float e = ex2(s[i] * (SOFTCAP_IN * 2.8853900817779268f));  // exp(2 scale x / c)
+        s[i] = (1.0f - __fdividef(2.0f, e + 1.0f)) * SOFTCAP_LOG2;
+    }
+}
+#else
+__device__ __forceinline__ void apply_softcap(float (&)[64]) {}
+#endif
