@@ -69,8 +69,8 @@ class Kernels:
         self.baseline = Path(baseline) if baseline else None
         self.arts = {}
 
-    def source(self, op_attrs, dtype, shapes, layout=None, baseline=False):
-        src, params = T.case_sources(dtype, shapes, op_attrs, arch=90, layout=layout)
+    def source(self, op_attrs, dtype, shapes, layout=None, baseline=False, config=None):
+        src, params = T.case_sources(dtype, shapes, op_attrs, arch=90, layout=layout, config=config)
         if baseline:
             src = dataclasses.replace(src, path=str(self.baseline / "plugins/flash_attention/kernel_sm90.cu"))
         return src, params
@@ -108,6 +108,9 @@ def _flex():
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
+    # one compiled kernel per shape: the default limit (8) would drop later shapes to eager
+    torch._dynamo.config.recompile_limit = 1000
+    torch._dynamo.config.cache_size_limit = 1000
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -152,6 +155,9 @@ def run_window(K, dtype, S, D, w, flex, rounds, sdpa_max):
     fns["dense_causal"] = K.launcher(dsrc, dp, [q, k, v], torch.empty_like(q))
     fsrc, fp = K.source(T.attrs_for(H, H, D, False), dtype, shapes)
     fns["dense_full"] = K.launcher(fsrc, fp, [q, k, v], torch.empty_like(q))
+    for name, cfg in variants("window", D):
+        vsrc, vp = K.source(attrs, dtype, shapes, config=cfg)
+        fns[name] = K.launcher(vsrc, vp, [q, k, v], torch.empty_like(q))
     row = {"kind": "window", "dtype": dtype, "B": B, "H": H, "S": S, "D": D, "window": w, "kernel": src.name}
     i = torch.arange(S, device="cuda")
     allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
@@ -260,6 +266,9 @@ def run_padding(K, dtype, S, D, pad, rounds):
     fns = {"ours": K.launcher(src, p, [q, k, v, bias], out)}
     nsrc, np_ = K.source(attrs, dtype, shapes[:3] + [None])
     fns["no_mask"] = K.launcher(nsrc, np_, [q, k, v], torch.empty_like(q))
+    for name, cfg in variants("padding", D):
+        vsrc, vp = K.source(attrs, dtype, shapes, config=cfg)
+        fns[name] = K.launcher(vsrc, vp, [q, k, v, bias], torch.empty_like(q))
     keep = bias > -1
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     row = {"kind": "padding", "dtype": dtype, "B": B, "H": H, "S": S, "D": D, "padding": pad, "kernel": src.name,
@@ -291,6 +300,21 @@ def run_dense(K, dtype, S, D, causal, rounds):
             "baseline_tfs": fl / times["baseline"] * 1e-9, "ours_vs_baseline": times["baseline"] / times["ours"]}
 
 
+def variants(kind, D):
+    """Other CUDA configs timed beside the shipped one (name -> FAConfig): at D = 64, two consumer
+    warpgroups for windows (128-row tiles cut fewer partial blocks), three for key padding; at
+    D = 128 the softmax stream for key padding."""
+    if D != 64:
+        if kind == "padding":  # the softmax as one stream (off by default with a key bias)
+            return [("v:stream", dataclasses.replace(L.sm90_config(D, False, keypad=True), softmax_stream=True))]
+        return []
+    if kind == "window":
+        return [("v:2wg", dataclasses.replace(L.sm90_config(64, True), block_m=128, num_warps=12))]
+    if kind == "padding":
+        return [("v:3wg", dataclasses.replace(L.sm90_config(64, False, keypad=True), block_m=192, num_warps=16))]
+    return []
+
+
 def _finish(row, times, eff_flops, frac, ideal_base="dense_full"):
     row["visited_fraction"] = frac
     for name, t in times.items():
@@ -301,6 +325,9 @@ def _finish(row, times, eff_flops, frac, ideal_base="dense_full"):
     for peer in ("flex", "dense_causal", "sdpa_mask"):
         if peer in times:
             row[f"speedup_vs_{peer}"] = times[peer] / times["ours"]
+    for name in times:
+        if name.startswith("v:"):
+            row[f"{name[2:]}_vs_ours"] = times["ours"] / times[name]
     return row
 
 
@@ -317,6 +344,8 @@ def plan_sources(K, todo, dense):
             for attrs in (T.attrs_for(H, H, D, True) | {"window_left": x - 1}, T.attrs_for(H, H, D, True),
                           T.attrs_for(H, H, D, False)):
                 out.append(K.source(attrs, dt, shapes)[0])
+            for _, cfg in variants(kind, D):
+                out.append(K.source(T.attrs_for(H, H, D, True) | {"window_left": x - 1}, dt, shapes, config=cfg)[0])
         elif kind == "layout":
             lay = (np.zeros((H, math.ceil(S / BLOCK) + 1), np.int32), np.zeros((H, 1), np.int32))
             out.append(K.source(T.attrs_for(H, H, D, False) | {"block_size": BLOCK}, dt, shapes, layout=lay)[0])
@@ -324,6 +353,8 @@ def plan_sources(K, todo, dense):
         else:
             out.append(K.source(T.attrs_for(H, H, D, False), dt, shapes[:3] + [(B, 1, 1, S)])[0])
             out.append(K.source(T.attrs_for(H, H, D, False), dt, shapes)[0])
+            for _, cfg in variants(kind, D):
+                out.append(K.source(T.attrs_for(H, H, D, False), dt, shapes[:3] + [(B, 1, 1, S)], config=cfg)[0])
     for dt, S, D, c in dense:
         B, H = tokens_heads(S, D)
         shapes = [(B, H, S, D)] * 3 + [None]
@@ -355,6 +386,7 @@ def print_rows(rows):
         what = {"window": f"w={r.get('window')}", "layout": f"density={r.get('density')}",
                 "padding": f"pad={r.get('padding')}"}[r["kind"]]
         peers = " ".join(f"x{k[11:]}={r[k]:.2f}" for k in r if k.startswith("speedup_vs_"))
+        peers += "".join(f" {k}={r[k]:.2f}" for k in r if k.endswith("_vs_ours"))
         extra = f" vs_no_mask={r['vs_no_mask']:.3f}" if "vs_no_mask" in r else ""
         print(f"{base} {what:13s} visited={r['visited_fraction']:.3f} ours {r['ours_ms']:.3f} ms "
               f"({r['ours_eff_tfs']:.0f} eff TF/s) vs_ideal={r['vs_ideal']:.2f} {peers}{extra} "

@@ -203,12 +203,14 @@ typedef unsigned short u16;
 #define KEYPAD_RANGE                                                                                 \
     if ((BIAS_BATCH ? b : 0) != kp_batch) {                                                        \
         kp_batch = BIAS_BATCH ? b : 0;                                                             \
-        live_key_range(Bias, (long long)kp_batch * Sk, Sk, kp_first, kp_last);                     \
+        live = live_key_range(Bias, (long long)kp_batch * Sk, Sk);                                 \
     }
-#define KEYPAD_STATE int kp_batch = -1, kp_first = Sk, kp_last = -1;
+#define KEYPAD_STATE                                                                                 \
+    int kp_batch = -1;                                                                             \
+    KeyLive live = {Sk, -1, false};
 #else
 #define KEYPAD_RANGE
-#define KEYPAD_STATE const int kp_first = Sk, kp_last = -1;
+#define KEYPAD_STATE const KeyLive live = {Sk, -1, false};
 #endif
 #if LAYOUT
 #define LAYOUT_ARGS(h) , Offsets, Indices, nnz, (h)
@@ -300,7 +302,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             const int last_bh = u / per, last_mb = u % per;
             const int rows = min(bm, Sq - last_mb * bm);
             // that tile visits a key block (the live-range narrowing never empties a tile)
-            const bool loads = tile_blocks(last_mb * bm, bm, Sq, Sk, causal_off, Sk, -1 LAYOUT_ARGS(last_bh % H)).n > 0;
+            const bool loads = tile_blocks(last_mb * bm, bm, Sq, Sk, causal_off, KeyLive{Sk, -1, false}
+                                           LAYOUT_ARGS(last_bh % H)).n > 0;
             unsigned char* g = reinterpret_cast<unsigned char*>(O + ((long long)last_bh * Sq + (long long)last_mb * bm) * D);
             if (loads && rows * D * 2 >= 3 * 128 && ((u64)g & 63) == 0) tmaps = g;
         }
@@ -366,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     const int b = bh / H, h = bh % H;                                                              \
     const int kvh = b * Hkv + h / (H / Hkv); /* GQA: index the shared kv head, never copy it */  \
     KEYPAD_RANGE                                                                                   \
-    const KeyBlocks kbs = tile_blocks(m0, bm, Sq, Sk, causal_off, kp_first, kp_last LAYOUT_ARGS(h)); \
+    const KeyBlocks kbs = tile_blocks(m0, bm, Sq, Sk, causal_off, live LAYOUT_ARGS(h));           \
     const int n_blocks = kbs.n;                                                                    \
     (void)b; (void)kvh;
 
@@ -426,10 +429,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             PROF(PR_ISSUE)
             const u16* k_g = K + (long long)kvh * Sk * D;
             const u16* v_g = V + (long long)kvh * Sk * D;
+#if LAYOUT
+            int kb_next = n_blocks > 0 ? block_at(kbs, 0) : 0;  // the layout's indices, loaded a block ahead
+#endif
             for (int j = 0; j < n_blocks; ++j, ++it) {
                 const int s = it % STAGES;
                 const u32 ph = (it / STAGES) & 1;
-                const int kv0 = block_at(kbs, j) * BLOCK_N;
+#if LAYOUT
+                const int kv0 = kb_next * BLOCK_N;
+                if (j + 1 < n_blocks) kb_next = block_at(kbs, j + 1);
+#else
+                const int kv0 = (kbs.first + j) * BLOCK_N;
+#endif
                 PROF(PR_POST)
                 mbar_wait(BAR_EMPTY_K(s), ph ^ 1);  // a fresh barrier passes parity 1 at once
                 PROF(PR_WAIT_KV)
@@ -443,10 +454,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 {
                     // key bias of this tile, fp32 in log2 units; finfo.min-like values stay as they
                     // are (times log2(e) they would overflow to -inf, turning "masked" into "-inf").
-                    const int col = kv0 + ptid;
-                    float bv = 0.f;
-                    if (col < Sk) bv = bias_to_float(Bias, (BIAS_BATCH ? (long long)b * Sk : 0) + col);
-                    bias_ring[s * BLOCK_N + ptid] = bv < -2.0e38f ? bv : bv * 1.4426950408889634f;
+                    // A tile narrowed to a pure key-padding range reads none (kbs.bias false).
+                    if (kbs.bias) {
+                        const int col = kv0 + ptid;
+                        float bv = 0.f;
+                        if (col < Sk) bv = bias_to_float(Bias, (BIAS_BATCH ? (long long)b * Sk : 0) + col);
+                        bias_ring[s * BLOCK_N + ptid] = bv < -2.0e38f ? bv : bv * 1.4426950408889634f;
+                    }
                     mbar_arrive(BAR_FULL_K(s));  // BLOCK_N == 128 == producer threads
                 }
 #endif
@@ -487,7 +501,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             if (CAUSAL) lim0 = min(lim0, r0 + causal_off), lim1 = min(lim1, r1 + causal_off);
             if (WINDOW_RIGHT >= 0)
                 lim0 = min(lim0, r0 + causal_off + WINDOW_RIGHT), lim1 = min(lim1, r1 + causal_off + WINDOW_RIGHT);
-            const int low0 = r0 + causal_off - WINDOW_LEFT, low1 = r1 + causal_off - WINDOW_LEFT;
+            lim0 = min(lim0, kbs.key_hi), lim1 = min(lim1, kbs.key_hi);
+            int low0 = kbs.key_lo, low1 = kbs.key_lo;
+            if (WINDOW_LEFT >= 0)
+                low0 = max(low0, r0 + causal_off - WINDOW_LEFT), low1 = max(low1, r1 + causal_off - WINDOW_LEFT);
 #define MASK_BLOCK(kb)                                                                               \
     if ((kb) < kbs.clean_lo || (kb) >= kbs.clean_hi) apply_mask(s, (kb) * BLOCK_N, lim0, lim1, low0, low1, q4);
 
@@ -533,13 +550,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #if SOFTMAX_STREAM
                     {
                         float ms0, ms1;
-                        softmax_max<true>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
-                        softmax_exp_pack<true>(s, p, ms0, ms1, a0, a1, l0, l1);
+                        if (kbs.bias) {
+                            softmax_max<true, true>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
+                            softmax_exp_pack<true, true>(s, p, ms0, ms1, a0, a1, l0, l1);
+                        } else {
+                            softmax_max<true, false>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring, q4);
+                            softmax_exp_pack<true, false>(s, p, ms0, ms1, a0, a1, l0, l1);
+                        }
                     }
                     mbar_arrive_warp(BAR_EMPTY_K(s0));
                     PROF(PR_SOFTMAX)
 #else
-                    softmax_block<true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
+                    if (kbs.bias)
+                        softmax_block<true, true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
+                    else
+                        softmax_block<true, false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(s0));
                     PROF(PR_SOFTMAX)
                     pack_p(s, p);
@@ -591,18 +616,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #if SOFTMAX_STREAM
                     float ms0, ms1;
                     const bool resc =
-                        softmax_max<false>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + sj * BLOCK_N, q4);
+                        kbs.bias ? softmax_max<false, true>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + sj * BLOCK_N, q4)
+                                 : softmax_max<false, false>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring, q4);
                     PROF(PR_SOFTMAX)
                     PV_DONE(sp);
                     // before the exponentials, not among them: unconditional there (alpha = 1 where
                     // the warp kept its maxima), it cost 5-8 % at D = 128 (README "Tried")
                     if (resc) rescale(o, a0, a1);
-                    softmax_exp_pack<false>(s, p, ms0, ms1, a0, a1, l0, l1);
+                    if (kbs.bias)
+                        softmax_exp_pack<false, true>(s, p, ms0, ms1, a0, a1, l0, l1);
+                    else
+                        softmax_exp_pack<false, false>(s, p, ms0, ms1, a0, a1, l0, l1);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
                     PROF(PR_SOFTMAX)
 #else
                     const bool resc =
-                        softmax_block<false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4);
+                        kbs.bias ? softmax_block<false, true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4)
+                                 : softmax_block<false, false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring, q4);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
                     PROF(PR_SOFTMAX)
                     PV_DONE(sp);

@@ -15,6 +15,7 @@ arguments (one integer division per program), so one artifact serves every head 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -424,6 +425,10 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     if sp.layout and (sp.layout_block % cfg.block_m or sp.layout_block % cfg.block_n):
         raise ValueError(f"{name}: Triton tiles {cfg.block_m} x {cfg.block_n} do not divide the "
                          f"{sp.layout_block}-blocks of the layout")
+    if sp.layout and config is None:
+        # the layout loop holds two key blocks per listed block: deeper pipelines than 2 exceed
+        # shared memory (4 stages at D = 128: 288 KB)
+        cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, 2))
     ty = "*" + TRITON_TYPE[dtype]
     signature = {"Q": ty, "K": ty, "V": ty}
     constexprs: dict[str, Any] = {}

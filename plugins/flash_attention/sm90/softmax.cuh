@@ -32,28 +32,26 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Part one of the online softmax of a block: the key bias (BIAS_MODE 2, in place), the rows' block
+// Part one of the online softmax of a block: the key bias (BIAS: the tile adds it), in place; the rows' block
 // maxima and the new running maxima. Sets m (the running maxima), ms (what the exponents subtract:
 // m, or 0 while a row has seen no finite score, so that exp2 gives 0, not NaN) and alpha =
 // exp2(m_old - m_new) per row (0 for the first block); returns whether O needs rescaling (false
 // when the warp kept its maxima: alpha = 1, warp-uniform).
-template <bool FIRST>
+template <bool FIRST, bool BIAS>
 __device__ __forceinline__ bool softmax_max(float (&s)[64], float& m0, float& m1, float& ms0, float& ms1,
                                             float& alpha0, float& alpha1, const float* bias_s, int q4) {
-#if BIAS_MODE == 2
-    // key bias (already in log2 units): t = s * SCORE_LOG2 + b[col]
+    if (BIAS) {
+        // key bias (already in log2 units): t = s * SCORE_LOG2 + b[col]
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-        const float2 b = *reinterpret_cast<const float2*>(bias_s + 8 * n + 2 * q4);
-        s[4 * n + 0] = fmaf(s[4 * n + 0], SCORE_LOG2, b.x);
-        s[4 * n + 1] = fmaf(s[4 * n + 1], SCORE_LOG2, b.y);
-        s[4 * n + 2] = fmaf(s[4 * n + 2], SCORE_LOG2, b.x);
-        s[4 * n + 3] = fmaf(s[4 * n + 3], SCORE_LOG2, b.y);
+        for (int n = 0; n < 16; ++n) {
+            const float2 b = *reinterpret_cast<const float2*>(bias_s + 8 * n + 2 * q4);
+            s[4 * n + 0] = fmaf(s[4 * n + 0], SCORE_LOG2, b.x);
+            s[4 * n + 1] = fmaf(s[4 * n + 1], SCORE_LOG2, b.y);
+            s[4 * n + 2] = fmaf(s[4 * n + 2], SCORE_LOG2, b.x);
+            s[4 * n + 3] = fmaf(s[4 * n + 3], SCORE_LOG2, b.y);
+        }
     }
-    const float sc = 1.0f;
-#else
-    const float sc = SCORE_LOG2;  // folded into the exponent's FFMA
-#endif
+    const float sc = BIAS ? 1.0f : SCORE_LOG2;  // without a bias: folded into the exponent's FFMA
 #if SOFTMAX_STREAM
     // four partial maxima per row: a chain of 8 dependent FMNMX instead of 32
     float x0[4], x1[4];
@@ -95,8 +93,9 @@ __device__ __forceinline__ bool softmax_max(float (&s)[64], float& m0, float& m1
 
 // The exponentials of scores n-block n (in place): p = exp2(s * sc - ms); their per-thread row
 // sums (unless ONES_SUM) added to sum0 / sum1.
+template <bool BIAS>
 __device__ __forceinline__ void exp_nblock(float (&s)[64], int n, float ms0, float ms1, float& sum0, float& sum1) {
-    const float sc = BIAS_MODE == 2 ? 1.0f : SCORE_LOG2;
+    const float sc = BIAS ? 1.0f : SCORE_LOG2;
     s[4 * n + 0] = ex2(fmaf(s[4 * n + 0], sc, -ms0));
     s[4 * n + 1] = ex2(fmaf(s[4 * n + 1], sc, -ms0));
     s[4 * n + 2] = ex2(fmaf(s[4 * n + 2], sc, -ms1));
@@ -120,14 +119,14 @@ __device__ __forceinline__ void add_row_sums(float& l0, float& l1, float sum0, f
 // Online softmax of one block, in place: s becomes p = exp2(s * SCORE_LOG2 (+ bias) - m_new).
 // Sets alpha = exp2(m_old - m_new) per row (0 while a row has seen no finite score); returns
 // whether O needs rescaling (false when the warp kept its maxima: alpha = 1, warp-uniform).
-template <bool FIRST>
+template <bool FIRST, bool BIAS>
 __device__ __forceinline__ bool softmax_block(float (&s)[64], float& m0, float& m1, float& l0, float& l1,
                                               float& alpha0, float& alpha1, const float* bias_s, int q4) {
     float ms0, ms1;
-    const bool resc = softmax_max<FIRST>(s, m0, m1, ms0, ms1, alpha0, alpha1, bias_s, q4);
+    const bool resc = softmax_max<FIRST, BIAS>(s, m0, m1, ms0, ms1, alpha0, alpha1, bias_s, q4);
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
-    for (int n = 0; n < 16; ++n) exp_nblock(s, n, ms0, ms1, sum0, sum1);
+    for (int n = 0; n < 16; ++n) exp_nblock<BIAS>(s, n, ms0, ms1, sum0, sum1);
     add_row_sums<FIRST>(l0, l1, sum0, sum1, alpha0, alpha1);
     return resc;
 }
@@ -158,7 +157,7 @@ __device__ __forceinline__ void rescale(float (&o)[N], float a0, float a1) {
 #if SOFTMAX_STREAM
 // Part two of the online softmax with the P registers free (SOFTMAX_STREAM): the exponentials in
 // groups of 8 scores (the 16 keys of one P V k-step), each followed by its P packs.
-template <bool FIRST>
+template <bool FIRST, bool BIAS>
 __device__ __forceinline__ void softmax_exp_pack(float (&s)[64], u32 (&p)[8][4], float ms0, float ms1,
                                                  float a0, float a1, float& l0, float& l1) {
     float sum0 = 0.f, sum1 = 0.f;
@@ -170,8 +169,8 @@ __device__ __forceinline__ void softmax_exp_pack(float (&s)[64], u32 (&p)[8][4],
             ms0 = fmaf(s[8 * kk - 8], 0.f, ms0);
             ms1 = fmaf(s[8 * kk - 6], 0.f, ms1);
         }
-        exp_nblock(s, 2 * kk, ms0, ms1, sum0, sum1);
-        exp_nblock(s, 2 * kk + 1, ms0, ms1, sum0, sum1);
+        exp_nblock<BIAS>(s, 2 * kk, ms0, ms1, sum0, sum1);
+        exp_nblock<BIAS>(s, 2 * kk + 1, ms0, ms1, sum0, sum1);
         p[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
         p[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
         p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);

@@ -22,11 +22,24 @@
 // A key-padding bias at or below this masks its key: it adds exactly 0 to any row that also sees
 // an unmasked key (fp16 masks are finfo(float16).min = -65504).
 #define KEYPAD_MASKED (BIAS_DTYPE == 1 ? -3.0e4f : -1.0e30f)
+// Per-row lower key limits exist: a left window, or the first live key of a key-padding bias.
+#define HAS_LOW (WINDOW_LEFT >= 0 || BIAS_MODE == 2)
+
+// What a key-padding row holds: its live range [first, last] (first > last: no live key, or no
+// key-padding bias) and whether every value in that range is exactly 0 (pure: HF's padding mask,
+// 0 or finfo.min, with the padding outside the range).
+struct KeyLive {
+    int first, last;
+    bool pure;
+};
 
 // The blocks one tile visits: blocks first .. first + n - 1, or (LAYOUT) list[0 .. n - 1]. A block
-// kb needs the per-row mask unless clean_lo <= kb < clean_hi (no row's limit cuts it).
+// kb needs the per-row mask unless clean_lo <= kb < clean_hi (no row's limit cuts it). bias: the
+// tile adds the key bias; without it (no bias, or a pure key-padding row the tile was narrowed
+// to) keys outside [key_lo, key_hi] are masked instead, and the tile runs the no-bias math.
 struct KeyBlocks {
-    int first, n, clean_lo, clean_hi;
+    int first, n, clean_lo, clean_hi, key_lo, key_hi;
+    bool bias;
 #if LAYOUT
     const int* list;
 #endif
@@ -41,12 +54,11 @@ __device__ __forceinline__ int block_at(const KeyBlocks& r, int j) {
 }
 
 // Every row's visible keys [row + off - WINDOW_LEFT, min(row + off (+ WINDOW_RIGHT), Sk - 1)], for
-// the tile's rows m0 .. m0 + bm - 1 (those < Sq). live_first / live_last: the live range of the
-// key-padding row of this batch (live_first > live_last: none, or not a key-padding bias). Keys
-// outside it add exactly 0 to a row that sees a live key, so they are skipped when every row of
-// the tile does (checking its first and last rows is enough: their windows bound the others').
-__device__ __forceinline__ KeyBlocks tile_blocks(int m0, int bm, int Sq, int Sk, int off, int live_first,
-                                                 int live_last
+// the tile's rows m0 .. m0 + bm - 1 (those < Sq). live: the key-padding row of this batch. Keys
+// outside its live range add exactly 0 to a row that sees a live key, so they are skipped when
+// every row of the tile does (checking its first and last rows is enough: their windows bound
+// the others'); a pure row then needs no bias at all, only the range's limits.
+__device__ __forceinline__ KeyBlocks tile_blocks(int m0, int bm, int Sq, int Sk, int off, KeyLive live
 #if LAYOUT
                                                  , const int* offsets, const int* indices, int nnz, int h
 #endif
@@ -66,10 +78,11 @@ __device__ __forceinline__ KeyBlocks tile_blocks(int m0, int bm, int Sq, int Sk,
         clean_hi = min(clean_hi, first_row + off + WINDOW_RIGHT + 1);
     }
     KeyBlocks r;
-    r.clean_lo = (clean_lo + BLOCK_N - 1) / BLOCK_N;
-    r.clean_hi = max(clean_hi, 0) / BLOCK_N;
+    r.bias = BIAS_MODE == 2;
+    r.key_lo = 0;
+    r.key_hi = Sk - 1;
 #if LAYOUT
-    (void)live_first, (void)live_last;
+    (void)live;
     const int lh = LAYOUT_HEADS ? h : 0, mb = m0 / BLOCK_N;
     const int* row = offsets + lh * ((Sq + BLOCK_N - 1) / BLOCK_N + 1) + mb;
     const int p0 = __ldg(row), p1 = __ldg(row + 1);
@@ -77,26 +90,36 @@ __device__ __forceinline__ KeyBlocks tile_blocks(int m0, int bm, int Sq, int Sk,
     r.n = hi > lo ? p1 - p0 : 0;
     r.list = indices + (long long)lh * nnz + p0;
 #else
-    if (live_first <= live_last) {
+    if (live.first <= live.last) {
         int top = Sk - 1, bottom = 0;  // the first row's last visible key, the last row's first
         if (CAUSAL) top = min(top, first_row + off);
         if (WINDOW_RIGHT >= 0) top = min(top, first_row + off + WINDOW_RIGHT);
         if (WINDOW_LEFT >= 0) bottom = last_row + off - WINDOW_LEFT;
-        if (top >= live_first && bottom <= live_last) {
-            lo = max(lo, live_first);
-            hi = min(hi, live_last + 1);
+        if (top >= live.first && bottom <= live.last) {
+            lo = max(lo, live.first);
+            hi = min(hi, live.last + 1);
+            if (live.pure) {
+                r.bias = false;
+                r.key_lo = live.first;
+                r.key_hi = live.last;
+                clean_lo = max(clean_lo, live.first);
+                clean_hi = min(clean_hi, live.last + 1);
+            }
         }
     }
     r.first = lo / BLOCK_N;
     r.n = hi > lo ? (hi + BLOCK_N - 1) / BLOCK_N - r.first : 0;
 #endif
+    r.clean_lo = (clean_lo + BLOCK_N - 1) / BLOCK_N;
+    r.clean_hi = max(clean_hi, 0) / BLOCK_N;
     return r;
 }
 
 // The live range (first, last key whose bias is above KEYPAD_MASKED; NaN counts as live) of one
-// key-padding row, by one warp: (Sk, -1) when every key is masked. Each warp scans on its own (no
-// barrier), once per batch change of its CTA's tiles (the callers cache it).
-__device__ __forceinline__ void live_key_range(const void* bias, long long row, int Sk, int& first, int& last) {
+// key-padding row and whether it is pure, by one warp: (Sk, -1) when every key is masked. Each
+// warp scans on its own (no barrier), once per batch change of its CTA's tiles (the callers cache
+// it); two passes over the row, the second over the range only.
+__device__ __forceinline__ KeyLive live_key_range(const void* bias, long long row, int Sk) {
     const int lane = threadIdx.x % 32;
     int f = Sk, l = -1;
 #pragma unroll 1
@@ -107,12 +130,19 @@ __device__ __forceinline__ void live_key_range(const void* bias, long long row, 
             l = c;
         }
     }
-    first = __reduce_min_sync(0xffffffffu, f);
-    last = __reduce_max_sync(0xffffffffu, l);
+    KeyLive live;
+    live.first = __reduce_min_sync(0xffffffffu, f);
+    live.last = __reduce_max_sync(0xffffffffu, l);
+    bool nonzero = false;
+#pragma unroll 1
+    for (int c = live.first + lane; c <= live.last; c += 32) nonzero |= bias_to_float(bias, row + c) != 0.f;
+    live.pure = !__any_sync(0xffffffffu, nonzero);
+    return live;
 }
 
 // Scores of key block kv0 no row may see: keys past each row's upper limit (lim: Sk, causal,
-// right window) and, with a left window, before its lower limit (low). Limits relative to this
+// right window, a pure key-padding row's last live key) and before its lower limit (low: left
+// window, the first live key). Limits relative to this
 // thread's first column, so each test compares a register with the constant 8n + j.
 __device__ __forceinline__ void apply_mask(float (&s)[64], int kv0, int lim0, int lim1, int low0, int low1, int q4) {
     const int rel0 = lim0 - kv0 - 2 * q4, rel1 = lim1 - kv0 - 2 * q4;
@@ -122,8 +152,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[64], int kv0, int lim0, in
     for (int n = 0; n < 16; ++n)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            if (8 * n + j > rel0 || (WINDOW_LEFT >= 0 && 8 * n + j < lr0)) s[4 * n + j] = NEG_INF;
-            if (8 * n + j > rel1 || (WINDOW_LEFT >= 0 && 8 * n + j < lr1)) s[4 * n + 2 + j] = NEG_INF;
+            if (8 * n + j > rel0 || (HAS_LOW && 8 * n + j < lr0)) s[4 * n + j] = NEG_INF;
+            if (8 * n + j > rel1 || (HAS_LOW && 8 * n + j < lr1)) s[4 * n + 2 + j] = NEG_INF;
         }
 }
 
