@@ -132,8 +132,8 @@ typedef unsigned short u16;
 #define BLOCK_M (64 * CONSUMERS)         // query rows per CTA
 #define D HEAD_DIM
 #define NTHREADS (128 * (CONSUMERS + 1)) // producer warpgroup + consumer warpgroups
-#if CONSUMERS == 2 && BIAS_MODE == 2 && CAUSAL && HEAD_DIM == 128
-#define PRODUCER_REGS 64                 // 56 spilled the key-padding live range with the causal pairs
+#if CONSUMERS == 2 && HEAD_DIM == 128 && ((BIAS_MODE == 2 && CAUSAL) || LAYOUT)
+#define PRODUCER_REGS 64                 // 56 spilled the key-padding scan with the causal pairs, and the layout walk
 #define CONSUMER_REGS 216                // 128 * 64 + 256 * 216 <= 64K registers
 #elif CONSUMERS == 2
 #define PRODUCER_REGS 56                 // 40 spilled the causal pair indexing (D = 64, no key bias)
@@ -196,14 +196,18 @@ typedef unsigned short u16;
 #include "sm90/softmax.cuh"   // consumers: online softmax, rescale, packing
 #include "sm90/sparsity.cuh"  // the key blocks a tile visits (windows, key padding, layouts), masks, soft-cap
 
-// The key-padding live range of a tile's batch (sparsity.cuh), per warp, rescanned only when the
-// batch changes between the CTA's tiles; without a key-padding bias (or with a layout) the range
-// is (Sk, -1): none.
-#if BIAS_MODE == 2 && !LAYOUT
+// Key padding (KEYPAD_SLOTS): the producer scans the key-padding row of a tile's batch
+// (sparsity.cuh live_key_range; again only when the batch changes between the CTA's tiles),
+// narrows the tile's blocks to its live range and hands them to the consumers in the tile's Q
+// slot record (written before an extra arrival on the Q "full" barrier, so the consumers' wait
+// orders it), so they neither scan nor wait for a scan. Without a key-padding bias (or with a
+// layout) the range is (Sk, -1): none, and every role computes the blocks itself.
+#define KEYPAD_SLOTS (BIAS_MODE == 2 && !LAYOUT)
+#if KEYPAD_SLOTS
 #define KEYPAD_RANGE                                                                                 \
     if ((BIAS_BATCH ? b : 0) != kp_batch) {                                                        \
         kp_batch = BIAS_BATCH ? b : 0;                                                             \
-        live = live_key_range(Bias, (long long)kp_batch * Sk, Sk);                                 \
+        live = live_key_range(Bias, (long long)kp_batch * Sk, Sk, ptid, live_red);                 \
     }
 #define KEYPAD_STATE                                                                                 \
     int kp_batch = -1;                                                                             \
@@ -265,6 +269,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #endif
     float* bias_ring = reinterpret_cast<float*>(smem_raw + (base + OFF_BIAS - raw));
     (void)bias_ring;
+#if KEYPAD_SLOTS
+    __shared__ KeyBlocks tile_slot[Q_BUFFERS];  // the producer's narrowed blocks of each Q slot's tile
+    __shared__ int live_red[12];                // live_key_range's reductions
+#endif
 
     // num_tiles counts BLOCK_M-row tiles (launch.py); with nc < CONSUMERS active consumer
     // warpgroups the tiles are bm = 64 * nc rows.
@@ -283,6 +291,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     // pairs of query blocks, a pair ending with its light block; else query blocks).
     const int G = gridDim.x;
     const int P = CAUSAL ? (num_m + 1) / 2 : num_m;
+#if LAYOUT
+    // Layouts: a contiguous range of tiles of equal cost per CTA (sparsity.cuh layout_tile_range)
+    __shared__ int tile_range[2];
+    __shared__ int head_prefix[MAX_LAYOUT_HEADS + 1];
+    if (threadIdx.x < 32) layout_tile_range(Offsets, H, BH, num_m, G, blockIdx.x, head_prefix, tile_range);
+    __syncthreads();
+    const int tile_begin = tile_range[0], tile_end = tile_range[1];
+#endif
 
     // TMA loads: this CTA's tensor maps (Q, K, V: 3 x 128 bytes) live in the first rows of the
     // output tile it writes last (the tile order below). No other CTA writes there (tiles are
@@ -295,10 +311,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #if TMA
     {
         const u32 grid = G, bid = blockIdx.x;
-        const u32 per = P;
+        const u32 per = LAYOUT ? num_m : P;
         const u32 units = BH * per;
+#if LAYOUT
+        if (tile_end > tile_begin && Sk > 0) {
+            const u32 u = tile_end - 1;  // this CTA's last tile
+            (void)grid, (void)bid, (void)units;
+#else
         if (bid < units && Sk > 0) {
             const u32 u = (units - 1 - bid) / grid * grid + bid;  // this CTA's last unit
+#endif
             const int last_bh = u / per, last_mb = u % per;
             const int rows = min(bm, Sq - last_mb * bm);
             // that tile visits a key block (the live-range narrowing never empties a tile)
@@ -313,7 +335,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 
     if (threadIdx.x == 0) {
         for (int q = 0; q < Q_BUFFERS; ++q) {
-            mbar_init(BAR_Q_FULL(q), use_tma ? 1 : 128);  // one expect_tx arrival, or 128 cp.async ones
+            // one expect_tx arrival, or 128 cp.async ones; + the tile_slot arrival (KEYPAD_SLOTS)
+            mbar_init(BAR_Q_FULL(q), (use_tma ? 1 : 128) + KEYPAD_SLOTS);
             mbar_init(BAR_Q_EMPTY(q), 4 * nc);  // consumer barriers: one arrival per consumer warp
         }
         for (int s = 0; s < STAGES; ++s) {
@@ -339,7 +362,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 
     // Tile order: no dynamic scheduler (it would need a global counter, and QDP kernels get no
     // scratch memory); a fixed assignment that keeps K/V reuse in L2 and the CTAs' work even.
-#if CAUSAL
+#if LAYOUT
+    // Layouts: this CTA's contiguous range of equal cost (above), query block fastest.
+#define TILE_LOOP for (int tile = tile_begin; tile < tile_end; ++tile)
+#define TILE_INDEX                                                                                   \
+    const int bh = tile / num_m;                                                                   \
+    const int mb = tile % num_m;
+#elif CAUSAL
     // Causal: head-major pairs. CTA i takes pairs i, i + G, ...; pair q = (head q / P, k = q % P)
     // is query blocks num_m - 1 - k and k of one head, so every pair costs num_m + 1 key blocks
     // (balanced without ordering tiles by cost), and the CTAs running together share a few heads'
@@ -368,9 +397,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     const int m0 = mb * bm;                                                                        \
     const int b = bh / H, h = bh % H;                                                              \
     const int kvh = b * Hkv + h / (H / Hkv); /* GQA: index the shared kv head, never copy it */  \
-    KEYPAD_RANGE                                                                                   \
-    const KeyBlocks kbs = tile_blocks(m0, bm, Sq, Sk, causal_off, live LAYOUT_ARGS(h));           \
-    const int n_blocks = kbs.n;                                                                    \
+    LIVE_UPDATE                                                                                    \
+    KeyBlocks kbs = tile_blocks(m0, bm, Sq, Sk, causal_off, live LAYOUT_ARGS(h));                 \
+    int n_blocks = kbs.n;                                                                          \
     (void)b; (void)kvh;
 
     if (wg == 0) {
@@ -406,6 +435,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         PROF_DECL
         int it = 0, tc = 0;  // K/V tiles and Q tiles loaded so far (ring positions and phases)
         KEYPAD_STATE
+#define LIVE_UPDATE KEYPAD_RANGE
         TILE_LOOP {
             TILE_COORDS
             if (n_blocks == 0) continue;  // every row of this tile is dead: nothing to load
@@ -424,6 +454,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 load_tile<BLOCK_M>(Q_SLOT(qs), Q + ((long long)bh * Sq + m0) * D, min(Sq - m0, bm), ptid);
                 cp_async_arrive(BAR_Q_FULL(qs));
             }
+#if KEYPAD_SLOTS
+            if (ptid == 0) {  // the record, then the arrival that releases it to the consumers
+                tile_slot[qs] = kbs;
+                mbar_arrive(BAR_Q_FULL(qs));
+            }
+#endif
             ++tc;
             PROF_COUNT(PR_TILES);
             PROF(PR_ISSUE)
@@ -489,24 +525,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         const int row_in_tile = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: +0 and +8
         const u32 q_wg = cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
         int it = 0, tc = 0;
-        KEYPAD_STATE
+        const KeyLive live = {Sk, -1, false};  // the blocks of a key-padding tile come from the producer
+#undef LIVE_UPDATE
+#define LIVE_UPDATE
         if (cw == nc - 1) named_arrive(1);  // warpgroup 0 issues first
         TILE_LOOP {
-            TILE_COORDS
+            TILE_COORDS  // (narrowing never empties a tile: n_blocks > 0 is decided without the scan)
             const int r0 = m0 + row_in_tile, r1 = r0 + 8;
-            // keys visible to each row: [low, lim] with lim < Sk, (causal) <= row + causal_off,
-            // (right window) <= row + causal_off + WINDOW_RIGHT, and (left window) low = row +
-            // causal_off - WINDOW_LEFT; blocks kbs.clean_lo <= kb < kbs.clean_hi need no mask
-            int lim0 = Sk - 1, lim1 = Sk - 1;
-            if (CAUSAL) lim0 = min(lim0, r0 + causal_off), lim1 = min(lim1, r1 + causal_off);
-            if (WINDOW_RIGHT >= 0)
-                lim0 = min(lim0, r0 + causal_off + WINDOW_RIGHT), lim1 = min(lim1, r1 + causal_off + WINDOW_RIGHT);
-            lim0 = min(lim0, kbs.key_hi), lim1 = min(lim1, kbs.key_hi);
-            int low0 = kbs.key_lo, low1 = kbs.key_lo;
-            if (WINDOW_LEFT >= 0)
-                low0 = max(low0, r0 + causal_off - WINDOW_LEFT), low1 = max(low1, r1 + causal_off - WINDOW_LEFT);
-#define MASK_BLOCK(kb)                                                                               \
-    if ((kb) < kbs.clean_lo || (kb) >= kbs.clean_hi) apply_mask(s, (kb) * BLOCK_N, lim0, lim1, low0, low1, q4);
 
             float o[O_REGS];
 #pragma unroll
@@ -523,6 +548,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 mbar_wait(BAR_Q_FULL(qs), (tc / Q_BUFFERS) & 1);
                 PROF(PR_WAIT_Q)
                 ++tc;
+#if KEYPAD_SLOTS
+                kbs = tile_slot[qs];
+                n_blocks = kbs.n;
+#endif
+                // keys visible to each row: [low, lim] with lim < Sk, (causal) <= row + causal_off,
+                // (right window) <= row + causal_off + WINDOW_RIGHT, a pure key-padding range's
+                // last key, and low: (left window) row + causal_off - WINDOW_LEFT, the range's
+                // first key; blocks kbs.clean_lo <= kb < kbs.clean_hi need no mask
+                int lim0 = Sk - 1, lim1 = Sk - 1;
+                if (CAUSAL) lim0 = min(lim0, r0 + causal_off), lim1 = min(lim1, r1 + causal_off);
+                if (WINDOW_RIGHT >= 0)
+                    lim0 = min(lim0, r0 + causal_off + WINDOW_RIGHT), lim1 = min(lim1, r1 + causal_off + WINDOW_RIGHT);
+                lim0 = min(lim0, kbs.key_hi), lim1 = min(lim1, kbs.key_hi);
+                int low0 = kbs.key_lo, low1 = kbs.key_lo;
+                if (WINDOW_LEFT >= 0)
+                    low0 = max(low0, r0 + causal_off - WINDOW_LEFT), low1 = max(low1, r1 + causal_off - WINDOW_LEFT);
+#define MASK_BLOCK(kb)                                                                               \
+    if ((kb) < kbs.clean_lo || (kb) >= kbs.clean_hi) apply_mask(s, (kb) * BLOCK_N, lim0, lim1, low0, low1, q4);
                 // -- block 0: scores and softmax (nothing before it to overlap with) --
                 {
                     const int s0 = it % STAGES;
