@@ -199,6 +199,9 @@ SPARSE_CASES = [
     (2, 4, 1, 1000, 1000, 64, 1, (), "bfloat16", {"layout": (0.25, 1)}),
     (2, 4, 2, 900, 1000, 128, 0, (2, 1, 1, 1000), "bfloat16", {"layout": (0.5, 4), "keypad": "right"}),
     (1, 2, 2, 3000, 3000, 128, 0, None, "bfloat16", {"layout": (0.05, 2)}),
+    # more tiles than CTAs: the equal-cost tile ranges over 40 per-head layouts, three batches
+    (3, 40, 8, 1300, 1300, 64, 0, None, "bfloat16", {"layout": (0.2, 40)}),
+    (2, 40, 8, 1300, 1300, 128, 1, (2, 1, 1, 1300), "float16", {"layout": (0.3, 40), "keypad": "right"}),
 ]
 
 
