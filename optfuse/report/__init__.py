@@ -23,13 +23,13 @@ from .common import format_bytes
 from .convert import summary_markdown, write_summary
 from .facts import REPORT_JSON as SUMMARY_JSON
 from .facts import convert_facts, verify_facts
-from .html import EXTRA_HINT, REPORT_HTML, missing_extra, render_html, write_html
+from .html import EXTRA_HINT, REPORT_HTML, SECTION_IDS, missing_extra, render_html, write_html
 from .fusion import REPORT_JSON, REPORT_MD, build_report, render_markdown, report_stem, write_report
 from .manifest import MANIFEST, manifest_outputs, read_manifest, write_manifest
 from .precision import precision_markdown, write_precision_report
 
 __all__ = [
-    "EXTRA_HINT", "MANIFEST", "REPORT_HTML", "REPORT_JSON", "SUMMARY_JSON", "convert_facts", "missing_extra",
+    "EXTRA_HINT", "MANIFEST", "REPORT_HTML", "REPORT_JSON", "SECTION_IDS", "SUMMARY_JSON", "convert_facts", "missing_extra",
     "render_html", "verify_facts", "write_html", "REPORT_MD", "accuracy_dict", "accuracy_markdown", "build_markdown", "build_report",
     "format_bytes", "manifest_outputs", "precision_markdown", "read_manifest", "render_markdown", "report_stem", "summary_markdown", "verify_line",
     "write_accuracy_report", "write_build_report", "write_manifest", "write_precision_report", "write_report", "write_summary",

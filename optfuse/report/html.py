@@ -66,15 +66,18 @@ def _figure(salt: str, figsize: tuple[float, float]):
             plt.close(fig)
 
 
-def _svg(fig) -> str:
-    """`fig` as an SVG element for an HTML page: no XML prolog, DOCTYPE, metadata or namespace URLs."""
+def _svg(fig, prefix: str) -> str:
+    """`fig` as an SVG element for an HTML page: no XML prolog, DOCTYPE, metadata or namespace URLs,
+    every element id (and each reference to one) prefixed, unique in a page of several figures."""
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Creator": None, "Date": None, "Format": None,
                                                                      "Type": None})
     text = buf.getvalue()
     text = text[text.index("<svg"):]
     text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
-    return re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", text)
+    text = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", text)
+    text = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{prefix}-{m.group(1)}"', text)
+    return re.sub(r'(url\(|href=")#([^)"]+)', lambda m: f"{m.group(1)}#{prefix}-{m.group(2)}", text)
 
 
 def hbm_svg(hbm: Mapping[str, Any]) -> str | None:
@@ -91,7 +94,7 @@ def hbm_svg(hbm: Mapping[str, Any]) -> str | None:
         ax.set_xlabel("estimated HBM traffic saved per run (bytes)")
         ax.set_xlim(0, max(max(values) * 1.25, 1))
         ax.spines[["top", "right"]].set_visible(False)
-        return _svg(fig)
+        return _svg(fig, "hbm")
 
 
 def _output_ratio(o: Mapping[str, Any]) -> float:
@@ -107,17 +110,18 @@ def worst_outputs(accuracy: Mapping[str, Any], n: int = PLOTTED_OUTPUTS) -> list
     return sorted(worst, key=lambda k: -worst[k])[:n]
 
 
-def error_svg(output: str, series: Sequence[tuple[str, Mapping[str, Any]]]) -> str | None:
+def error_svg(output: str, series: Sequence[tuple[str, Mapping[str, Any]]], key: str = "err") -> str | None:
     """The CDF of |diff| of one output, a line per (label, output result) with quantiles, and
-    each distinct atol as a vertical line; None when no series has quantiles."""
+    each distinct atol as a vertical line; None when no series has quantiles. `key`: the figure's
+    id prefix (one per figure of a page)."""
     drawn = [(label, o) for label, o in series if o.get("abs_quantiles")]
     if not drawn:
         return None
     positive = [q for _, o in drawn for _, q in o["abs_quantiles"] if q > 0 and math.isfinite(q)]
     floor = min(positive) / 10 if positive else 1e-12
-    with _figure(f"err-{output}", (6.4, 2.8)) as (fig, ax):
+    with _figure(key, (6.4, 2.8)) as (fig, ax):
         _draw_cdf(ax, drawn, floor, output)
-        return _svg(fig)
+        return _svg(fig, key)
 
 
 def _draw_cdf(ax, drawn: Sequence[tuple[str, Mapping[str, Any]]], floor: float, output: str) -> None:
@@ -142,7 +146,7 @@ def per_node_svg(per_node: Sequence[Mapping[str, Any]], offenders: Sequence[Mapp
         return None
     with _figure("per-node", (7.2, 3.2)) as (fig, ax):
         _draw_growth(ax, per_node, offenders)
-        return _svg(fig)
+        return _svg(fig, "per-node")
 
 
 def _draw_growth(ax, per_node: Sequence[Mapping[str, Any]], offenders: Sequence[Mapping[str, Any]]) -> None:
@@ -168,10 +172,10 @@ def _plots(facts: Mapping[str, Any]) -> dict[str, Any]:
     accuracy = facts.get("accuracy") or {}
     mode = (facts.get("precision") or {}).get("mode", "")
     errors = []
-    for name in worst_outputs(accuracy):
+    for i, name in enumerate(worst_outputs(accuracy)):
         series = [(f"{label} ({mode})" if mode else label, o) for label, check in accuracy.items()
                   for o in check.get("outputs") or () if o["name"] == name]
-        errors.append({"output": name, "svg": error_svg(name, series)})
+        errors.append({"output": name, "svg": error_svg(name, series, key=f"err{i}")})
     fusion = facts.get("fusion")
     per_node = facts.get("per_node")
     return {"hbm": hbm_svg(fusion["hbm"]) if fusion else None, "errors": errors,
