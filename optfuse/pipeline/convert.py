@@ -235,7 +235,8 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
     no_html = missing_extra()
     html = None if no_html else outdir / REPORT_HTML
     res.steps.append(Step("report.html", "skipped", no_html) if no_html else
-                     Step("report.html", "ok", "", [str(outdir / SUMMARY_JSON), str(html)]))
+                     Step("report.html", "ok", "the run as one page: report.html (its facts: report.json)",
+                          [str(outdir / SUMMARY_JSON), str(html)]))
     res.summary = write_summary(recipe.name if recipe is not None else path.stem, path, outdir, res.steps,
                                 fused.report, prec, res.accuracy, res.build_report, options=res.options,
                                 per_node=res.per_node, html=html)
