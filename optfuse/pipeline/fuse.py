@@ -247,7 +247,10 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
         from ..report import verify_facts, write_html
         from ..verify import precision_of
 
-        write_html(verify_facts(result, precision_of(model_header(candidate))), Path(html))
+        try:
+            write_html(verify_facts(result, precision_of(model_header(candidate))), Path(html))
+        except OSError as exc:
+            raise InputError(f"cannot write {html}: {exc.strerror or exc}") from None
     return result
 
 
