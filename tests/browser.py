@@ -10,6 +10,7 @@ says where it is, or None.
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import shutil
@@ -90,9 +91,14 @@ def load_page(chromium: str, page: Path, width: int = 1200, timeout: float = 60.
     profile = tempfile.mkdtemp(prefix="optfuse-chromium-")
     to_browser_r, to_browser_w = os.pipe()
     from_browser_r, from_browser_w = os.pipe()
+    # the browser reads commands on fd 3 and writes replies on fd 4; the pipe ends move to fds >= 10 first,
+    # so that neither dup2 overwrites the other's source. Python's own fds are not inheritable (PEP 446):
+    # with close_fds=False the browser gets 0-4 and nothing else.
+    commands, replies = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (to_browser_r, from_browser_w))
+    os.close(to_browser_r)
+    os.close(from_browser_w)
 
-    def child_fds():  # the browser reads commands on fd 3 and writes replies on fd 4
-        commands, replies = os.dup(to_browser_r), os.dup(from_browser_w)  # neither is 3 or 4 once both are taken
+    def child_fds():
         os.dup2(commands, 3)
         os.dup2(replies, 4)
 
@@ -100,10 +106,10 @@ def load_page(chromium: str, page: Path, width: int = 1200, timeout: float = 60.
            "--disable-extensions", "--disable-background-networking", "--disable-component-update",
            "--disable-sync", "--metrics-recording-only", "--remote-debugging-pipe", f"--user-data-dir={profile}",
            "about:blank"]
-    proc = subprocess.Popen(cmd, preexec_fn=child_fds, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            pass_fds=(3, 4))
-    os.close(to_browser_r)
-    os.close(from_browser_w)
+    proc = subprocess.Popen(cmd, preexec_fn=child_fds, close_fds=False, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    os.close(commands)
+    os.close(replies)
     pipe = _Pipe(to_browser_w, from_browser_r)
     try:
         return _drive(pipe, page, width, time.monotonic() + timeout)

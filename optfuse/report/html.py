@@ -87,13 +87,18 @@ def hbm_svg(hbm: Mapping[str, Any]) -> str | None:
         return None
     labels = [*per_family, "total"]
     values = [*per_family.values(), hbm.get("total", sum(per_family.values()))]
+    from matplotlib.ticker import MaxNLocator
+
     with _figure("hbm", (6.4, 0.45 * len(labels) + 0.9)) as (fig, ax):
         bars = ax.barh(labels, values, color=["#4878a8"] * len(per_family) + ["#2d4d6e"])
         ax.invert_yaxis()
-        ax.bar_label(bars, labels=[format_bytes(int(v)) for v in values], padding=3)
+        for bar, v in zip(bars, values):  # right of the bar, or of 0 for a family that saves less than nothing
+            ax.annotate(format_bytes(int(v)), (max(v, 0), bar.get_y() + bar.get_height() / 2), xytext=(3, 0),
+                        textcoords="offset points", va="center")
         ax.xaxis.set_major_formatter(lambda v, _pos: format_bytes(int(v)))
         ax.set_xlabel("estimated HBM traffic saved per run")
-        ax.set_xlim(0, max(max(values) * 1.25, 1))
+        ax.set_xlim(min(min(values) * 1.25, 0), max(max(values) * 1.25, 1))  # a family can save less than 0
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
         ax.spines[["top", "right"]].set_visible(False)
         return _svg(fig, "hbm")
 
