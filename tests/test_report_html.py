@@ -169,14 +169,22 @@ def test_per_node_section_plots_and_names_the_top_offenders(tmp_path, recipe):
     assert top.index("optfuse/layer_norm.native/7") < min(top.index(e["node"]) for e in facts["top_offenders"][1:])
 
 
+def test_report_md_names_the_top_offenders():
+    from optfuse.report.convert import per_node_markdown
+
+    lines = per_node_markdown(per_node_entries())
+    rows = [ln for ln in lines if ln.startswith("| optfuse/")]
+    assert len(rows) == 5 and rows[0].startswith("| optfuse/layer_norm.native/7 |")
+    assert per_node_markdown(None)[-1] == f"not run: {PER_NODE_NOT_RUN}"
+
+
 @needs_extra
 def test_verify_html_writes_the_page(tmp_path):
-    from optfuse import pipeline
-
     onnx.save(graphs.residual_block(hidden=64, norm="layer_norm", n_layers=1), tmp_path / "a.onnx")
     page = tmp_path / "verify.html"
-    result = pipeline.verify(tmp_path / "a.onnx", tmp_path / "a.onnx", html=page)
-    assert result.passed
+    res = invoke("verify", tmp_path / "a.onnx", tmp_path / "a.onnx", "--html", page)
+    assert res.exit_code == 0, res.stderr
+    assert f"wrote the report to {page}" in " ".join(res.stdout.split())
     text = page.read_text()
     assert set(SECTION_IDS) <= set(parse(text).ids)
     assert_self_contained(text)
