@@ -68,8 +68,10 @@ def test_wheel_holds_the_plugins_and_nothing_else(wheel):
     leaks = [n for n in names if "/test_" in n or n.endswith(("conftest.py", ".pyc", ".md", ".json", ".onnx", ".data"))
              or "__pycache__" in n or "/results/" in n or "optfuse-demo" in n]
     assert not leaks, leaks
-    # every optfuse module of the checkout is there (and nothing that is not in the checkout)
+    # every optfuse module of the checkout is there, and report.html's template (nothing that is not in the checkout)
     src = {str(p.relative_to(ROOT)) for p in (ROOT / "optfuse").rglob("*.py") if "__pycache__" not in p.parts}
+    src |= {str(p.relative_to(ROOT)) for p in (ROOT / "optfuse" / "report" / "templates").glob("*.j2")}
+    assert "optfuse/report/templates/report.html.j2" in src
     assert {n for n in names if n.startswith("optfuse/")} == src
 
 

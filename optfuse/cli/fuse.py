@@ -96,6 +96,8 @@ def verify(
     load_inputs: Optional[list[Path]] = args.LOAD_INPUTS,
     save_inputs: Optional[Path] = args.SAVE_INPUTS,
     save_outputs: Optional[Path] = args.SAVE_OUTPUTS,
+    html: Optional[Path] = typer.Option(None, "--html", help="Also write the run's report.html (plots; needs "
+                                        "pip install 'optfuse[report]').", show_default=False),
     json_out: bool = args.JSON,
 ) -> None:
     """Run ORIGINAL and CANDIDATE in onnxruntime on the same inputs (at the opt shapes) and compare
@@ -109,13 +111,13 @@ def verify(
     with progress("verifying") as status:
         result = pipeline.verify(original, candidate, rec, iterations=iterations, seed=seed, status=status,
                                  overrides=over, load_inputs=tuple(load_inputs or ()), save_inputs=save_inputs,
-                                 save_outputs=save_outputs)
+                                 save_outputs=save_outputs, html=html)
     if json_out:
         print_json(result.to_dict())
     else:
         out = console()
         show.verification(out, result, show_inputs=True)
-        for label, path in (("inputs", save_inputs), ("outputs", save_outputs)):
+        for label, path in (("inputs", save_inputs), ("outputs", save_outputs), ("the report", html)):
             if path is not None:
                 out.print(f"wrote {label} to {path}")
     pipeline.raise_if_failed(result)

@@ -5,7 +5,8 @@
       -> verify (FP32 original vs fused+precision, both onnxruntime CPU)
       -> build (when a TensorRT backend is installed) -> <name>.plan, build_report.{json,md}, build.log
       -> engine check (polygraphy TrtRunner, only when the engine can run on this GPU)
-      -> accuracy_report.{json,md}, report.md (every step: ran / skipped and why)
+      -> accuracy_report.{json,md}, report.{md,json,html} (every step: ran / skipped and why; the page
+         needs the `report` extra, and without it the run says so in its "report.html" step)
 
 It exits 0 when everything it ran passed; a step it could not run is reported, not failed. One
 function per step; each appends its :class:`Step` to the outcome.
@@ -57,6 +58,8 @@ class ConvertOutcome:
     profile_warning: str = ""
     #: what the run used and where each value came from (also in the manifest and report.md)
     options: dict = field(default_factory=dict)
+    #: the per-node comparison's entries (report.facts.PER_NODE_KEYS), None when it did not run
+    per_node: list[dict] | None = None
 
     @property
     def passed(self) -> bool:
@@ -123,7 +126,7 @@ def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str 
 
 
 #: the fixed-name files a convert run writes (removed from the folder a new run completes into)
-_RUN_FILES = ("report.md", "accuracy_report.json", "accuracy_report.md", "precision_report.json",
+_RUN_FILES = ("report.md", "report.json", "report.html", "accuracy_report.json", "accuracy_report.md", "precision_report.json",
               "build_report.json", "build_report.md", "build.log", "fusion_report.json", "fusion_report.md")
 
 
@@ -154,7 +157,7 @@ def _keep_partial(staging: Path, outdir: Path, created: bool, exc: BaseException
 def _relocate(staging: Path, dest: Path) -> None:
     """Rewrite the staging folder's name in its text reports to `dest` (where the files end up)."""
     for f in staging.iterdir():
-        if f.suffix in (".md", ".json") and f.is_file():
+        if f.suffix in (".md", ".json", ".html") and f.is_file():
             text = f.read_text(encoding="utf-8", errors="replace")
             if str(staging) in text:
                 f.write_text(text.replace(str(staging), str(dest)))
@@ -191,7 +194,7 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
                   iterations: int | None, seed: int, skip_build: bool, status: Status, overrides: Overrides,
                   arrays: RunArrays) -> ConvertOutcome:
     """fuse -> precision -> verify -> build -> engine check -> reports, every file into `outdir`."""
-    from ..report import write_accuracy_report, write_summary
+    from ..report import REPORT_HTML, SUMMARY_JSON, missing_extra, write_accuracy_report, write_summary
     from ..trt.run import polygraphy_env
 
     progress = as_progress(status)
@@ -229,8 +232,14 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
         step.detail = f"{res.steps[-1].state}: {res.steps[-1].detail.splitlines()[0] if res.steps[-1].detail else ''}"
 
     write_accuracy_report(res.accuracy, outdir)
+    no_html = missing_extra()
+    html = None if no_html else outdir / REPORT_HTML
+    res.steps.append(Step("report.html", "skipped", no_html) if no_html else
+                     Step("report.html", "ok", "the run as one page: report.html (its facts: report.json)",
+                          [str(outdir / SUMMARY_JSON), str(html)]))
     res.summary = write_summary(recipe.name if recipe is not None else path.stem, path, outdir, res.steps,
-                                fused.report, prec, res.accuracy, res.build_report, options=res.options)
+                                fused.report, prec, res.accuracy, res.build_report, options=res.options,
+                                per_node=res.per_node, html=html)
     if build_error is not None:
         raise type(build_error)(str(build_error))
     failed = [s for s in res.steps if s.state == "failed"]

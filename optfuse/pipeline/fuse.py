@@ -197,10 +197,12 @@ def _check_output(model: Path, out: Path) -> None:
 def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Recipe | None = None,
            iterations: int | None = None, seed: int = 0, atol: float | None = None, rtol: float | None = None,
            status: Status = noop, *, overrides: Overrides = NO_OVERRIDES, load_inputs: Sequence[os.PathLike | str] = (),
-           save_inputs: str | os.PathLike | None = None, save_outputs: str | os.PathLike | None = None) -> VerifyResult:
+           save_inputs: str | os.PathLike | None = None, save_outputs: str | os.PathLike | None = None,
+           html: str | os.PathLike | None = None) -> VerifyResult:
     """ORIGINAL vs CANDIDATE in onnxruntime, with the recipe's inputs and tolerances under the
     command line's (`overrides`; `atol`/`rtol`: every output). `load_inputs` replaces the generated
-    feeds; `save_inputs`/`save_outputs` write the feeds and both runs' outputs (:mod:`.arrays`)."""
+    feeds; `save_inputs`/`save_outputs` write the feeds and both runs' outputs (:mod:`.arrays`);
+    `html` writes the run's report.html there (pass or fail; checked before any work)."""
     from dataclasses import replace
 
     from ..verify import InputInfo, make_feed, plan_inputs
@@ -212,6 +214,8 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
         overrides = replace(overrides, atol=atol if atol is not None else overrides.atol,
                             rtol=rtol if rtol is not None else overrides.rtol)
     progress = as_progress(status)
+    if html is not None:
+        check_html_target(Path(html))
     header = model_header(original)  # bad input (missing, not ONNX) is exit 2 here
     check_output_names(header, overrides)
     options = verify_options(recipe, overrides, header)
@@ -239,7 +243,29 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
         save_feeds(save_inputs, feeds)
     if save_outputs is not None:
         write_outputs(save_outputs, outputs)
+    if html is not None:
+        from ..report import verify_facts, write_html
+        from ..verify import precision_of
+
+        try:
+            write_html(verify_facts(result, precision_of(model_header(candidate))), Path(html))
+        except OSError as exc:
+            raise InputError(f"cannot write {html}: {exc.strerror or exc}") from None
     return result
+
+
+def check_html_target(path: Path) -> None:
+    """InputError (exit 2) unless report.html can be written at `path`: the report extra is
+    installed, the folder exists and `path` is not a folder."""
+    from ..report import missing_extra
+
+    missing = missing_extra()
+    if missing:
+        raise InputError(f"--html: {missing}")
+    if path.is_dir():
+        raise InputError(f"--html {path}: is a directory")
+    if not path.parent.is_dir():
+        raise InputError(f"--html {path}: folder {path.parent} does not exist")
 
 
 def raise_if_failed(result: VerifyResult | None) -> None:

@@ -47,13 +47,20 @@ def accuracy_markdown(checks: Mapping[str, Check], title: str = "# Accuracy") ->
         lines += [f"{d['iterations']} iteration(s), seed {d['seed']}: **{'pass' if d['passed'] else 'FAIL'}**", ""]
         if d.get("method"):
             lines += [f"Candidate run as: {d['method']}.", ""]
-        lines += [
-                  "| output | max abs | max rel | mean abs | atol | rtol | result |", "|---|---|---|---|---|---|---|"]
+        lines += ["| output | max abs | max rel | mean abs | p99 abs | atol | rtol | result |",
+                  "|---|---|---|---|---|---|---|---|"]
         for o in d["outputs"]:
             lines.append(f"| {o['name']} | {o['max_abs']:.3g} | {o['max_rel']:.3g} | {o['mean_abs']:.3g} | "
+                         f"{p99_text(o)} | "
                          f"{o['atol']:g} | {o['rtol']:g} | {'pass' if o['passed'] else 'FAIL ' + o.get('note', '')} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def p99_text(output: Mapping[str, Any]) -> str:
+    """The 0.99 quantile of an output's |diff| (``-`` when none was computed)."""
+    q = next((v for p, v in output.get("abs_quantiles") or () if p == 0.99), None)
+    return "-" if q is None else f"{q:.3g}"
 
 
 def write_accuracy_report(checks: Mapping[str, Check], directory: Path) -> tuple[Path, Path]:

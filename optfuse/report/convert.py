@@ -1,5 +1,7 @@
-"""``report.md``: the summary of a convert run (every step, what did not run here and why, the
-fusions, precision, accuracy and engine build sections, the files written)."""
+"""``report.md``, ``report.json`` and ``report.html``: the summary of a convert run (every step,
+what did not run here and why, the fusions with the HBM traffic saved per family, precision,
+accuracy, per-node error growth and engine build sections, the files written). The three state
+the same facts (:mod:`.facts`); the page needs the ``report`` extra (:mod:`.html`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from ..precision import PrecisionResult
 from ..trt.build import BuildReport
 from .accuracy import Check, accuracy_markdown
 from .build import build_markdown
+from .common import format_bytes, write_json
+from .facts import PER_NODE_NOT_RUN, REPORT_JSON, convert_facts, hbm_by_family, top_offenders
 from .fusion import options_markdown
 from .precision import precision_markdown
 
@@ -30,9 +34,37 @@ def first_line(text: str) -> str:
     return text.splitlines()[0] if text else ""
 
 
+def hbm_markdown(fusion: Mapping[str, Any]) -> list[str]:
+    """The "HBM traffic saved" lines: bytes per family and in total."""
+    hbm = hbm_by_family(fusion)
+    unknown = sum(hbm["unknown_per_family"].values())
+    lines = ["", "## HBM traffic saved (estimate per run)", ""]
+    if not hbm["per_family"] and not unknown:
+        return lines + ["- nothing fused"]
+    lines += [f"- {fam}: {format_bytes(b)}" for fam, b in hbm["per_family"].items()]
+    lines += [f"- {fam}: {n} fusion(s) of unknown size" for fam, n in hbm["unknown_per_family"].items()]
+    return lines + [f"- total: {format_bytes(hbm['total'])}" + (f" (plus {unknown} of unknown size)" if unknown else "")]
+
+
+def per_node_markdown(per_node: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """The "Per-node error growth" lines: the top offenders, or why there are none."""
+    lines = ["", "## Per-node error growth", ""]
+    if per_node is None:
+        return lines + [f"not run: {PER_NODE_NOT_RUN}"]
+    if not per_node:
+        return lines + ["No fused node was compared."]
+    lines += [f"{len(per_node)} node(s) compared; the top offenders:", "",
+              "| node | op | rule | depth | error in | error out | growth |", "|---|---|---|---|---|---|---|"]
+    for e in top_offenders(per_node):
+        lines.append(f"| {e['node']} | {e['op']} | {e['rule']} | {e['depth']} | {float(e['err_in']):.3g} | "
+                     f"{float(e['err_out']):.3g} | {float(e['growth']):.3g} |")
+    return lines
+
+
 def summary_markdown(name: str, model: Path, outdir: Path, steps: Sequence[StepLike], fusion: Mapping[str, Any],
                      precision: PrecisionResult, accuracy: Mapping[str, Check], build: BuildReport | None,
-                     options: Mapping[str, Any] | None = None) -> str:
+                     options: Mapping[str, Any] | None = None,
+                     per_node: Sequence[Mapping[str, Any]] | None = None) -> str:
     lines = [f"# optfuse convert: {name}", "", f"- model: {model}", f"- output directory: {outdir}", "",
              "| step | result | detail |", "|---|---|---|"]
     for s in steps:
@@ -46,8 +78,11 @@ def summary_markdown(name: str, model: Path, outdir: Path, steps: Sequence[StepL
     for f in fusion.get("fusions", []):
         per_op[f["op"]] = per_op.get(f["op"], 0) + 1
     lines += [f"- {op}: {n}" for op, n in sorted(per_op.items())] or ["- nothing fused"]
-    lines += ["", f"See {model.stem}.fusion_report.md.", "", precision_markdown(precision),
-              accuracy_markdown(accuracy, title="## Accuracy")]
+    lines += [f"- rejected: {len(fusion.get('rejected', []))}"]
+    lines += ["", f"See {model.stem}.fusion_report.md."]
+    lines += hbm_markdown(fusion)
+    lines += ["", precision_markdown(precision), accuracy_markdown(accuracy, title="## Accuracy")]
+    lines += per_node_markdown(per_node)
     if build is not None:
         lines += ["", build_markdown(build)]
     lines += options_markdown(dict(options) if options else None)
@@ -59,8 +94,17 @@ def summary_markdown(name: str, model: Path, outdir: Path, steps: Sequence[StepL
 
 def write_summary(name: str, model: Path, outdir: Path, steps: Sequence[StepLike], fusion: Mapping[str, Any],
                   precision: PrecisionResult, accuracy: Mapping[str, Check], build: BuildReport | None,
-                  options: Mapping[str, Any] | None = None) -> Path:
-    """``report.md`` in `outdir` (see :func:`summary_markdown`; `options`: what the run used)."""
+                  options: Mapping[str, Any] | None = None, per_node: Sequence[Mapping[str, Any]] | None = None,
+                  html: Path | None = None) -> Path:
+    """``report.md`` and ``report.json`` in `outdir` (see :func:`summary_markdown`; `options`: what
+    the run used; `per_node`: the per-node comparison, None when it did not run), and the page at
+    `html` when given (the caller checks :func:`.html.missing_extra` first). Returns report.md."""
     path = outdir / SUMMARY_MD
-    path.write_text(summary_markdown(name, model, outdir, steps, fusion, precision, accuracy, build, options))
+    path.write_text(summary_markdown(name, model, outdir, steps, fusion, precision, accuracy, build, options, per_node))
+    facts = convert_facts(name, model, outdir, steps, fusion, precision, accuracy, build, options, per_node)
+    write_json(outdir / REPORT_JSON, facts)
+    if html is not None:
+        from .html import write_html
+
+        write_html(facts, html)
     return path

@@ -11,7 +11,8 @@ import onnx
 
 from ..errors import InputError, VerificationError
 from .inputs import InputPlan, make_feed, plan_inputs
-from .options import DEFAULT_ITERATIONS, InputInfo, OutputResult, VerifyOptions, VerifyResult, tolerance
+from .options import (DEFAULT_ITERATIONS, QUANTILE_LEVELS, QUANTILE_SAMPLE, InputInfo, OutputResult, VerifyOptions,
+                      VerifyResult, tolerance)
 
 # ------------------------------------------------------------------------------------------------
 # Running and comparing
@@ -41,6 +42,7 @@ def compare_arrays(name: str, ref: list[np.ndarray], got: list[np.ndarray], atol
     """Elementwise isclose over every iteration, plus max abs / max rel / mean abs error."""
     max_abs = max_rel = 0.0
     abs_sum, count = 0.0, 0
+    samples: list[np.ndarray] = []  # |diff| (a seeded sample of a large output) per iteration, for the quantiles
     passed, note, shape = True, "", None
     for r, g in zip(ref, got):
         r = np.asarray(r)
@@ -67,10 +69,25 @@ def compare_arrays(name: str, ref: list[np.ndarray], got: list[np.ndarray], atol
             max_rel = max(max_rel, float(rel.max()))
             abs_sum += float(diff.sum())
             count += diff.size
+            samples.append(_sample(diff))
             if not bool((diff <= atol + rtol * np.where(np.isinf(ref_abs), 0, ref_abs)).all()):
                 passed = False
     mean_abs = abs_sum / count if count else 0.0
-    return OutputResult(name, passed, max_abs, max_rel, mean_abs, atol, rtol, shape, note)
+    return OutputResult(name, passed, max_abs, max_rel, mean_abs, atol, rtol, shape, note, _quantiles(samples, max_abs))
+
+
+def _sample(diff: np.ndarray) -> np.ndarray:
+    if diff.size <= QUANTILE_SAMPLE:
+        return diff
+    return diff[np.random.default_rng(0).integers(0, diff.size, QUANTILE_SAMPLE)]
+
+
+def _quantiles(samples: list[np.ndarray], max_abs: float) -> list[list[float]]:
+    """[p, q] for each of QUANTILE_LEVELS over the pooled samples; the 1.0 level is the exact max."""
+    if not samples:
+        return []
+    qs = np.quantile(np.concatenate(samples), QUANTILE_LEVELS)
+    return [[p, max_abs if p == 1.0 else float(q)] for p, q in zip(QUANTILE_LEVELS, qs)]
 
 
 ModelSource = Union[str, os.PathLike, onnx.ModelProto]

@@ -76,6 +76,14 @@ class OutputResult:
     rtol: float
     shape: list[int] | None = None
     note: str = ""  # why it failed other than by tolerance (missing output, shape mismatch, NaN)
+    #: [p, q] pairs: q is the p-quantile of |diff| over the compared elements (see QUANTILE_LEVELS)
+    abs_quantiles: list[list[float]] = field(default_factory=list)
+
+
+#: The levels of OutputResult.abs_quantiles (the report draws the |diff| CDF from them).
+QUANTILE_LEVELS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 0.9999, 1.0)
+#: Elements of one output per iteration that the quantiles are computed from (a seeded sample above it).
+QUANTILE_SAMPLE = 1 << 20
 
 
 @dataclass

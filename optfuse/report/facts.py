@@ -1,0 +1,113 @@
+"""The facts of a convert or verify run as one JSON-ready dict: ``report.json``, and what
+``report.html`` draws (the Markdown summary states the same facts).
+
+Sections (keys): ``steps``, ``not_run`` (what did not run and why), ``fusion`` (counts per op,
+matches with rule ids, rejections with reasons, HBM traffic saved per family and in total),
+``precision``, ``accuracy`` (each check with its per-output errors and |diff| quantiles),
+``per_node`` (fused-node error growth along the graph's depth, or None when it was not requested)
+and ``build`` (None when no engine was built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..precision import PrecisionResult
+from ..trt.build import BuildReport
+from ..verify import VerifyResult
+from .accuracy import Check, accuracy_dict
+
+REPORT_JSON = "report.json"
+#: what the per-node section says when ``verify --per-node`` did not run
+PER_NODE_NOT_RUN = "verify --per-node was not requested"
+#: the keys of one ``per_node`` entry
+PER_NODE_KEYS = ("node", "op", "rule", "replaced", "depth", "err_in", "err_out", "growth")
+#: how many per-node entries the report names as the top offenders
+TOP_OFFENDERS = 5
+
+
+def family_of(rule: str) -> str:
+    """A rule id's fusion family (``gemm.residual`` -> ``gemm``)."""
+    return rule.split(".", 1)[0]
+
+
+def hbm_by_family(fusion: Mapping[str, Any]) -> dict[str, Any]:
+    """HBM traffic saved per family and in total (bytes per run), and how many fusions have no estimate."""
+    per_family: dict[str, int] = {}
+    unknown: dict[str, int] = {}
+    for f in fusion.get("fusions", []):
+        fam = family_of(f["rule"])
+        if f.get("hbm_saved_bytes") is None:
+            unknown[fam] = unknown.get(fam, 0) + 1
+        else:
+            per_family[fam] = per_family.get(fam, 0) + int(f["hbm_saved_bytes"])
+    return {"per_family": dict(sorted(per_family.items())), "total": sum(per_family.values()),
+            "unknown_per_family": dict(sorted(unknown.items())), "dims": dict(fusion.get("dims") or {})}
+
+
+def fusion_facts(fusion: Mapping[str, Any]) -> dict[str, Any]:
+    fusions = [{k: f.get(k) for k in ("node", "op", "rule", "nodes", "hbm_saved_bytes")} for f in fusion.get("fusions", [])]
+    counts: dict[str, int] = {}
+    for f in fusions:
+        counts[f["op"]] = counts.get(f["op"], 0) + 1
+    return {"counts": dict(sorted(counts.items())), "fusions": fusions,
+            "rejected": [dict(r) for r in fusion.get("rejected", [])], "hbm": hbm_by_family(fusion)}
+
+
+def top_offenders(per_node: Sequence[Mapping[str, Any]] | None, n: int = TOP_OFFENDERS) -> list[dict[str, Any]]:
+    """The `n` entries that add the most error (largest growth first)."""
+    return [dict(e) for e in sorted(per_node or (), key=lambda e: -float(e["growth"]))[:n]]
+
+
+def not_run(steps: Sequence[Any], accuracy: Mapping[str, Check], per_node: Sequence[Any] | None) -> list[dict[str, str]]:
+    """Every part of the run that did not run, and why."""
+    out = [{"what": s.name, "why": s.detail} for s in steps if s.state == "skipped"]
+    named = {o["what"] for o in out}
+    for label, d in accuracy_dict(accuracy).items():
+        if d.get("executed") is False and f"verify ({label})" not in named:
+            out.append({"what": f"verify ({label})", "why": d.get("reason") or d.get("error", "")})
+    if per_node is None:
+        out.append({"what": "per-node comparison", "why": PER_NODE_NOT_RUN})
+    return out
+
+
+def convert_facts(name: str, model: Path, outdir: Path, steps: Sequence[Any], fusion: Mapping[str, Any],
+                  precision: PrecisionResult, accuracy: Mapping[str, Check], build: BuildReport | None,
+                  options: Mapping[str, Any] | None = None,
+                  per_node: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The facts of a convert run (see the module doc)."""
+    return {
+        "command": "convert", "name": name, "model": str(model), "outdir": str(outdir),
+        "steps": [{"name": s.name, "state": s.state, "detail": s.detail} for s in steps],
+        "not_run": not_run(steps, accuracy, per_node),
+        "fusion": fusion_facts(fusion),
+        "precision": precision.to_dict(),
+        "accuracy": accuracy_dict(accuracy),
+        "per_node": [dict(e) for e in per_node] if per_node is not None else None,
+        "top_offenders": top_offenders(per_node),
+        "build": build.to_dict() if build is not None else None,
+        "options": dict(options or {}),
+    }
+
+
+def verify_facts(result: VerifyResult, mode: str, per_node: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The facts of a verify run: its one check (the candidate computed in precision `mode`);
+    fusion and build are None (verify neither fuses nor builds)."""
+    not_run_ = [{"what": "fuse, precision, build", "why": "verify compares two given models"}]
+    if per_node is None:
+        not_run_.append({"what": "per-node comparison", "why": PER_NODE_NOT_RUN})
+    return {
+        "command": "verify", "name": Path(result.candidate).stem if result.candidate else "verify",
+        "model": result.original, "candidate": result.candidate,
+        "steps": [{"name": "verify (onnxruntime)", "state": "ok" if result.passed else "failed", "detail": ""}],
+        "not_run": not_run_,
+        "fusion": None,
+        "precision": {"mode": mode},
+        "accuracy": {"onnxruntime": result.to_dict()},
+        "per_node": [dict(e) for e in per_node] if per_node is not None else None,
+        "top_offenders": top_offenders(per_node),
+        "build": None,
+        "options": {},
+    }
