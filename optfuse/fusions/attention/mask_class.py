@@ -38,6 +38,7 @@ analysis sharing the private region and probe-shape types.)
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,7 @@ MAX_PROBE_NODES = 4000
 STANDIN_BYTES = 1 << 20
 
 _SHAPE_OPS = {"Shape", "Size"}
+_CACHE_NAME = re.compile(r"past|cache|key_values", re.IGNORECASE)
 # ops whose scalar integer constants may be window sizes / offsets
 _ARITH = {"Add", "Sub", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Equal", "Max", "Min", "Mod", "Div"}
 
@@ -355,19 +357,24 @@ def dim_roles(inputs: Sequence[gs.Variable], mask_input: gs.Variable | None) -> 
     """Symbolic dim name -> ``batch`` | ``query`` | ``past`` | ``keys``: which probe size it takes.
 
     batch: a leading dim; past: the sequence dim (axis 2) of a 4-D input ([B, H, past, D], a KV
-    cache) that no 2-D input has; keys: the mask input's last dim when no other input has it;
-    query: any other. A past or keys dim with no other sequence dim beside it cannot be told from
-    the query length and is a query dim (Sk = Sq).
+    cache) that no 2-D input has (when such dims of several inputs differ, those whose input or dim
+    name says past / cache, e.g. ``past_key_values.0.key``); keys: the mask input's last dim when no
+    other input has it; query: any other. A past or keys dim with no other sequence dim beside it
+    cannot be told from the query length and is a query dim (Sk = Sq).
     """
     roles: dict[str, str] = {}
     for t in inputs:
         if t.shape and isinstance(t.shape[0], str):
             roles[t.shape[0]] = "batch"
     two_d = {d for t in inputs if t.shape and len(t.shape) == 2 for d in t.shape if isinstance(d, str)}
+    cache_dims: dict[str, bool] = {}  # 4-D sequence dim -> named like a cache
     for t in inputs:
-        if t.shape and len(t.shape) == 4 and isinstance(t.shape[2], str) and t.shape[2] not in roles \
-                and t.shape[2] not in two_d:
-            roles[t.shape[2]] = "past"
+        d = t.shape[2] if t.shape and len(t.shape) == 4 else None
+        if isinstance(d, str) and d not in roles and d not in two_d:
+            cache_dims[d] = cache_dims.get(d, False) or bool(_CACHE_NAME.search(f"{t.name} {d}"))
+    named = [d for d, by_name in cache_dims.items() if by_name]
+    for d in named or cache_dims:
+        roles[d] = "past"
     for t in inputs:
         for d in t.shape or ():
             if isinstance(d, str) and d not in roles and t is not mask_input:
