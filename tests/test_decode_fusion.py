@@ -48,7 +48,8 @@ def _var(name, shape, dtype=np.float32):
 
 
 def test_dim_roles():
-    ids, mask = _var("input_ids", ["batch", "sequence"], np.int64), _var("attention_mask", ["batch", "total"], np.int64)
+    ids = _var("input_ids", ["batch", "sequence"], np.int64)
+    mask = _var("attention_mask", ["batch", "total"], np.int64)
     past = _var("past_key_values.0.key", ["batch", 2, "past", 32])
     assert dim_roles([ids, mask, past], mask) == {"batch": "batch", "sequence": "query", "past": "past", "total": "keys"}
     # an attention_mask longer than the queries, without a cache input
@@ -270,7 +271,8 @@ def test_decode_hbm_estimate_counts_the_cache_reads(fused_decode, family, export
     em, _, fused, res = fused_decode(family, exporter)
     dims = decode_dims(1, 64)
     est = estimate_traffic(fused, res, dims)
-    B, Sk, Hkv, H, D = dims["batch"], dims["total_sequence"], em.meta["num_kv_heads"], em.meta["num_heads"], em.meta["head_dim"]
+    B, Sk, D = dims["batch"], dims["total_sequence"], em.meta["head_dim"]
+    H, Hkv = em.meta["num_heads"], em.meta["num_kv_heads"]
     kv = 2 * B * Hkv * Sk * D * 4
     q_out = 2 * B * H * 1 * D * 4
     for a in _fa(res):

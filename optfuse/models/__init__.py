@@ -83,11 +83,11 @@ _wrapper_class, _quiet = wrapper_class, quiet
 _export_torchscript, _export_dynamo = export_torchscript, export_dynamo
 
 __all__ = [
-    "ATTNS", "COUNT_KEYS", "DECODE_FAMILIES", "DEFAULT_DIMS", "DEFAULT_MAX_SEQ", "DEFAULT_TORCHSCRIPT_OPSET", "EXPORTERS",
-    "FAMILIES", "KNOWN_FAILURES", "MAX_BATCH", "Attn", "ExportError", "ExportedModel", "Exporter", "Family",
-    "InputInfo", "OutputInfo", "build_decode_model", "build_model", "cache_key", "cached_export", "decode_dim_ranges", "decode_dims",
-    "decode_input_infos", "decode_output_infos", "decode_torch_outputs", "default_cache_dir", "default_stem",
-    "dim_ranges", "expected_counts", "export", "export_dynamo", "export_model", "export_torchscript",
-    "input_infos", "left_padded_mask", "load_exported", "make_inputs", "model_meta", "quiet", "summarize", "torch_outputs",
-    "versions", "wrapper_class",
+    "ATTNS", "COUNT_KEYS", "DECODE_FAMILIES", "DEFAULT_DIMS", "DEFAULT_MAX_SEQ", "DEFAULT_TORCHSCRIPT_OPSET",
+    "EXPORTERS", "FAMILIES", "KNOWN_FAILURES", "MAX_BATCH", "Attn", "ExportError", "ExportedModel", "Exporter",
+    "Family", "InputInfo", "OutputInfo", "build_decode_model", "build_model", "cache_key", "cached_export",
+    "decode_dim_ranges", "decode_dims", "decode_input_infos", "decode_output_infos", "decode_torch_outputs",
+    "default_cache_dir", "default_stem", "dim_ranges", "expected_counts", "export", "export_dynamo",
+    "export_model", "export_torchscript", "input_infos", "left_padded_mask", "load_exported", "make_inputs",
+    "model_meta", "quiet", "summarize", "torch_outputs", "versions", "wrapper_class",
 ]

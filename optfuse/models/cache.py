@@ -55,7 +55,8 @@ def cached_export(family: str, exporter: Exporter = "dynamo", attn: Attn = "sdpa
     check_choice("attn", attn, ATTNS)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = cache_key(family, exporter, attn, opset, seed, past, **overrides)
-    final = root / f"{family}-{exporter}-{attn}{'-past' if past else ''}{'' if opset is None else f'-opset{opset}'}-{key}"
+    tags = ("-past" if past else "") + ("" if opset is None else f"-opset{opset}")
+    final = root / f"{family}-{exporter}-{attn}{tags}-{key}"
     stem = default_stem(family, exporter, attn, opset, past=past)
     found = _from_cache(final, stem, family, exporter, attn)
     if found is not None:

@@ -15,7 +15,8 @@ classified by what it evaluates to, not by how it is spelled:
   past, the mask's key axis past + Sq), and classified with Sk = past + Sq (see `dim_roles`);
 - a mask whose value depends on **one mask-like graph input** (``attention_mask``, [batch, seq]) is
   evaluated with that input all ones (the *base* mask) and with right-padded, left-padded and random
-  0/1 rows over all Sk keys (at every padding probe shape), and accepted as "base + key padding" only if every probe equals
+  0/1 rows over all Sk keys (at each padding probe shape: Sq = 1 and Sq > 1 when there is a past),
+  and accepted as "base + key padding" only if every probe equals
   ``where(attention_mask[b, j], base, F)`` for one fill value F;
 - anything else (a bias computed from hidden states, several inputs, ...) is ``dynamic``.
 
@@ -170,9 +171,12 @@ def _merge_probes(values: Sequence[np.ndarray]) -> MaskClass:
         return _merge_sizes(classes)
     merged = _merge_sizes(rows)
     for c, v, one in zip(classes, values, one_row):
-        expected = _last_row_allowed(merged, np.shape(v)[-1]) if one else None
-        if one and (c.base == "bias" or expected is not None and not np.array_equal(np.asarray(v) == 0,
-                                                                                     np.broadcast_to(expected, np.shape(v)))):
+        if not one:
+            continue
+        expected = _last_row_allowed(merged, np.shape(v)[-1])
+        agrees = c.base != "bias" and (expected is None or np.array_equal(np.asarray(v) == 0,
+                                                                           np.broadcast_to(expected, np.shape(v))))
+        if not agrees:
             return _merge_sizes([merged, c])
     return merged
 
