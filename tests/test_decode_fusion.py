@@ -279,3 +279,17 @@ def test_decode_hbm_estimate_counts_the_cache_reads(fused_decode, family, export
         moved = est.moved_bytes[a.node_name]
         assert moved is not None and kv + q_out <= moved <= kv + q_out + 4 * B * Sk * 4, moved
         assert est.saved_bytes[a.node_name] is not None and est.saved_bytes[a.node_name] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter", [("llama", "torchscript"), ("gpt2", "dynamo")])
+def test_decode_export_passes_verify(fused_decode, family, exporter):
+    """optfuse.verify at consistent decode dims (its generated masks are right-padded)."""
+    from optfuse.models import decode_dims
+    from optfuse.verify import VerifyOptions, verify
+
+    _, model, fused, _ = fused_decode(family, exporter)
+    for sq in (1, 7):
+        result = verify(model, fused, VerifyOptions(dims=decode_dims(sq, 9)), iterations=2)
+        assert result.passed, [(o.name, o.max_abs) for o in result.failed]
+        assert len(result.outputs) == 1 + 2 * 2  # last_hidden_state and the two layers' present k / v
