@@ -1,5 +1,5 @@
 """Attention over a KV cache (decode, chunked prefill): the mask probes with a past, hand-built
-decode graphs, and LLaMA-GQA / GPT-2 exported with past_key_values by both torch exporters."""
+decode graphs, and LLaMA-GQA / GPT-2 exported with past_key_values by both torch exporters (SDPA and eager attention)."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def test_padding_probes_cover_the_cached_keys():
 # ------------------------------------------------------------------------------------------------
 # exported HF decoders with past_key_values
 # ------------------------------------------------------------------------------------------------
-DECODE_CASES = [(f, e) for f in ("llama", "gpt2") for e in ("torchscript", "dynamo")]
+DECODE_CASES = [(f, e, a) for f in ("llama", "gpt2") for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")]
 SHAPES = [(1, 9), (7, 9)]  # (Sq, past): decode, chunked prefill
 
 
@@ -190,23 +190,24 @@ SHAPES = [(1, 9), (7, 9)]  # (Sq, past): decode, chunked prefill
 def fused_decode(exported_model):
     memo = {}
 
-    def get(family, exporter):
-        if (family, exporter) not in memo:
+    def get(family, exporter, attn="sdpa"):
+        key = (family, exporter, attn)
+        if key not in memo:
             from optfuse.models import decode_dims
 
-            em = exported_model(family, exporter, "sdpa", past=True)
+            em = exported_model(family, exporter, attn, past=True)
             model = onnx.load(str(em.path))
             fused, res = fuse_model(model, dims=decode_dims(1, 64))
-            memo[family, exporter] = (em, model, fused, res)
-        return memo[family, exporter]
+            memo[key] = (em, model, fused, res)
+        return memo[key]
 
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,exporter", DECODE_CASES)
-def test_decode_export_fuses_with_causal_padding(fused_decode, family, exporter):
-    em, model, fused, res = fused_decode(family, exporter)
+@pytest.mark.parametrize("family,exporter,attn", DECODE_CASES)
+def test_decode_export_fuses_with_causal_padding(fused_decode, family, exporter, attn):
+    em, model, fused, res = fused_decode(family, exporter, attn)
     assert em.past and em.meta["kv_cache"]
     assert [i.name for i in em.inputs][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
     fa = _fa(res)
@@ -223,13 +224,13 @@ def test_decode_export_fuses_with_causal_padding(fused_decode, family, exporter)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,exporter", DECODE_CASES)
-def test_decode_export_matches(fused_decode, family, exporter):
+@pytest.mark.parametrize("family,exporter,attn", DECODE_CASES)
+def test_decode_export_matches(fused_decode, family, exporter, attn):
     """Sq = 1 and Sq = 7 over a past of 9: all ones, left padding within the past (every query is
     a real token: exact everywhere), and left padding into the new tokens (exact at real tokens)."""
     from optfuse.models import decode_dims, left_padded_mask
 
-    em, model, fused, _ = fused_decode(family, exporter)
+    em, model, fused, _ = fused_decode(family, exporter, attn)
     feeds, outs = em.sample()
     ref = _run(model, feeds)
     assert max(float(np.abs(r - outs[o.name]).max()) for r, o in zip(ref, em.outputs)) <= 1e-4  # the export
