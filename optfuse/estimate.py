@@ -6,6 +6,14 @@ Tensors are sized at the analysis dims (the recipe's opt shapes, or verify's def
 onnxruntime shape inference over the graph before the rewrite together with the nodes the
 rewrite added, so the tensors that fusing removed are sized too. A size that depends on a dim
 nobody resolved makes that fusion's estimate ``None`` (``unknown`` in the report).
+
+What the fused nodes still move is kept too (``moved_bytes``). For attention over a KV cache
+(decode, chunked prefill) the fused node reads k and v after the cache concatenation, so each
+attention node counts its K/V reads at the key length Sk = past + Sq (not Sq), at the number of
+KV heads (the node takes them before any repeat_kv), next to q, the output and the mask row.
+The analysis dims must then be consistent (``total_sequence = past_sequence + sequence`` for
+:mod:`optfuse.models.decode` graphs); otherwise the sizes follow shape inference, which takes the
+key length from the concatenation.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ _SAME_SIZE = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identi
 
 @dataclass
 class TrafficEstimate:
-    """Bytes each fused node saves per run (by fused node name; None when a size stays unknown)."""
+    """Bytes each fused node saves per run and bytes it (with the nodes its rewrite added) still
+    reads and writes, by fused node name; None when a size stays unknown."""
 
     dims: dict[str, int] = field(default_factory=dict)
     saved_bytes: dict[str, int | None] = field(default_factory=dict)
+    moved_bytes: dict[str, int | None] = field(default_factory=dict)
 
 
 def estimate_traffic(fused: onnx.ModelProto, result: FusionResult,
@@ -56,6 +66,7 @@ def estimate_traffic(fused: onnx.ModelProto, result: FusionResult,
         now = _io_bytes([tuple(t.name for t in [*n.inputs, *n.outputs] if t.name) for n in new],
                         (after_t, before_t), dims, shapes)
         estimate.saved_bytes[acc.node_name] = None if before is None or now is None else before - now
+        estimate.moved_bytes[acc.node_name] = now
     return estimate
 
 

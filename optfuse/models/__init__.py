@@ -32,7 +32,9 @@ Layout (the public names below are all importable from ``optfuse.models``):
 - :mod:`.exporters`: the TorchScript and dynamo ``torch.onnx.export`` calls, quieted, failures in one line;
 - :mod:`.exporting`: :func:`export_model` / :func:`export` (build, sample, export, sidecars);
 - :mod:`.record`: :class:`ExportedModel`, :class:`ExportError`, :func:`load_exported`;
-- :mod:`.cache`: the on-disk export cache (:func:`cached_export`).
+- :mod:`.cache`: the on-disk export cache (:func:`cached_export`);
+- :mod:`.decode`: decode graphs over a KV cache (``export_model(..., past=True)``: ``past_key_values``
+  inputs, the updated cache as outputs; :data:`DECODE_FAMILIES`, :func:`decode_dims`).
 
 Usage::
 
@@ -50,6 +52,16 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 from .build import build_model, torch_outputs, wrapper_class  # noqa: E402
 from .cache import cache_key, cached_export, default_cache_dir  # noqa: E402
+from .decode import (  # noqa: E402
+    DECODE_FAMILIES,
+    build_decode_model,
+    decode_dim_ranges,
+    decode_dims,
+    decode_input_infos,
+    decode_output_infos,
+    decode_torch_outputs,
+    left_padded_mask,
+)
 from .exporters import export_dynamo, export_torchscript, quiet, summarize  # noqa: E402
 from .exporting import default_stem, export, export_model, versions  # noqa: E402
 from .facts import COUNT_KEYS, DEFAULT_MAX_SEQ, MAX_BATCH, dim_ranges, expected_counts, model_meta  # noqa: E402
@@ -71,10 +83,11 @@ _wrapper_class, _quiet = wrapper_class, quiet
 _export_torchscript, _export_dynamo = export_torchscript, export_dynamo
 
 __all__ = [
-    "ATTNS", "COUNT_KEYS", "DEFAULT_DIMS", "DEFAULT_MAX_SEQ", "DEFAULT_TORCHSCRIPT_OPSET", "EXPORTERS",
-    "FAMILIES", "KNOWN_FAILURES", "MAX_BATCH", "Attn", "ExportError", "ExportedModel", "Exporter", "Family",
-    "InputInfo", "OutputInfo", "build_model", "cache_key", "cached_export", "default_cache_dir", "default_stem",
-    "dim_ranges", "expected_counts", "export", "export_dynamo", "export_model", "export_torchscript",
-    "input_infos", "load_exported", "make_inputs", "model_meta", "quiet", "summarize", "torch_outputs",
-    "versions", "wrapper_class",
+    "ATTNS", "COUNT_KEYS", "DECODE_FAMILIES", "DEFAULT_DIMS", "DEFAULT_MAX_SEQ", "DEFAULT_TORCHSCRIPT_OPSET",
+    "EXPORTERS", "FAMILIES", "KNOWN_FAILURES", "MAX_BATCH", "Attn", "ExportError", "ExportedModel", "Exporter",
+    "Family", "InputInfo", "OutputInfo", "build_decode_model", "build_model", "cache_key", "cached_export",
+    "decode_dim_ranges", "decode_dims", "decode_input_infos", "decode_output_infos", "decode_torch_outputs",
+    "default_cache_dir", "default_stem", "dim_ranges", "expected_counts", "export", "export_dynamo",
+    "export_model", "export_torchscript", "input_infos", "left_padded_mask", "load_exported", "make_inputs",
+    "model_meta", "quiet", "summarize", "torch_outputs", "versions", "wrapper_class",
 ]

@@ -30,18 +30,22 @@ def default_cache_dir() -> Path:
 
 
 def cache_key(family: str, exporter: str, attn: str, opset: int | None = None, seed: int = 0,
-              **overrides: Any) -> str:
+              past: bool = False, **overrides: Any) -> str:
     """Stable key over the request, the torch/transformers/onnx/onnxscript versions and this package's source."""
     src = _source_digest()
-    blob = json.dumps({"family": family, "exporter": exporter, "attn": attn, "opset": opset, "seed": seed,
-                       "overrides": overrides, "versions": versions(), "src": src},
+    request = {"family": family, "exporter": exporter, "attn": attn, "opset": opset, "seed": seed,
+               "overrides": overrides}
+    if past:  # absent when False: the keys of the other exports stay as they were
+        request["past"] = True
+    blob = json.dumps({**request, "versions": versions(), "src": src},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def cached_export(family: str, exporter: Exporter = "dynamo", attn: Attn = "sdpa", opset: int | None = None,
-                  cache_dir: os.PathLike | str | None = None, seed: int = 0, **overrides: Any) -> ExportedModel:
-    """:func:`export_model` into ``<cache_dir>/<family>-<exporter>-<attn>-<key>/``, reused when present.
+                  cache_dir: os.PathLike | str | None = None, seed: int = 0, past: bool = False,
+                  **overrides: Any) -> ExportedModel:
+    """:func:`export_model` into ``<cache_dir>/<family>-<exporter>-<attn>[-past]-<key>/``, reused when present.
 
     Exporter failures are cached too (``failed.txt``) and raised again as :class:`ExportError`.
     Concurrent callers (pytest-xdist) each export into a temp folder and rename it into place.
@@ -50,9 +54,10 @@ def cached_export(family: str, exporter: Exporter = "dynamo", attn: Attn = "sdpa
     check_choice("exporter", exporter, EXPORTERS)
     check_choice("attn", attn, ATTNS)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = cache_key(family, exporter, attn, opset, seed, **overrides)
-    final = root / f"{family}-{exporter}-{attn}{'' if opset is None else f'-opset{opset}'}-{key}"
-    stem = default_stem(family, exporter, attn, opset)
+    key = cache_key(family, exporter, attn, opset, seed, past, **overrides)
+    tags = ("-past" if past else "") + ("" if opset is None else f"-opset{opset}")
+    final = root / f"{family}-{exporter}-{attn}{tags}-{key}"
+    stem = default_stem(family, exporter, attn, opset, past=past)
     found = _from_cache(final, stem, family, exporter, attn)
     if found is not None:
         return found
@@ -60,7 +65,7 @@ def cached_export(family: str, exporter: Exporter = "dynamo", attn: Attn = "sdpa
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         try:
-            export_model(family, exporter, attn, tmp, opset, seed=seed, name=stem, **overrides)
+            export_model(family, exporter, attn, tmp, opset, seed=seed, name=stem, past=past, **overrides)
         except ExportError as exc:
             (tmp / "failed.txt").write_text(exc.reason)
             _publish(tmp, final)

@@ -19,6 +19,16 @@ from typing import Any, Mapping
 import numpy as np
 
 from .build import build_model
+from .decode import (
+    SAMPLE_PAST,
+    SAMPLE_SEQUENCE,
+    build_decode_model,
+    check_decode_family,
+    decode_dim_ranges,
+    decode_dims,
+    decode_input_infos,
+    decode_output_infos,
+)
 from .exporters import export_dynamo, export_torchscript, quiet, summarize
 from .facts import dim_ranges, expected_counts, model_meta
 from .families import ATTNS, DEFAULT_TORCHSCRIPT_OPSET, EXPORTERS, Attn, Exporter, check_choice, get_family
@@ -38,9 +48,9 @@ def versions() -> dict[str, str]:
 
 
 def default_stem(family: str, exporter: str, attn: str, opset: int | None = None,
-                 overrides: Mapping[str, Any] | None = None) -> str:
-    """``<family>_<exporter>_<attn>[_opset<N>][_<hash of the overrides>]``."""
-    stem = f"{family}_{exporter}_{attn}"
+                 overrides: Mapping[str, Any] | None = None, past: bool = False) -> str:
+    """``<family>_<exporter>_<attn>[_past][_opset<N>][_<hash of the overrides>]``."""
+    stem = f"{family}_{exporter}_{attn}" + ("_past" if past else "")
     if opset is not None:
         stem += f"_opset{opset}"
     if overrides:
@@ -58,6 +68,7 @@ def export_model(
     seed: int = 0,
     name: str | None = None,
     optimize: bool = True,
+    past: bool = False,
     **overrides: Any,
 ) -> ExportedModel:
     """Build ``family`` from its tiny config (plus ``overrides``: config fields) and export it.
@@ -65,7 +76,8 @@ def export_model(
     Writes ``<out_dir>/<name>.onnx`` (default name ``<family>_<exporter>_<attn>[_opset<N>][_<hash>]``)
     as a single file (no external data), plus the ``.json`` / ``.inputs.npz`` / ``.outputs.npz``
     sidecars. ``opset`` None means 17 for TorchScript and the dynamo exporter's default.
-    ``optimize`` is the dynamo exporter's ``optimize`` flag (its default, True).
+    ``optimize`` is the dynamo exporter's ``optimize`` flag (its default, True). ``past`` exports
+    the decode graph over a KV cache (:mod:`.decode`: the families in ``DECODE_FAMILIES``).
 
     Raises :class:`ExportError` when the exporter fails (with the stage and the error's summary),
     ValueError for an unknown family/exporter/attn/config field.
@@ -75,20 +87,28 @@ def export_model(
     get_family(family)
     check_choice("exporter", exporter, EXPORTERS)
     check_choice("attn", attn, ATTNS)
-    job = _Job(family, exporter, attn, opset, seed, optimize, dict(overrides))
+    if past:
+        check_decode_family(family)
+    job = _Job(family, exporter, attn, opset, seed, optimize, dict(overrides), past)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name or default_stem(family, exporter, attn, opset, overrides)}.onnx"
+    path = out_dir / f"{name or default_stem(family, exporter, attn, opset, overrides, past)}.onnx"
 
-    model = build_model(family, attn, seed, **overrides)
-    inputs = input_infos(family, model.config)
-    feeds = make_inputs(inputs, seed=seed)
+    if past:
+        model = build_decode_model(family, attn, seed, **overrides)
+        inputs = decode_input_infos(family, model.config)
+        feeds = make_inputs(inputs, decode_dims(SAMPLE_SEQUENCE, SAMPLE_PAST), seed=seed)
+    else:
+        model = build_model(family, attn, seed, **overrides)
+        inputs = input_infos(family, model.config)
+        feeds = make_inputs(inputs, seed=seed)
     args, ref = _reference_run(model, inputs, feeds)
-    outputs = _output_infos(inputs, ref)
+    outputs = decode_output_infos(family, model.config) if past else _output_infos(inputs, ref)
     wall, cpu = _run_exporter(job, model, args, path, inputs, outputs)
     opset_in_file = _file_opset(path)
     np.savez(sidecar_path(path, ".inputs.npz"), **feeds)
-    np.savez(sidecar_path(path, ".outputs.npz"), last_hidden_state=ref.numpy())
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    np.savez(sidecar_path(path, ".outputs.npz"), **{o.name: r.numpy() for o, r in zip(outputs, refs)})
     result = _record(job, path, opset_in_file, model.config, inputs, outputs, wall, cpu)
     result.json_path.write_text(result.to_json())
     return result
@@ -114,6 +134,7 @@ class _Job:
     seed: int
     optimize: bool
     overrides: dict[str, Any] = field(default_factory=dict)
+    past: bool = False  # the decode graph over a KV cache
 
 
 def _reference_run(model, inputs: list[InputInfo], feeds: Mapping[str, np.ndarray]):
@@ -148,7 +169,7 @@ def _run_exporter(job: _Job, model, args, path: Path, inputs: list[InputInfo],
             if job.exporter == "torchscript":
                 export_torchscript(model, args, path, inputs, outputs, job.opset or DEFAULT_TORCHSCRIPT_OPSET)
             else:
-                dim_max = {k: v["max"] for k, v in dim_ranges(job.family, model.config).items() if k != "batch"}
+                dim_max = {k: v["max"] for k, v in _dim_ranges(job, model.config).items() if k != "batch"}
                 export_dynamo(model, args, path, inputs, outputs, job.opset, job.optimize, dim_max)
     except ExportError:
         raise
@@ -165,14 +186,18 @@ def _file_opset(path: Path) -> int:
     return int(next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0))
 
 
+def _dim_ranges(job: _Job, config) -> dict[str, dict[str, int]]:
+    return decode_dim_ranges(job.family, config) if job.past else dim_ranges(job.family, config)
+
+
 def _record(job: _Job, path: Path, opset: int, config, inputs: list[InputInfo], outputs: list[OutputInfo],
             wall: float, cpu: float) -> ExportedModel:
     """The export's record: descriptions, config-derived facts, versions and timings."""
     return ExportedModel(
         path=path, family=job.family, exporter=job.exporter, attn=job.attn, opset=opset,
         inputs=inputs, outputs=outputs, counts=expected_counts(job.family, config),
-        dims=dim_ranges(job.family, config), meta=model_meta(job.family, config),
+        dims=_dim_ranges(job, config), meta={**model_meta(job.family, config), "kv_cache": job.past},
         config=json.loads(json.dumps(config.to_dict(), default=json_default)),
-        seed=job.seed, overrides=dict(job.overrides), versions=versions(),
+        seed=job.seed, overrides=dict(job.overrides), versions=versions(), past=job.past,
         export_seconds=round(wall, 3), export_cpu_seconds=round(cpu, 3),
     )

@@ -49,6 +49,7 @@ class ExportedModel:
     versions: dict[str, str] = field(default_factory=dict)
     export_seconds: float = 0.0  # wall time of torch.onnx.export
     export_cpu_seconds: float = 0.0  # process CPU time of torch.onnx.export (all threads)
+    past: bool = False  # a decode graph over a KV cache (optfuse.models.decode)
 
     @property
     def sample_inputs_path(self) -> Path:
@@ -79,6 +80,10 @@ class ExportedModel:
 
     def torch_outputs(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Rebuild the torch model (same seed and overrides) and run it on ``feeds`` (needs torch)."""
+        if self.past:
+            from .decode import decode_torch_outputs
+
+            return decode_torch_outputs(self.family, self.attn, feeds, seed=self.seed, **self.overrides)
         return torch_outputs(self.family, self.attn, feeds, seed=self.seed, **self.overrides)
 
     def recipe_inputs(self) -> dict[str, dict[str, Any]]:

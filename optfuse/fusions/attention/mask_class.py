@@ -9,9 +9,14 @@ classified by what it evaluates to, not by how it is spelled:
 - a **constant** mask is classified from its value;
 - a mask whose value depends only on **shapes** (causal masks built from ``Range(seq_len)``) is
   evaluated at a few sequence lengths;
+- a mask whose inputs carry a **past** (decode graphs: a ``past_key_values`` input [B, H, past, D],
+  or an ``attention_mask`` whose length is not the query length) is evaluated at (Sq, past) pairs
+  with Sq = 1 and Sq > 1, every input's dims consistent with that pair (query dims Sq, cache dims
+  past, the mask's key axis past + Sq), and classified with Sk = past + Sq (see `dim_roles`);
 - a mask whose value depends on **one mask-like graph input** (``attention_mask``, [batch, seq]) is
   evaluated with that input all ones (the *base* mask) and with right-padded, left-padded and random
-  0/1 rows, and accepted as "base + key padding" only if every probe equals
+  0/1 rows over all Sk keys (at each padding probe shape: Sq = 1 and Sq > 1 when there is a past),
+  and accepted as "base + key padding" only if every probe equals
   ``where(attention_mask[b, j], base, F)`` for one fill value F;
 - anything else (a bias computed from hidden states, several inputs, ...) is ``dynamic``.
 
@@ -26,11 +31,15 @@ functions). Classes of the base mask over the last two axes (allowed = 0, masked
     bias            finite non-zero values (position biases such as T5's)
 
 plus ``+padding`` when the mask input adds key padding. ``unknown`` when a probe could not run.
+
+(One module past 500 lines: the value classes, the subgraph extraction and the probes are one
+analysis sharing the private region and probe-shape types.)
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +63,12 @@ def masked_below(dtype) -> float:
 #: Probe sizes (sequence lengths) and the probe batch.
 PROBE_SEQ = (5, 12)
 PROBE_BATCH = 3
+#: Probe (Sq, past) pairs of masks whose inputs carry a past: decode, chunked prefill, a long chunk.
+PROBE_PAST = ((1, 11), (5, 7), (12, 3))
+#: Of those, the pairs the key-padding probes run at (one query; several queries).
+PADDING_PAST = ((1, 11), (5, 7))
+#: The past of the extra wide probe (sliding windows) when the mask has one.
+WIDE_PAST = 2
 #: Largest extra probe made to rule out a sliding window wider than PROBE_SEQ.
 MAX_PROBE_SEQ = 4100
 #: Subgraphs larger than this are not probed (class "unknown").
@@ -62,6 +77,7 @@ MAX_PROBE_NODES = 4000
 STANDIN_BYTES = 1 << 20
 
 _SHAPE_OPS = {"Shape", "Size"}
+_CACHE_NAME = re.compile(r"past|cache|key_values", re.IGNORECASE)
 # ops whose scalar integer constants may be window sizes / offsets
 _ARITH = {"Add", "Sub", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Equal", "Max", "Min", "Mod", "Div"}
 
@@ -139,6 +155,40 @@ def _merge_sizes(classes: Sequence[MaskClass]) -> MaskClass:
     if "bias" in bases:
         return MaskClass("bias")
     return MaskClass("block", fully_masked_rows=any(c.fully_masked_rows for c in classes))
+
+
+def _merge_probes(values: Sequence[np.ndarray]) -> MaskClass:
+    """One class from the base mask at every probe shape.
+
+    A one-row probe (Sq = 1) cannot tell causal from none (its one query sees every key), so the
+    probes with several query rows decide the class and each one-row probe must agree with it:
+    its row is the class's last row (`_last_row_allowed`); a disagreement merges the two.
+    """
+    classes = [classify_base(v) for v in values]
+    one_row = [np.ndim(v) < 2 or np.shape(v)[-2] == 1 for v in values]
+    rows = [c for c, one in zip(classes, one_row) if not one]
+    if not rows or len(rows) == len(classes):
+        return _merge_sizes(classes)
+    merged = _merge_sizes(rows)
+    for c, v, one in zip(classes, values, one_row):
+        if not one:
+            continue
+        expected = _last_row_allowed(merged, np.shape(v)[-1])
+        agrees = c.base != "bias" and (expected is None or np.array_equal(np.asarray(v) == 0,
+                                                                           np.broadcast_to(expected, np.shape(v))))
+        if not agrees:
+            return _merge_sizes([merged, c])
+    return merged
+
+
+def _last_row_allowed(cls: MaskClass, sk: int) -> np.ndarray | None:
+    """The keys the last query row of a mask of this class allows (None: the class does not say)."""
+    j = np.arange(sk)
+    if cls.base in ("none", "causal"):
+        return np.ones(sk, dtype=bool)
+    if cls.base == "sliding_window" and cls.window:
+        return j > sk - 1 - cls.window
+    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -294,29 +344,89 @@ def _np_dtype(t: gs.Tensor):
     return np.dtype(dt)
 
 
-def _feeds(region: _Region, batch: int, seq: int, mask_input: gs.Variable | None,
+@dataclass(frozen=True)
+class ProbeShape:
+    """The sizes one probe feeds: batch, query length Sq and past (cached keys); Sk = past + Sq."""
+
+    batch: int
+    query: int
+    past: int = 0
+
+    @property
+    def keys(self) -> int:
+        return self.past + self.query
+
+
+def dim_roles(inputs: Sequence[gs.Variable], mask_input: gs.Variable | None) -> dict[str, str]:
+    """Symbolic dim name -> ``batch`` | ``query`` | ``past`` | ``keys``: which probe size it takes.
+
+    batch: a leading dim; past: the sequence dim (axis 2) of a 4-D input ([B, H, past, D], a KV
+    cache) that no 2-D input has (when such dims of several inputs differ, those whose input or dim
+    name says past / cache, e.g. ``past_key_values.0.key``); keys: the mask input's last dim when no
+    other input has it; query: any other. A past or keys dim with no other sequence dim beside it
+    cannot be told from the query length and is a query dim (Sk = Sq).
+    """
+    roles: dict[str, str] = {}
+    for t in inputs:
+        if t.shape and isinstance(t.shape[0], str):
+            roles[t.shape[0]] = "batch"
+    two_d = {d for t in inputs if t.shape and len(t.shape) == 2 for d in t.shape if isinstance(d, str)}
+    cache_dims: dict[str, bool] = {}  # 4-D sequence dim -> named like a cache
+    for t in inputs:
+        d = t.shape[2] if t.shape and len(t.shape) == 4 else None
+        if isinstance(d, str) and d not in roles and d not in two_d:
+            cache_dims[d] = cache_dims.get(d, False) or bool(_CACHE_NAME.search(f"{t.name} {d}"))
+    named = [d for d, by_name in cache_dims.items() if by_name]
+    for d in named or cache_dims:
+        roles[d] = "past"
+    for t in inputs:
+        for d in t.shape or ():
+            if isinstance(d, str) and d not in roles and t is not mask_input:
+                roles[d] = "query"
+    key = mask_input.shape[-1] if mask_input is not None and mask_input.shape else None
+    if isinstance(key, str) and key not in roles:
+        roles[key] = "keys"
+    for d in (mask_input.shape or ()) if mask_input is not None else ():
+        if isinstance(d, str) and d not in roles:
+            roles[d] = "query"
+    sequence = [d for d, r in roles.items() if r != "batch"]
+    if len(sequence) == 1:
+        roles[sequence[0]] = "query"
+    return roles
+
+
+def _feeds(region: _Region, roles: dict[str, str], shape: ProbeShape, mask_input: gs.Variable | None,
            mask_rows: np.ndarray | None) -> dict[str, np.ndarray]:
-    batch_names = {t.shape[0] for t in region.inputs if t.shape and isinstance(t.shape[0], str)}
+    """One probe's inputs: every symbolic dim at its role's size, the mask input all ones (or
+    `mask_rows`), the rest zeros."""
+    size = {"batch": shape.batch, "query": shape.query, "past": shape.past, "keys": shape.keys}
     feeds = {}
     for t in region.inputs:
         if t.shape is None:
             raise ValueError(f"input {t.name!r} has no shape")
-        shape = []
-        for d in t.shape:
-            if isinstance(d, (int, np.integer)) and d >= 0:
-                shape.append(int(d))
-            elif d in batch_names:
-                shape.append(batch)
-            else:
-                shape.append(seq)
+        dims = [int(d) if isinstance(d, (int, np.integer)) and d >= 0 else size[roles.get(d, "query")]
+                for d in t.shape]
         dt = _np_dtype(t)
         if t is mask_input and mask_rows is not None:
-            feeds[t.name] = mask_rows.astype(dt).reshape(shape)
+            feeds[t.name] = mask_rows.astype(dt).reshape(dims)
         elif t is mask_input:
-            feeds[t.name] = np.ones(shape, dtype=dt)
+            feeds[t.name] = np.ones(dims, dtype=dt)
         else:
-            feeds[t.name] = np.zeros(shape, dtype=dt)
+            feeds[t.name] = np.zeros(dims, dtype=dt)
     return feeds
+
+
+def _probe_shapes(roles: dict[str, str]) -> list[ProbeShape]:
+    """The base-mask probes: (Sq, past) pairs when a dim takes the past, else sequence lengths."""
+    if any(r in ("past", "keys") for r in roles.values()):
+        return [ProbeShape(PROBE_BATCH, q, p) for q, p in PROBE_PAST]
+    return [ProbeShape(PROBE_BATCH, s) for s in PROBE_SEQ]
+
+
+def _padding_shapes(roles: dict[str, str]) -> list[ProbeShape]:
+    if any(r in ("past", "keys") for r in roles.values()):
+        return [ProbeShape(PROBE_BATCH, q, p) for q, p in PADDING_PAST]
+    return [ProbeShape(PROBE_BATCH, PROBE_SEQ[-1])]
 
 
 def _mask_patterns(batch: int, seq: int) -> list[np.ndarray]:
@@ -372,43 +482,58 @@ class MaskAnalyzer:
             it = iter(outs)
             return combine([v if v is not None else next(it) for v in values])
 
+        roles = dim_roles(region.inputs, mask_input)
         # base mask at a few sizes (mask input all ones)
-        sizes = list(PROBE_SEQ)
+        shapes = _probe_shapes(roles)
+        past = WIDE_PAST if shapes[0].past else 0
         big = [c + 2 for c in region.int_constants if PROBE_SEQ[-1] - 2 < c + 2 <= MAX_PROBE_SEQ]
-        feeds = [_feeds(region, PROBE_BATCH, s, mask_input, None) for s in sizes]
-        bases = [evaluate(o) for o in _run(model, feeds)]
         if big:
-            s = max(big)
-            bases.append(evaluate(_run(model, [_feeds(region, 1, s, mask_input, None)])[0]))
-        base = _merge_sizes([classify_base(b) for b in bases])
+            shapes.append(ProbeShape(1, max(big), past))
+        outs = _run(model, [_feeds(region, roles, sh, mask_input, None) for sh in shapes])
+        bases = {sh: evaluate(o) for sh, o in zip(shapes, outs)}
+        base = _merge_probes(list(bases.values()))
         if mask_input is None:
             return base
-        # key padding on top of the base mask
-        seq = PROBE_SEQ[-1]
-        patterns = _mask_patterns(PROBE_BATCH, seq)
-        outs = _run(model, [_feeds(region, PROBE_BATCH, seq, mask_input, p) for p in patterns])
-        b0 = bases[len(PROBE_SEQ) - 1]
+        # key padding on top of the base mask, at every padding probe shape
         fill = None
-        for p, o in zip(patterns, outs):
-            got = evaluate(o)
-            if got.ndim < 2 or got.shape[-1] != seq:
-                return MaskClass(base.base, detail={"padding": "mask input does not index the key axis"})
-            keep = _key_mask(p, got)
-            if keep is None:
-                return MaskClass("dynamic", detail={"depends_on": mask_input.name})
-            dropped = np.broadcast_to(~keep, got.shape)
-            if dropped.any():
-                vals = np.unique(got[dropped])
-                if len(vals) != 1 or not (vals[0] <= masked_below(got.dtype) or np.isneginf(vals[0])) or \
-                        (fill is not None and not _same(fill, vals[0])):
-                    return MaskClass("dynamic", detail={"depends_on": mask_input.name})
-                fill = vals[0]
-            expected = np.where(keep, np.broadcast_to(b0, got.shape), fill if fill is not None else 0)
-            if not np.array_equal(expected, got):
-                return MaskClass("dynamic", detail={"depends_on": mask_input.name})
+        for sh in _padding_shapes(roles):
+            b0 = bases[sh] if sh in bases else evaluate(_run(model, [_feeds(region, roles, sh, mask_input, None)])[0])
+            found = _padding_fill(model, region, roles, sh, mask_input, b0, evaluate, fill)
+            if isinstance(found, MaskClass):
+                return found if found.base != "keep" else MaskClass(base.base, detail=found.detail)
+            fill = found
         padding = fill is not None
         return MaskClass(base.base, padding=padding, window=base.window, source=mask_input.name,
                          fully_masked_rows=base.fully_masked_rows)
+
+
+def _padding_fill(model: onnx.ModelProto, region: _Region, roles: dict[str, str], shape: ProbeShape,
+                  mask_input: gs.Variable, b0: np.ndarray, evaluate, fill):
+    """The fill value of the padding probes at one shape (None: the mask input masks nothing), or
+    the MaskClass saying why the mask is not ``where(mask[b, j], base, fill)`` (base "keep": the
+    base class stands, without padding)."""
+    sk = shape.keys
+    patterns = _mask_patterns(shape.batch, sk)
+    outs = _run(model, [_feeds(region, roles, shape, mask_input, p) for p in patterns])
+    dynamic = MaskClass("dynamic", detail={"depends_on": mask_input.name})
+    for p, o in zip(patterns, outs):
+        got = evaluate(o)
+        if got.ndim < 2 or got.shape[-1] != sk:
+            return MaskClass("keep", detail={"padding": "mask input does not index the key axis"})
+        keep = _key_mask(p, got)
+        if keep is None:
+            return dynamic
+        dropped = np.broadcast_to(~keep, got.shape)
+        if dropped.any():
+            vals = np.unique(got[dropped])
+            if len(vals) != 1 or not (vals[0] <= masked_below(got.dtype) or np.isneginf(vals[0])) or \
+                    (fill is not None and not _same(fill, vals[0])):
+                return dynamic
+            fill = vals[0]
+        expected = np.where(keep, np.broadcast_to(b0, got.shape), fill if fill is not None else 0)
+        if not np.array_equal(expected, got):
+            return dynamic
+    return fill
 
 
 def _same(a, b) -> bool:

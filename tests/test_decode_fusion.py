@@ -1,0 +1,296 @@
+"""Attention over a KV cache (decode, chunked prefill): the mask probes with a past, hand-built
+decode graphs, and LLaMA-GQA / GPT-2 exported with past_key_values by both torch exporters (SDPA and eager attention)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+import graphs
+from optfuse.estimate import estimate_traffic
+from optfuse.fusions import fuse_model
+from optfuse.fusions.attention.mask_class import _merge_probes, dim_roles
+
+OP = "FlashAttention"
+FMIN = float(np.finfo(np.float32).min)
+I64 = TensorProto.INT64
+
+
+def _run(model, feeds):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return sess.run(None, {k: v for k, v in feeds.items() if k in names})
+
+
+def _fa(result):
+    return [a for a in result.accepted if a.op == OP]
+
+
+def _rejections(result):
+    return [r.reason for r in result.rejected if r.op == OP]
+
+
+def _left_padded(lengths, total):
+    return (np.arange(total)[None, :] >= total - np.asarray(lengths)[:, None]).astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------------------
+# the probe machinery
+# ------------------------------------------------------------------------------------------------
+def _var(name, shape, dtype=np.float32):
+    return gs.Variable(name, dtype=dtype, shape=shape)
+
+
+def test_dim_roles():
+    ids = _var("input_ids", ["batch", "sequence"], np.int64)
+    mask = _var("attention_mask", ["batch", "total"], np.int64)
+    past = _var("past_key_values.0.key", ["batch", 2, "past", 32])
+    assert dim_roles([ids, mask, past], mask) == {"batch": "batch", "sequence": "query", "past": "past", "total": "keys"}
+    # an attention_mask longer than the queries, without a cache input
+    assert dim_roles([ids, mask], mask) == {"batch": "batch", "sequence": "query", "total": "keys"}
+    # one sequence dim: Sk = Sq (prefill graphs, as before)
+    assert dim_roles([_var("attention_mask", ["b", "s"], np.int64)], None) == {"b": "batch", "s": "query"}
+    q = _var("q", ["b", 4, "s", 32])
+    assert dim_roles([q], None) == {"b": "batch", "s": "query"}
+    # q [B, H, S, D] next to a cache: the cache is the input named like one
+    assert dim_roles([q, _var("k_past", ["b", 2, "p", 32])], None) == {"b": "batch", "p": "past", "s": "query"}
+
+
+def _causal(sq, sk, window=None):
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    keep = j <= i + (sk - sq)
+    if window:
+        keep &= j > i + (sk - sq) - window
+    return np.where(keep, 0.0, FMIN).astype(np.float32)
+
+
+def test_one_row_probes_follow_the_multi_row_class():
+    """Sq = 1 sees every key under a causal mask (it looks like none): the probes with several
+    query rows decide, the one-row probe must agree."""
+    assert _merge_probes([_causal(1, 12), _causal(5, 12), _causal(12, 15)]).name == "causal"
+    got = _merge_probes([_causal(1, 12, 4), _causal(5, 12, 4), _causal(12, 15, 4)])
+    assert (got.base, got.window) == ("sliding_window", 4)
+    # a one-row probe that masks a key the class allows: not causal
+    row = _causal(1, 12)
+    row[0, 3] = FMIN
+    assert _merge_probes([row, _causal(5, 12), _causal(12, 15)]).base == "block"
+    # only one-row probes: classified as they are
+    assert _merge_probes([np.zeros((1, 12), np.float32)] * 2).base == "none"
+
+
+# ------------------------------------------------------------------------------------------------
+# hand-built decode graphs: the cache concatenated in the graph, the mask built from the past length
+# ------------------------------------------------------------------------------------------------
+def decode_graph(*, H=4, Hkv=2, D=32, mask="causal_padding", window=3):
+    """One attention block over a cache, as TorchScript writes HF's: k = Concat(past_key, k_new),
+    rows = Range(past, past + Sq), cols = Range(0, past + Sq), allowed = cols <= rows [window]
+    [and attention_mask over past + Sq]. mask: causal | causal_padding | window | window_padding |
+    causal_new_padding (the mask's padding applied to the new tokens' keys only)."""
+    b = graphs.Builder(17)
+    inputs = [graphs.io("q", ["b", H, "s", D]), graphs.io("past_key", ["b", Hkv, "p", D]),
+              graphs.io("past_value", ["b", Hkv, "p", D]), graphs.io("k_new", ["b", Hkv, "s", D]),
+              graphs.io("v_new", ["b", Hkv, "s", D])]
+    k = b.node("Concat", "past_key", "k_new", axis=2, out="present_key")
+    v = b.node("Concat", "past_value", "v_new", axis=2, out="present_value")
+    k, v = (_repeat_kv(b, x, Hkv, H, D) for x in (k, v))
+    scores = b.node("Mul", b.node("MatMul", "q", b.node("Transpose", k, perm=[0, 1, 3, 2])), b.const(D ** -0.5))
+
+    def dim(x, axis):
+        return b.node("Squeeze", b.node("Slice", b.node("Shape", x), b.const([axis], dtype=np.int64),
+                                        b.const([axis + 1], dtype=np.int64)), b.const([0], dtype=np.int64))
+
+    past, total = dim("past_key", 2), b.node("Add", dim("past_key", 2), dim("q", 2))
+    one = b.const(1, dtype=np.int64)
+    rows = b.node("Unsqueeze", b.node("Range", past, total, one), b.const([1], dtype=np.int64))
+    cols = b.node("Unsqueeze", b.node("Range", b.const(0, dtype=np.int64), total, one), b.const([0], dtype=np.int64))
+    allowed = b.node("LessOrEqual", cols, rows)
+    if mask.startswith("window"):
+        allowed = b.node("And", allowed, b.node("Greater", cols, b.node("Sub", rows, b.const(window, dtype=np.int64))))
+    if mask.endswith("padding"):
+        inputs.append(graphs.io("attention_mask", ["b", "t"], I64))
+        pad = b.node("Cast", "attention_mask", to=TensorProto.BOOL)
+        if mask == "causal_new_padding":  # ones over the past, the mask's last Sq columns after them
+            new = b.node("Slice", pad, b.node("Neg", b.node("Unsqueeze", dim("q", 2), b.const([0], dtype=np.int64))),
+                         b.const([1 << 40], dtype=np.int64), b.const([1], dtype=np.int64))
+            bp = b.node("Concat", b.node("Slice", b.node("Shape", "q"), b.const([0], dtype=np.int64),
+                                         b.const([1], dtype=np.int64)),
+                        b.node("Unsqueeze", past, b.const([0], dtype=np.int64)), axis=0)
+            ones = b.node("ConstantOfShape", bp, value=onnx.numpy_helper.from_array(np.array([True])))
+            pad = b.node("Concat", ones, new, axis=1)
+        pad = b.node("Unsqueeze", pad, b.const([1, 2], dtype=np.int64))
+        allowed = b.node("And", allowed, pad)
+    scores = b.node("Add", scores, b.node("Where", allowed, b.const(0.0), b.const(FMIN)))
+    b.node("MatMul", b.node("Softmax", scores, axis=-1), v, out="y")
+    outputs = [graphs.io("y", ["b", H, "s", D]), graphs.io("present_key", None), graphs.io("present_value", None)]
+    return b.model(inputs, outputs)
+
+
+def _repeat_kv(b, x, Hkv, H, D):
+    u = b.node("Unsqueeze", x, b.const([2], dtype=np.int64))
+    e = b.node("Expand", u, b.const([1, Hkv, H // Hkv, 1, D], dtype=np.int64))
+    return b.node("Reshape", e, b.const([0, H, -1, D], dtype=np.int64))
+
+
+def _decode_feeds(sq, past, lengths=None, H=4, Hkv=2, D=32, seed=0):
+    rng = np.random.default_rng(seed)
+    B = 3 if lengths is None else len(lengths)
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    feeds = {"q": r(B, H, sq, D), "past_key": r(B, Hkv, past, D), "past_value": r(B, Hkv, past, D),
+             "k_new": r(B, Hkv, sq, D), "v_new": r(B, Hkv, sq, D)}
+    feeds["attention_mask"] = _left_padded(lengths or [past + sq] * B, past + sq)
+    return feeds
+
+
+@pytest.mark.parametrize("mask,cls,causal", [("causal", "causal", 1), ("causal_padding", "causal+padding", 1),
+                                             ("window", "sliding_window", 1),
+                                             ("window_padding", "sliding_window+padding", 0)])
+def test_decode_graph_mask_class(mask, cls, causal):
+    model = decode_graph(mask=mask)
+    fused, res = fuse_model(model)
+    fa = _fa(res)
+    assert len(fa) == 1, _rejections(res)
+    info, attrs = fa[0].rewrite.info, fa[0].rewrite.attrs
+    assert info["mask_class"] == cls and attrs["causal"] == causal
+    assert attrs["num_heads"] == 4 and attrs["num_kv_heads"] == 2
+    if "window" in mask:
+        assert info["window"] == 3
+    for sq, past in ((1, 9), (7, 9), (16, 0)):  # decode, chunked prefill, prefill (Sk = Sq)
+        lengths = [past + sq, past + sq - 2, max(1, past - 3)]  # the last row: padding inside the chunk
+        feeds = _decode_feeds(sq, past, lengths)
+        ref, got = _run(model, feeds), _run(fused, feeds)
+        real = feeds["attention_mask"][:, None, past:, None].astype(bool)  # [B, 1, Sq, 1] real queries
+        diff = np.abs(ref[0] - got[0])
+        assert (diff[np.broadcast_to(real, diff.shape)].max() if "padding" in mask else diff.max()) <= 1e-4
+        assert all(np.array_equal(a, c) for a, c in zip(ref[1:], got[1:]))
+
+
+def test_padding_probes_cover_the_cached_keys():
+    """A mask input that pads only the new tokens' keys (the past's part ignored) is not key
+    padding over all Sk keys: left-padded probe rows mask cached keys, the graph does not."""
+    _, res = fuse_model(decode_graph(mask="causal_new_padding"))
+    (a,) = _fa(res)
+    assert a.rewrite.info["mask_class"] == "dynamic", a.rewrite.info
+    assert a.rewrite.attrs["causal"] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# exported HF decoders with past_key_values
+# ------------------------------------------------------------------------------------------------
+DECODE_CASES = [(f, e, a) for f in ("llama", "gpt2") for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")]
+SHAPES = [(1, 9), (7, 9)]  # (Sq, past): decode, chunked prefill
+
+
+@pytest.fixture(scope="session")
+def fused_decode(exported_model):
+    memo = {}
+
+    def get(family, exporter, attn="sdpa"):
+        key = (family, exporter, attn)
+        if key not in memo:
+            from optfuse.models import decode_dims
+
+            em = exported_model(family, exporter, attn, past=True)
+            model = onnx.load(str(em.path))
+            fused, res = fuse_model(model, dims=decode_dims(1, 64))
+            memo[key] = (em, model, fused, res)
+        return memo[key]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter,attn", DECODE_CASES)
+def test_decode_export_fuses_with_causal_padding(fused_decode, family, exporter, attn):
+    em, model, fused, res = fused_decode(family, exporter, attn)
+    assert em.past and em.meta["kv_cache"]
+    assert [i.name for i in em.inputs][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
+    fa = _fa(res)
+    assert len(fa) == em.counts["attention"], _rejections(res)
+    assert [n.op_type for n in fused.graph.node].count(OP) == em.counts["attention"]
+    assert "Softmax" not in [n.op_type for n in fused.graph.node]
+    for a in fa:
+        assert a.rewrite.info["mask_class"] == "causal+padding", a.rewrite.info
+        assert a.rewrite.attrs["causal"] == 1
+        assert a.rewrite.attrs["num_heads"] == em.meta["num_heads"]
+        assert a.rewrite.attrs["num_kv_heads"] == em.meta["num_kv_heads"]
+    if family == "llama":
+        assert em.meta["num_kv_heads"] < em.meta["num_heads"]  # GQA: the op takes the cache un-repeated
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter,attn", DECODE_CASES)
+def test_decode_export_matches(fused_decode, family, exporter, attn):
+    """Sq = 1 and Sq = 7 over a past of 9: all ones, left padding within the past (every query is
+    a real token: exact everywhere), and left padding into the new tokens (exact at real tokens)."""
+    from optfuse.models import decode_dims, left_padded_mask
+
+    em, model, fused, _ = fused_decode(family, exporter, attn)
+    feeds, outs = em.sample()
+    ref = _run(model, feeds)
+    assert max(float(np.abs(r - outs[o.name]).max()) for r, o in zip(ref, em.outputs)) <= 1e-4  # the export
+    for sq, past in SHAPES:
+        total = past + sq
+        feeds = em.make_inputs(decode_dims(sq, past, 4), seed=sq)
+        for lengths in ([total] * 4, [total, total - 3, total - 8, sq], [total, total - 2, sq - 1 or 1, 1]):
+            feeds["attention_mask"] = left_padded_mask(lengths, total)
+            ref, got = _run(model, feeds), _run(fused, feeds)
+            mask = feeds["attention_mask"].astype(bool)
+            assert np.abs(ref[0] - got[0])[mask[:, past:]].max() <= 1e-4, (sq, lengths)  # real query tokens
+            for a, b in zip(ref[1:], got[1:]):  # the cache [B, Hkv, Sk, D] at real positions
+                assert np.abs(a - b).transpose(0, 2, 1, 3)[mask].max() <= 1e-4, (sq, lengths)
+            if all(n >= sq for n in lengths):  # no padded query row: every output exact
+                assert max(float(np.abs(a - b).max()) for a, b in zip(ref, got)) <= 1e-4, (sq, lengths)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter", [("llama", "torchscript"), ("gpt2", "dynamo")])
+def test_decode_export_torch_reference(fused_decode, family, exporter):
+    """The record's torch_outputs rebuilds the decode model (the fused graph against torch)."""
+    from optfuse.models import decode_dims, left_padded_mask
+
+    em, _, fused, _ = fused_decode(family, exporter)
+    feeds = em.make_inputs(decode_dims(1, 12, 2), seed=3)
+    feeds["attention_mask"] = left_padded_mask([13, 9], 13)
+    want = em.torch_outputs(feeds)
+    got = _run(fused, feeds)
+    assert list(want) == [o.name for o in em.outputs]
+    assert max(float(np.abs(want[o.name] - g).max()) for o, g in zip(em.outputs, got)) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter", [("llama", "dynamo"), ("gpt2", "torchscript")])
+def test_decode_hbm_estimate_counts_the_cache_reads(fused_decode, family, exporter):
+    """Each attention node reads K and V at Sk = past + Sq keys and KV heads (not Sq)."""
+    from optfuse.models import decode_dims
+
+    em, _, fused, res = fused_decode(family, exporter)
+    dims = decode_dims(1, 64)
+    est = estimate_traffic(fused, res, dims)
+    B, Sk, D = dims["batch"], dims["total_sequence"], em.meta["head_dim"]
+    H, Hkv = em.meta["num_heads"], em.meta["num_kv_heads"]
+    kv = 2 * B * Hkv * Sk * D * 4
+    q_out = 2 * B * H * 1 * D * 4
+    for a in _fa(res):
+        moved = est.moved_bytes[a.node_name]
+        assert moved is not None and kv + q_out <= moved <= kv + q_out + 4 * B * Sk * 4, moved
+        assert est.saved_bytes[a.node_name] is not None and est.saved_bytes[a.node_name] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter", [("llama", "torchscript"), ("gpt2", "dynamo")])
+def test_decode_export_passes_verify(fused_decode, family, exporter):
+    """optfuse.verify at consistent decode dims (its generated masks are right-padded)."""
+    from optfuse.models import decode_dims
+    from optfuse.verify import VerifyOptions, verify
+
+    _, model, fused, _ = fused_decode(family, exporter)
+    for sq in (1, 7):
+        result = verify(model, fused, VerifyOptions(dims=decode_dims(sq, 9)), iterations=2)
+        assert result.passed, [(o.name, o.max_abs) for o in result.failed]
+        assert len(result.outputs) == 1 + 2 * 2  # last_hidden_state and the two layers' present k / v
