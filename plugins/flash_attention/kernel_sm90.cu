@@ -207,11 +207,10 @@ typedef unsigned short u16;
 #define KEYPAD_RANGE                                                                                 \
     if ((BIAS_BATCH ? b : 0) != kp_batch) {                                                        \
         kp_batch = BIAS_BATCH ? b : 0;                                                             \
-        live = live_key_range(Bias, (long long)kp_batch * Sk, Sk, ptid, live_red);                 \
-    }
-#define KEYPAD_STATE                                                                                 \
-    int kp_batch = -1;                                                                             \
-    KeyLive live = {Sk, -1, false};
+        live_key_range(Bias, (long long)kp_batch * Sk, Sk, ptid, live_red);                        \
+    }                                                                                              \
+    const KeyLive live = live_of(live_red);
+#define KEYPAD_STATE int kp_batch = -1;
 #else
 #define KEYPAD_RANGE
 #define KEYPAD_STATE const KeyLive live = {Sk, -1, false};
@@ -271,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     (void)bias_ring;
 #if KEYPAD_SLOTS
     __shared__ KeyBlocks tile_slot[Q_BUFFERS];  // the producer's narrowed blocks of each Q slot's tile
-    __shared__ int live_red[12];                // live_key_range's reductions
+    __shared__ int live_red[19];                // live_key_range's reductions and result
 #endif
 
     // num_tiles counts BLOCK_M-row tiles (launch.py); with nc < CONSUMERS active consumer
@@ -291,14 +290,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     // pairs of query blocks, a pair ending with its light block; else query blocks).
     const int G = gridDim.x;
     const int P = CAUSAL ? (num_m + 1) / 2 : num_m;
-#if LAYOUT
-    // Layouts: a contiguous range of tiles of equal cost per CTA (sparsity.cuh layout_tile_range)
-    __shared__ int tile_range[2];
-    __shared__ int head_prefix[MAX_LAYOUT_HEADS + 1];
-    if (threadIdx.x < 32) layout_tile_range(Offsets, H, BH, num_m, G, blockIdx.x, head_prefix, tile_range);
-    __syncthreads();
-    const int tile_begin = tile_range[0], tile_end = tile_range[1];
-#endif
 
     // TMA loads: this CTA's tensor maps (Q, K, V: 3 x 128 bytes) live in the first rows of the
     // output tile it writes last (the tile order below). No other CTA writes there (tiles are
@@ -311,16 +302,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #if TMA
     {
         const u32 grid = G, bid = blockIdx.x;
-        const u32 per = LAYOUT ? num_m : P;
+        const u32 per = P;
         const u32 units = BH * per;
-#if LAYOUT
-        if (tile_end > tile_begin && Sk > 0) {
-            const u32 u = tile_end - 1;  // this CTA's last tile
-            (void)grid, (void)bid, (void)units;
-#else
         if (bid < units && Sk > 0) {
             const u32 u = (units - 1 - bid) / grid * grid + bid;  // this CTA's last unit
-#endif
             const int last_bh = u / per, last_mb = u % per;
             const int rows = min(bm, Sq - last_mb * bm);
             // that tile visits a key block (the live-range narrowing never empties a tile)
@@ -362,13 +347,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 
     // Tile order: no dynamic scheduler (it would need a global counter, and QDP kernels get no
     // scratch memory); a fixed assignment that keeps K/V reuse in L2 and the CTAs' work even.
-#if LAYOUT
-    // Layouts: this CTA's contiguous range of equal cost (above), query block fastest.
-#define TILE_LOOP for (int tile = tile_begin; tile < tile_end; ++tile)
-#define TILE_INDEX                                                                                   \
-    const int bh = tile / num_m;                                                                   \
-    const int mb = tile % num_m;
-#elif CAUSAL
+#if CAUSAL
     // Causal: head-major pairs. CTA i takes pairs i, i + G, ...; pair q = (head q / P, k = q % P)
     // is query blocks num_m - 1 - k and k of one head, so every pair costs num_m + 1 key blocks
     // (balanced without ordering tiles by cost), and the CTAs running together share a few heads'

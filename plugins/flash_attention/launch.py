@@ -128,12 +128,13 @@ class FAConfig:
 #: kernel on every benchmark shape (README "Tried"). Three consumer warpgroups at D = 64: +3-18 %
 #: non-causal; causal, they pay from S = 4096 (+7-13 %) but cost 27 % at S = 512, so that kernel
 #: uses the third warpgroup only from Sq >= 4096 (kernel_sm90.cu SQ_THREE, decided at run time).
-#: With key padding three warpgroups are not measured. TMA loads: 1.00-1.07x the cp.async ones,
-#: except non-causal D = 64 with key padding (0.93x), which keeps cp.async.
+#: With key padding (non-causal), three warpgroups with cp.async loads: 1.01-1.13x two (the
+#: three-warpgroup producer has no registers for TMA and the key bias). TMA loads: 1.00-1.07x the
+#: cp.async ones, except non-causal D = 64 with key padding (0.93x with two warpgroups).
 SM90_DEFAULTS: dict[tuple[int, bool, bool], tuple[int, int, bool] | None] = {
     (64, False, False): (192, 3, True),
     (64, True, False): (192, 3, True),
-    (64, False, True): (128, 3, False),
+    (64, False, True): (192, 3, False),
     (64, True, True): (128, 3, True),
     (128, False, False): (128, 2, True),
     (128, True, False): (128, 2, True),
@@ -201,20 +202,30 @@ def sm90_eligible(dtype: str, head_dim: int, pattern: tuple[int, int, int, int] 
             and scale > 0 and (pattern is None or pattern[1:3] == (0, 0)))
 
 
+#: Sliding windows up to this many keys run 128-row tiles at D = 64 (two consumer warpgroups):
+#: 1.04-1.08x the 192-row tiles at w = 256 and w = 1024 (S = 4k), 0.93-0.98x from w = 1024 at
+#: S = 16k, where the third warpgroup's overlap wins back its extra partial blocks.
+SM90_SHORT_WINDOW = 512
+
+
 def choose_config(dtype: Any, head_dim: int, causal: bool, *,
                   arch: int | None = None, pattern: tuple[int, int, int, int] | None = None,
-                  scale: float = 1.0, layout: bool = False) -> FAConfig:
+                  scale: float = 1.0, layout: bool = False, window_left: int = -1) -> FAConfig:
     """The config for a specialization. ``arch`` is the target (None: unknown, so the portable
     Triton kernel); on sm_90 the CUDA kernel is chosen wherever it applies (sm90_eligible).
     ``layout`` (BlockSparseAttention): tiles of 128 query rows on sm_90 (the Triton tiles all
-    divide the 128-block layout)."""
+    divide the 128-block layout); so do left windows up to SM90_SHORT_WINDOW keys."""
     dtype = norm_dtype(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
     keypad = is_keypad(pattern)
     if sm90_eligible(dtype, head_dim, pattern, scale, arch) and SM90_DEFAULTS.get((head_dim, bool(causal), keypad)):
         # a layout's 128-row blocks are the tiles of two consumer warpgroups
-        return sm90_config(head_dim, causal, keypad=keypad, block_m=128 if layout else None)
+        short = 0 <= window_left < SM90_SHORT_WINDOW
+        # a key-padding row shared by the batch ([1, 1, 1, Sk]) spills the three-consumer producer
+        shared_row = keypad and pattern[0] == 0
+        return sm90_config(head_dim, causal, keypad=keypad,
+                           block_m=128 if layout or short or shared_row else None)
     cls = "float32" if dtype == "float32" else "half"
     return TUNED.get((cls, head_dim, bool(causal))) or _default_config(dtype, head_dim, causal)
 
@@ -276,11 +287,11 @@ def _head_dim(static_shape: dict) -> int:
 
 
 def _config_for(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
-                static_shape: dict | None, layout: bool = False) -> FAConfig:
+                static_shape: dict | None, sparsity: Sparsity = Sparsity()) -> FAConfig:
     arch = (static_shape or {}).get("arch")
     return choose_config(dtype, head_dim, causal,
                          arch=None if arch is None else int(arch), pattern=pattern, scale=scale,
-                         layout=layout)
+                         layout=sparsity.layout, window_left=sparsity.window_left)
 
 
 def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
@@ -418,7 +429,7 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     pattern = bias_pattern(static_shape.get("bias_shape"))
     mode = _bias_mode(pattern)
     has_bias, scalar_bias = mode == 2, mode == 1
-    cfg = config or _config_for(dtype, head_dim, causal, pattern, scale, static_shape, layout=sp.layout)
+    cfg = config or _config_for(dtype, head_dim, causal, pattern, scale, static_shape, sp)
     if cfg.impl == "sm90":
         return _sm90_source(dtype, head_dim, causal, pattern, scale, cfg,
                             norm_dtype(static_shape.get("bias_dtype") or dtype), sp, name)
@@ -491,12 +502,12 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     Hkv, Sk = k[1], k[2]
     head_dim = _head_dim(static_shape) if static_shape else static_int(q[3], "head_dim")
     causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
-    layout = name == BLOCK_SPARSE
+    sp = sparsity_of(name, attrs, static_shape)
+    layout = sp.layout
     n_tensors = len(shapes) - 2 * layout
     bias_shape = (static_shape or {}).get("bias_shape", shapes[3] if n_tensors > 3 else None)
     pattern = bias_pattern(bias_shape)
-    cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), static_shape,
-                                layout=layout)
+    cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), static_shape, sp)
     nnz = [shapes[-1][1]] if layout else []
     if cfg.impl == "sm90":
         # persistent: a fixed grid walks num_tiles = cdiv(Sq, block_m) * B * H tiles

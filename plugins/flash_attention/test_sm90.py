@@ -45,7 +45,8 @@ def test_kernel_choice(arch, dtype, D, bias, expect):
     assert src.lang == expect
     if expect == "cuda":
         keypad = L.is_keypad(L.bias_pattern(bias))
-        three = D == 64 and not keypad  # three consumer warpgroups (SM90_DEFAULTS)
+        # three consumer warpgroups (SM90_DEFAULTS), but for a key-padding row shared by the batch
+        three = D == 64 and not (keypad and (causal or not L.bias_pattern(bias)[0]))
         assert src.arch_suffix == "a" and src.threads == (512 if three else 384)
         assert src.n_inputs == 3 + (bias is not None) and src.n_extra == 5
         mode = 0 if bias is None else 1 if not any(L.bias_pattern(bias)) else 2
@@ -57,6 +58,47 @@ def test_kernel_choice(arch, dtype, D, bias, expect):
     # a negative scale (never exported, but legal) keeps the Triton kernel
     neg = dict(_attrs(D, causal), scale=-0.1)
     assert L.kernel_config(OP, dtype, neg, {"head_dim": D, "bias_shape": bias, "arch": arch}).lang == "triton"
+
+
+@pytest.mark.parametrize("op,extra,static,block_m,tag", [
+    ("FlashAttention", {"window_left": 255}, {}, 128, "_window255_-1"),       # short window: 128-row tiles
+    ("FlashAttention", {"window_left": 1023}, {}, 192, "_window1023_-1"),
+    ("FlashAttention", {"window_left": 100, "window_right": 100}, {}, 128, "_window100_100"),
+    ("FlashAttention", {"softcap": 50.0}, {}, 192, "_softcap50"),
+    ("BlockSparseAttention", {"block_size": 128}, {"layout_heads": True}, 128, "_bsr_heads"),
+    ("BlockSparseAttention", {"block_size": 128}, {}, 128, "_bsr"),
+])
+def test_sparse_kernel_choice(op, extra, static, block_m, tag):
+    """Windows, soft-caps and layouts are compiled in; a layout (and a window of up to
+    SM90_SHORT_WINDOW keys at D = 64) runs 128-row tiles; BlockSparseAttention takes the layout's
+    two int32 inputs and nnz after num_tiles."""
+    attrs = {**_attrs(64, 1), **extra}
+    st = {"head_dim": 64, "bias_shape": None, "arch": 90, **static}
+    src = L.kernel_config(op, "bfloat16", attrs, st)
+    assert src.lang == "cuda" and src.meta["config"]["block_m"] == block_m
+    assert tag in src.name and src.name.startswith(f"flash_attention/{op}/")
+    layout = op == "BlockSparseAttention"
+    assert src.n_inputs == 3 + 2 * layout and src.n_extra == 5 + layout
+    assert ("LAYOUT" in src.defines) == layout
+    if "softcap" in extra:
+        assert float(src.defines["SOFTCAP_LOG2"].rstrip("f")) == pytest.approx(50 * 1.4426950408889634)
+    shapes = [[2, 8, "S", 64], [2, 2, "S", 64], [2, 2, "S", 64]] + ([[8, 9], [8, "nnz"]] if layout else [])
+    p = L.launch_params(op, shapes, ["bfloat16"], attrs, cdiv=lambda a, b: ("cdiv", a, b), static_shape=st)
+    assert p.extra_args[:4] == [8, 2, "S", "S"] and p.extra_args[5:] == (["nnz"] if layout else [])
+    tsrc = L.kernel_config(op, "bfloat16", attrs, {**st, "arch": None})  # the Triton kernel
+    assert tsrc.lang == "triton" and tag in tsrc.name and tsrc.n_extra == 4 + layout
+    if layout:
+        assert list(tsrc.signature)[3:6] == ["Offsets", "Indices", "H"] and "Nnz" in tsrc.signature
+        assert tsrc.num_stages <= 2
+
+
+def test_sparse_attributes_checked():
+    with pytest.raises(ValueError, match="window"):
+        L.kernel_config("FlashAttention", "bfloat16", {**_attrs(64), "window_left": -2},
+                        {"head_dim": 64, "bias_shape": None, "arch": 90})
+    with pytest.raises(ValueError, match="block_size"):
+        L.kernel_config("BlockSparseAttention", "bfloat16", {**_attrs(64), "block_size": 64},
+                        {"head_dim": 64, "bias_shape": None, "arch": 90})
 
 
 def test_launch_params_persistent_and_symbolic():
@@ -110,7 +152,7 @@ def _cuobjdump():
     ("bfloat16", 128, 0, None, False, True),
     ("float16", 128, 1, (-1, 1, 1, -1), False, True),
     ("bfloat16", 64, 1, (), True, True),  # D = 64: row sums on the tensor cores (m64n72 P V), the default
-    ("float16", 64, 0, (1, 1, 1, -1), True, True),
+    ("float16", 64, 0, (-1, 1, 1, -1), True, True),  # three consumers with key padding (cp.async)
     ("bfloat16", 64, 0, None, True, True),  # three consumer warpgroups (160 registers each): no spills either
     ("float16", 64, 1, (-1, 1, 1, -1), False, True),  # the plain row sums, still a variant
     ("bfloat16", 64, 0, None, False, False),  # cp.async loads only

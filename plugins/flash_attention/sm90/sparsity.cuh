@@ -117,118 +117,56 @@ __device__ __forceinline__ KeyBlocks tile_blocks(int m0, int bm, int Sq, int Sk,
 
 // The live range (first, last key whose bias is above KEYPAD_MASKED; NaN counts as live) of one
 // key-padding row and whether it is pure, by the producer warpgroup (ptid = its thread, 0..127;
-// red: 12 ints of shared memory; named barrier 15): (Sk, -1) when every key is masked. Called once
+// red: 19 ints of shared memory, the result in red[16..18] -- shared memory, not registers, holds
+// it between tiles: the three-consumer producer has 32 registers; named barrier 15): (Sk, -1)
+// when every key is masked. One pass:
+// the row is pure when the live keys fill [first, last] (their count) and are all 0. Called once
 // per batch change of the CTA's tiles; the consumers get the tile's blocks from the producer
-// (kernel_sm90.cu, KEYPAD_SLOTS). Eight independent loads per thread in flight: a row of 1024 keys
-// costs one L2 round trip, not 32.
+// (kernel_sm90.cu, KEYPAD_SLOTS). LIVE_UNROLL independent loads per thread in flight: a row of
+// 1024 keys costs one L2 round trip.
 #define LIVE_BARRIER() asm volatile("bar.sync 15, 128;" ::: "memory")
-__device__ __forceinline__ KeyLive live_key_range(const void* bias, long long row, int Sk, int ptid, volatile int* red) {
-    int f = Sk, l = -1;
+#define LIVE_UNROLL 8
+__device__ __forceinline__ void live_key_range(const void* bias, long long row, int Sk, int ptid, volatile int* red) {
+    int f = Sk, l = -1, count = 0;
+    bool nonzero = false;
 #pragma unroll 1
-    for (int c0 = 0; c0 < Sk; c0 += 128 * 8) {
+    for (int c0 = 0; c0 < Sk; c0 += 128 * LIVE_UNROLL) {
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < LIVE_UNROLL; ++u) {
             const int c = c0 + 128 * u + ptid;
-            if (c < Sk && !(bias_to_float(bias, row + c) <= KEYPAD_MASKED)) {
+            const float x = c < Sk ? bias_to_float(bias, row + c) : NEG_INF;
+            if (!(x <= KEYPAD_MASKED)) {
                 f = min(f, c);
                 l = max(l, c);
+                ++count;
+                nonzero |= x != 0.f;
             }
         }
     }
     f = __reduce_min_sync(0xffffffffu, f);
     l = __reduce_max_sync(0xffffffffu, l);
-    const int w = ptid / 32;
-    if (ptid % 32 == 0) red[w] = f, red[4 + w] = l;
-    LIVE_BARRIER();
-    KeyLive live;
-    live.first = min(min(red[0], red[1]), min(red[2], red[3]));
-    live.last = max(max(red[4], red[5]), max(red[6], red[7]));
-    bool nonzero = false;
-#pragma unroll 1
-    for (int c0 = live.first; c0 <= live.last; c0 += 128 * 8) {
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const int c = c0 + 128 * u + ptid;
-            if (c <= live.last) nonzero |= bias_to_float(bias, row + c) != 0.f;
-        }
-    }
+    count = __reduce_add_sync(0xffffffffu, count);
     nonzero = __any_sync(0xffffffffu, nonzero);
-    LIVE_BARRIER();  // red[0..7] read by all before the next call rewrites them
-    if (ptid % 32 == 0) red[8 + w] = nonzero;
+    const int w = ptid / 32;
+    if (ptid % 32 == 0) red[w] = f, red[4 + w] = l, red[8 + w] = count, red[12 + w] = nonzero;
     LIVE_BARRIER();
-    live.pure = !(red[8] | red[9] | red[10] | red[11]);
+    if (ptid == 0) {
+        const int first = min(min(red[0], red[1]), min(red[2], red[3]));
+        const int last = max(max(red[4], red[5]), max(red[6], red[7]));
+        const int live_keys = red[8] + red[9] + red[10] + red[11];
+        red[16] = first;
+        red[17] = last;
+        red[18] = live_keys == last - first + 1 && !(red[12] | red[13] | red[14] | red[15]);
+    }
+    LIVE_BARRIER();  // the result is visible, and red[0..15] free for the next call
+}
+
+__device__ __forceinline__ KeyLive live_of(const volatile int* red) {
+    KeyLive live;
+    live.first = red[16];
+    live.last = red[17];
+    live.pure = red[18] != 0;
     return live;
-}
-
-// Layouts: the persistent CTAs take contiguous ranges of tiles of equal cost (the blocks a tile
-// lists + LAYOUT_TILE_COST for its Q load, first block and epilogue), in the order bh-major,
-// query block fastest: a random layout's tiles differ in cost, and the round-robin order left the
-// CTA with the most work 17 % (10 % density) above the mean. Warp 0 of each CTA finds its range
-// with prefix sums of the per-head costs (shared memory, one entry per head: at most
-// MAX_LAYOUT_HEADS) and one search within a head's offsets row.
-#define LAYOUT_TILE_COST 1
-#define MAX_LAYOUT_HEADS 1024
-
-struct LayoutCosts {
-    const int* offsets;
-    const int* head_prefix;  // [hl + 1]: cost of the heads before h (per-head layouts)
-    long long per_batch;     // cost of one batch's tiles
-    int H, BH, num_m;
-};
-
-// Cost of the tiles before the first tile of (b, h) = bh.
-__device__ __forceinline__ long long cost_before_head(const LayoutCosts& c, int bh) {
-    const int h = bh % c.H;
-    const long long heads = LAYOUT_HEADS ? c.head_prefix[h] : (long long)h * c.head_prefix[1];
-    return (long long)(bh / c.H) * c.per_batch + heads;
-}
-
-// The first tile whose preceding tiles cost >= target (all 32 lanes, the same target).
-__device__ __forceinline__ int first_tile_at(const LayoutCosts& c, long long target) {
-    int lo = 0, hi = c.BH;
-    while (lo < hi) {  // the first head starting at or after target (shared memory only)
-        const int mid = (lo + hi) >> 1;
-        if (cost_before_head(c, mid) >= target) hi = mid;
-        else lo = mid + 1;
-    }
-    if (lo == 0) return 0;
-    const int bh = lo - 1;  // target falls inside head bh
-    const long long rem = target - cost_before_head(c, bh);
-    const int* row = c.offsets + (long long)(LAYOUT_HEADS ? bh % c.H : 0) * (c.num_m + 1);
-    const int lane = threadIdx.x % 32;
-    for (int m0 = 1; m0 <= c.num_m; m0 += 32) {  // the first query block mb >= 1 whose prefix reaches rem
-        const int m = m0 + lane;
-        const bool ok = m <= c.num_m && __ldg(row + m) + (long long)LAYOUT_TILE_COST * m >= rem;
-        const unsigned hit = __ballot_sync(0xffffffffu, ok);
-        if (hit) return bh * c.num_m + m0 + __ffs(hit) - 1;
-    }
-    return bh * c.num_m + c.num_m;  // unreachable: mb = num_m reaches the head's whole cost
-}
-
-// [range[0], range[1]): this CTA's tiles, by warp 0 (head_prefix: MAX_LAYOUT_HEADS + 1 ints).
-__device__ __forceinline__ void layout_tile_range(const int* offsets, int H, int BH, int num_m, int ctas, int cta,
-                                                  int* head_prefix, int* range) {
-    const int lane = threadIdx.x % 32, hl = LAYOUT_HEADS ? H : 1;
-    if (LAYOUT_HEADS && H > MAX_LAYOUT_HEADS) __trap();  // launch.py refuses such layouts
-    int total = 0;
-    for (int h0 = 0; h0 < hl; h0 += 32) {  // head costs, inclusive warp scan per 32 heads
-        const int h = h0 + lane;
-        int c = h < hl ? __ldg(offsets + (long long)h * (num_m + 1) + num_m) + LAYOUT_TILE_COST * num_m : 0;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int n = __shfl_up_sync(0xffffffffu, c, d);
-            if (lane >= d) c += n;
-        }
-        if (h < hl) head_prefix[h + 1] = total + c;
-        total += __shfl_sync(0xffffffffu, c, 31);
-    }
-    if (lane == 0) head_prefix[0] = 0;
-    __syncwarp();
-    LayoutCosts c{offsets, head_prefix, LAYOUT_HEADS ? (long long)total : (long long)total * H, H, BH, num_m};
-    const long long all = c.per_batch * (BH / H);
-    const int begin = first_tile_at(c, all * cta / ctas);
-    const int end = first_tile_at(c, all * (cta + 1) / ctas);
-    if (lane == 0) range[0] = begin, range[1] = end;
 }
 
 // Scores of key block kv0 no row may see: keys past each row's upper limit (lim: Sk, causal,
