@@ -79,16 +79,19 @@ class Sparsity:
 
 def sparsity_of(op: Any, attrs: dict, static_shape: dict | None = None) -> Sparsity:
     """The Sparsity of a node: its window / softcap attributes and, for BlockSparseAttention, its
-    layout (``static_shape['layout_heads']``: the block_offsets input has a row per head)."""
+    layout (``static_shape['layout_heads']``, else ``block_offsets_shape[0] != 1``: the
+    block_offsets input has a row per head)."""
     name = getattr(op, "op", op)
     if name == BLOCK_SPARSE:
         spec = BLOCK_SPARSE_SPEC
         block = int(attrs.get("block_size", spec.attr("block_size").default))
         if block not in LAYOUT_BLOCKS:
             raise ValueError(f"{BLOCK_SPARSE}: block_size {block} not in {LAYOUT_BLOCKS}")
+        st = static_shape or {}
+        offsets = st.get("block_offsets_shape")  # the TensorRT glue's static facts
+        heads = st.get("layout_heads", offsets is not None and offsets[0] != 1)
         return Sparsity(softcap=float(attrs.get("softcap", spec.attr("softcap").default) or 0.0),
-                        layout=True, layout_heads=bool((static_shape or {}).get("layout_heads", False)),
-                        layout_block=block)
+                        layout=True, layout_heads=bool(heads), layout_block=block)
     wl = int(attrs.get("window_left", SPEC.attr("window_left").default))
     wr = int(attrs.get("window_right", SPEC.attr("window_right").default))
     cap = float(attrs.get("softcap", SPEC.attr("softcap").default) or 0.0)
