@@ -155,7 +155,7 @@ def run_window(K, dtype, S, D, w, flex, rounds, sdpa_max):
     fns["dense_causal"] = K.launcher(dsrc, dp, [q, k, v], torch.empty_like(q))
     fsrc, fp = K.source(T.attrs_for(H, H, D, False), dtype, shapes)
     fns["dense_full"] = K.launcher(fsrc, fp, [q, k, v], torch.empty_like(q))
-    for name, cfg in variants("window", D):
+    for name, cfg in variants("window", D, w):
         vsrc, vp = K.source(attrs, dtype, shapes, config=cfg)
         fns[name] = K.launcher(vsrc, vp, [q, k, v], torch.empty_like(q))
     row = {"kind": "window", "dtype": dtype, "B": B, "H": H, "S": S, "D": D, "window": w, "kernel": src.name}
@@ -300,18 +300,21 @@ def run_dense(K, dtype, S, D, causal, rounds):
             "baseline_tfs": fl / times["baseline"] * 1e-9, "ours_vs_baseline": times["baseline"] / times["ours"]}
 
 
-def variants(kind, D):
-    """Other CUDA configs timed beside the shipped one (name -> FAConfig): at D = 64, two consumer
-    warpgroups for windows (128-row tiles cut fewer partial blocks), three for key padding; at
-    D = 128 the softmax stream for key padding."""
+def variants(kind, D, w=None):
+    """Other CUDA configs timed beside the shipped one (name -> FAConfig): at D = 64 the other
+    tile height (two or three consumer warpgroups) for windows and key padding; at D = 128 the
+    softmax stream for key padding."""
     if D != 64:
         if kind == "padding":  # the softmax as one stream (off by default with a key bias)
             return [("v:stream", dataclasses.replace(L.sm90_config(D, False, keypad=True), softmax_stream=True))]
         return []
     if kind == "window":
-        return [("v:2wg", dataclasses.replace(L.sm90_config(64, True), block_m=128, num_warps=12))]
+        short = w - 1 < L.SM90_SHORT_WINDOW
+        return [("v:3wg" if short else "v:2wg",
+                 dataclasses.replace(L.sm90_config(64, True), block_m=192 if short else 128,
+                                     num_warps=16 if short else 12))]
     if kind == "padding":
-        return [("v:3wg", dataclasses.replace(L.sm90_config(64, False, keypad=True), block_m=192, num_warps=16))]
+        return [("v:2wg", dataclasses.replace(L.sm90_config(64, False, keypad=True), block_m=128, num_warps=12))]
     return []
 
 
@@ -344,7 +347,7 @@ def plan_sources(K, todo, dense):
             for attrs in (T.attrs_for(H, H, D, True) | {"window_left": x - 1}, T.attrs_for(H, H, D, True),
                           T.attrs_for(H, H, D, False)):
                 out.append(K.source(attrs, dt, shapes)[0])
-            for _, cfg in variants(kind, D):
+            for _, cfg in variants(kind, D, x):
                 out.append(K.source(T.attrs_for(H, H, D, True) | {"window_left": x - 1}, dt, shapes, config=cfg)[0])
         elif kind == "layout":
             lay = (np.zeros((H, math.ceil(S / BLOCK) + 1), np.int32), np.zeros((H, 1), np.int32))
