@@ -18,12 +18,14 @@ OP = "FlashAttention"
 
 @dataclass
 class AttentionPlan:
-    """The bindings an attention check returns and its rewrite emits: the fused node's inputs
-    (q, k, v, bias), its attributes, and facts for the report (mask class, scale, heads, ...)."""
+    """The bindings an attention check returns and its rewrite emits: the fused node's op, inputs
+    (q, k, v, bias [, block_offsets, block_indices]), its attributes, and facts for the report
+    (mask class, window, scale, heads, ...)."""
 
     inputs: list[Any]
     attrs: dict[str, Any]
     info: dict[str, Any] = field(default_factory=dict)
+    op: str = "FlashAttention"
 
 
 class AttentionFacts:

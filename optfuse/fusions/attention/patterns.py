@@ -51,7 +51,10 @@ def _is_static_scalar(t: gs.Tensor) -> bool:
 def _scores():
     qk = op.MatMul(_scaled(Var("q"), "q"), _scaled(_k_transposed(), "k"), capture="qk")
     # the scores' own scale: any tensor here (a non-constant one is rejected with its reason)
-    return AnyOf(op.Mul(qk, Var("s_mul")), op.Div(qk, Var("s_div")), qk)
+    s = AnyOf(op.Mul(qk, Var("s_mul")), op.Div(qk, Var("s_div")), qk)
+    # Gemma 2's soft-cap c * tanh(s / c) (the factors are checked by the planner)
+    inner = AnyOf(op.Div(s, Var("cap_div")), op.Mul(s, Var("cap_mul", where=_is_static_scalar)))
+    return AnyOf(op.Mul(op.Tanh(inner, capture="cap_tanh"), Var("cap_out")), s)
 
 
 def _probs(logits):
