@@ -112,10 +112,43 @@ ONNX_ATTENTION = AnyOf(
 )
 
 
+#: How far the diagnostic looks from a Softmax for the products around it (nodes).
+NEAR = 20
+_PRODUCTS = ("MatMul", "Einsum", "Gemm")
+
+
+def _near_product(t: gs.Tensor, downstream: bool) -> bool:
+    """Whether a MatMul / Einsum lies within NEAR nodes of ``t`` (consumers or producers)."""
+    frontier, seen = [t], set()
+    for _ in range(NEAR):
+        nxt = []
+        for x in frontier:
+            nodes = list(x.outputs) if downstream else list(x.inputs)
+            for n in nodes:
+                if id(n) in seen:
+                    continue
+                seen.add(id(n))
+                if n.op in _PRODUCTS:
+                    return True
+                nxt += [o for o in (n.outputs if downstream else n.inputs) if not isinstance(o, gs.Constant)]
+        frontier = nxt
+    return False
+
+
+def _attention_like_scores(t: gs.Tensor) -> bool:
+    """Scores from a product near by whose Softmax's probabilities reach a product (chunked or
+    gathered attention such as Longformer's and BigBird's), not e.g. a router's softmax."""
+    sms = [n for n in t.outputs if n.op == "Softmax"]
+    return bool(sms) and _near_product(t, downstream=False) and _near_product(sms[0].outputs[0], downstream=True)
+
+
 def _unrecognized():
     sm = op.Softmax(Var("logits"), capture="softmax", out="p")
     probs = AnyOf(op.Where(op.IsNaN(Var("p")), Const(0.0), sm), op.Reshape(sm, Var("_p_shape")), op.Cast(sm), sm)
-    return op.MatMul(probs, Var("v"))
+    # a Softmax whose probabilities reach the value product some other way: reported on its own
+    # (a Softmax inside a larger reported or fused match is not reported again)
+    bare = op.Softmax(Var("logits", where=_attention_like_scores), capture="softmax", out="p")
+    return AnyOf(op.MatMul(probs, Var("v")), bare)
 
 
 ADDITIVE = _additive()

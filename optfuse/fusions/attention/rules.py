@@ -43,12 +43,31 @@ def _explain(m: Match, ctx: Context) -> str:
         if not live:
             break
         t = max(live, key=lambda x: rank(x) or 0)  # the scores, not a broadcast mask or scale
+    if "v" not in m:  # a bare Softmax: its probabilities do not feed MatMul(p, v)
+        return (f"Softmax not recognised as attention: its probabilities reach the value product through "
+                f"{' -> '.join(_consumers(m['p']))} (chunked or gathered attention, such as Longformer's sliding "
+                f"chunks or BigBird's block gathers, is not a pattern); scores <- {' <- '.join(chain) or 'graph input'}")
     why = "the scores are not MatMul(q, k^T) [* scale] [+ bias | masked_fill]"
     if "Reshape" in chain:
         why = "the scores are reshaped between MatMul(q, k^T) and Softmax (3-D [B*H, S, D] batched heads)"
     elif chain and chain[-1] == "Einsum":
         why = "the scores come from an Einsum"
     return f"Softmax -> MatMul not recognised as attention: {why}; scores <- {' <- '.join(chain) or 'graph input'}"
+
+
+def _consumers(t, depth: int = 6) -> list[str]:
+    """The ops along the first consumer path from ``t`` (up to ``depth``, to a product)."""
+    chain = []
+    for _ in range(depth):
+        data = [n for n in t.outputs if n.op not in ("Shape", "Size")]  # the values' path, not a shape read
+        if not data:
+            break
+        node = data[0]
+        chain.append(node.op)
+        if node.op in ("MatMul", "Einsum", "Gemm") or not node.outputs:
+            break
+        t = node.outputs[0]
+    return chain
 
 
 def _no_rewrite(m: Match, bindings: object) -> Rewrite:  # pragma: no cover - _explain always rejects
@@ -65,5 +84,6 @@ RULES = [
     FusionRule("attention.onnx", OP, patterns.ONNX_ATTENTION, _check, _rewrite,
                doc="ONNX Attention (opset 23+), 4-D inputs"),
     FusionRule("attention.unrecognized", OP, patterns.UNRECOGNIZED, _explain, _no_rewrite,
-               doc="reports Softmax -> MatMul candidates no rule above recognised (never fuses)"),
+               doc="reports Softmax -> MatMul candidates no rule above recognised, and Softmaxes between "
+                   "products that reach the value product another way (never fuses)"),
 ]

@@ -1,0 +1,187 @@
+"""Sparse attention fusion: masks -> kernel parameters (windows, soft-cap, block layouts).
+
+Hand-built graphs (constant block masks -> BlockSparseAttention with the expected BSR layout,
+Gemma 2's soft-cap) and exported HF families with sliding windows (Mistral, Qwen2, Gemma 2), BERT
+with left- and right-padded batches, and the families whose sparse attention is not a mask
+(Longformer, BigBird: reported as not fused).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import graphs
+from optfuse.fusions import fuse_model
+from optfuse.kernels.registry import plugin_module
+from optfuse.pattern import FusionOptions
+
+R = plugin_module("flash_attention", "reference")
+FA, BSA = "FlashAttention", "BlockSparseAttention"
+F32 = TensorProto.FLOAT
+FMIN = float(np.finfo(np.float32).min)
+
+
+def _run(model, feeds):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return sess.run(None, {k: v for k, v in feeds.items() if k in names})
+
+
+def _attention(ops, res):
+    return [a for a in res.accepted if a.op in ops]
+
+
+def _rejections(res):
+    return [r.reason for r in res.rejected if r.op == FA]
+
+
+def _initializer(model, name):
+    return next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == name)
+
+
+def _node(model, op):
+    return [n for n in model.graph.node if n.op_type == op]
+
+
+# ------------------------------------------------------------------------------------------------
+# hand-built graphs
+# ------------------------------------------------------------------------------------------------
+def masked_attention(keep: np.ndarray, *, H=2, D=32, softcap=None, softcap_form="div", layers=1):
+    """``layers`` attention blocks over q, k, v [1, H, S, D] with the constant additive mask
+    where(keep, 0, finfo.min) (keep [S, S] or [H, S, S]); softcap: c * tanh(s / c) before the mask."""
+    S = keep.shape[-1]
+    b = graphs.Builder(17)
+    mask = np.where(keep, 0.0, FMIN).astype(np.float32)
+    mask_name = b.const(mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
+    x = "q"
+    for _ in range(layers):
+        s = b.node("Mul", b.node("MatMul", x, b.node("Transpose", "k", perm=[0, 1, 3, 2])), b.const(D ** -0.5))
+        if softcap is not None:
+            c_in, c_out = softcap if isinstance(softcap, tuple) else (softcap, softcap)
+            inner = b.node("Div", s, b.const(c_in)) if softcap_form == "div" else b.node("Mul", s, b.const(1.0 / c_in))
+            s = b.node("Mul", b.node("Tanh", inner), b.const(c_out))
+        x = b.node("MatMul", b.node("Softmax", b.node("Add", s, mask_name), axis=-1), "v")
+    b.node("Identity", x, out="y")
+    io = [graphs.io(n, [1, H, S, D]) for n in ("q", "k", "v")]
+    return b.model(io, [graphs.io("y", [1, H, S, D])])
+
+
+def _feeds(H, S, D=32, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return {n: (scale * rng.standard_normal((1, H, S, D))).astype(np.float32) for n in ("q", "k", "v")}
+
+
+def _local_global(S=512, window=128, n_global=16):
+    """Local blocks of ``window`` tokens plus global tokens 0..n_global-1 (Longformer-style as a mask)."""
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    return ((i // window) == (j // window)) | (i < n_global) | (j < n_global)
+
+
+def _blocks(offsets, indices):
+    return [[list(indices[h, offsets[h, m]:offsets[h, m + 1]]) for m in range(offsets.shape[1] - 1)]
+            for h in range(offsets.shape[0])]
+
+
+def test_local_global_block_mask_becomes_block_sparse():
+    keep = _local_global()
+    model = masked_attention(keep, layers=2)
+    fused, res = fuse_model(model)
+    acc = _attention((FA, BSA), res)
+    assert [a.op for a in acc] == [BSA, BSA], _rejections(res)
+    node = _node(fused, BSA)[0]
+    offsets, indices = (_initializer(fused, node.input[i]) for i in (4, 5))
+    assert offsets.dtype == indices.dtype == np.int32
+    # query block 0 holds the global queries (every key block); the others see key block 0
+    # (the global keys) and their own block
+    assert _blocks(offsets, indices) == [[[0, 1, 2, 3], [0, 1], [0, 2], [0, 3]]]
+    a = acc[0].rewrite
+    assert a.attrs["causal"] == 0 and a.attrs["block_size"] == 128
+    assert a.info["mask_class"] == "block" and a.info["block_density"] == pytest.approx(10 / 16)
+    assert a.info["partial_blocks_masked_by_bias"] is True  # key block 0 holds 16 visible keys of 128
+    assert onnx.numpy_helper.to_array(next(t for t in fused.graph.initializer if t.name == node.input[3])).ndim == 4
+    # both layers read one pair of layout initializers
+    assert len({tuple(n.input[4:]) for n in _node(fused, BSA)}) == 1
+    feeds = _feeds(2, 512)
+    assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-5
+    # attention_full_mask keeps FlashAttention with the whole mask
+    _, res_full = fuse_model(model, options=FusionOptions(attention_full_mask=True))
+    assert {a.op for a in _attention((FA, BSA), res_full)} == {FA}
+
+
+def test_block_aligned_causal_layout_needs_no_bias():
+    """Strided block-causal layout (Phi-3-small-like: local blocks + every 2nd block, causal):
+    the listed blocks with causal = 1 are exactly the mask, so the bias is the scalar zero."""
+    S, blk = 512, 128
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    bi, bj = i // blk, j // blk
+    keep = (j <= i) & ((bi - bj <= 1) | (bj % 2 == 0))
+    model = masked_attention(keep)
+    fused, res = fuse_model(model)
+    (acc,) = _attention((FA, BSA), res)
+    assert acc.op == BSA and acc.rewrite.attrs["causal"] == 1
+    assert acc.rewrite.info["partial_blocks_masked_by_bias"] is False
+    node = _node(fused, BSA)[0]
+    bias = next(t for t in fused.graph.initializer if t.name == node.input[3])
+    assert onnx.numpy_helper.to_array(bias).size == 1 and not onnx.numpy_helper.to_array(bias).any()  # a zero
+    offsets, indices = (_initializer(fused, node.input[n]) for n in (4, 5))
+    assert _blocks(offsets, indices) == [[[0], [0, 1], [0, 1, 2], [0, 2, 3]]]
+    feeds = _feeds(2, S, seed=1)
+    assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-5
+
+
+def test_layout_per_head_when_heads_differ():
+    S, H = 384, 2
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    keep = np.stack([(i // 128) == (j // 128), (i // 128) == ((j // 128 + 1) % 3)])
+    model = masked_attention(keep, H=H)
+    fused, res = fuse_model(model)
+    (acc,) = _attention((FA, BSA), res)
+    assert acc.op == BSA and acc.rewrite.info["layout_heads"] == 2
+    node = _node(fused, BSA)[0]
+    offsets, indices = (_initializer(fused, node.input[n]) for n in (4, 5))
+    assert _blocks(offsets, indices) == [[[0], [1], [2]], [[2], [0], [1]]]
+    assert acc.rewrite.info["partial_blocks_masked_by_bias"] is False
+    feeds = _feeds(H, S, seed=2)
+    assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-5
+
+
+def test_dense_or_dead_row_block_masks_stay_flash_attention():
+    # a block mask inside one 128-block lists every block: nothing to skip
+    i, j = np.arange(64)[:, None], np.arange(64)[None, :]
+    _, res = fuse_model(masked_attention((i // 8) == (j // 8)))
+    assert [a.op for a in _attention((FA, BSA), res)] == [FA]
+    # a query row with no visible key: the unfused graph averages it over every key, so the mask
+    # stays whole under FlashAttention (exact)
+    keep = _local_global(S=256, n_global=0)
+    keep[5] = False
+    model = masked_attention(keep)
+    fused, res = fuse_model(model)
+    assert [a.op for a in _attention((FA, BSA), res)] == [FA]
+    feeds = _feeds(2, 256)
+    assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-5
+
+
+@pytest.mark.parametrize("form", ["div", "mul"])
+def test_softcap_is_folded(form):
+    keep = np.tril(np.ones((16, 16), bool))
+    model = masked_attention(keep, softcap=5.0, softcap_form=form)
+    fused, res = fuse_model(model)
+    (acc,) = _attention((FA,), res)
+    assert acc.rewrite.attrs["softcap"] == pytest.approx(5.0)
+    assert acc.rewrite.attrs["causal"] == 1 and acc.rewrite.info["mask_class"] == "causal"
+    assert "Tanh" not in [n.op_type for n in fused.graph.node]
+    feeds = _feeds(2, 16, scale=4.0)  # scores beyond the cap
+    assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-5
+
+
+def test_tanh_that_is_not_a_softcap_is_rejected():
+    model = masked_attention(np.ones((16, 16), bool), softcap=(3.0, 5.0))
+    _, res = fuse_model(model)
+    assert not _attention((FA, BSA), res)
+    assert any("not a soft-cap" in r for r in _rejections(res)), _rejections(res)
