@@ -185,3 +185,148 @@ def test_tanh_that_is_not_a_softcap_is_rejected():
     _, res = fuse_model(model)
     assert not _attention((FA, BSA), res)
     assert any("not a soft-cap" in r for r in _rejections(res)), _rejections(res)
+
+
+def test_sparsity_estimate_matches_brute_force():
+    from optfuse.estimate import attention_sparsity
+
+    for sq, sk, causal, wl, wr in ((1000, 1000, 1, 299, -1), (300, 700, 1, 100, -1), (500, 500, 0, 60, 60),
+                                   (256, 256, 1, -1, -1)):
+        got = attention_sparsity(2, 3, sq, sk, 64, 2, causal=causal, window_left=wl, window_right=wr)
+        vis = R.visible(sq, sk, bool(causal), wl, wr)
+        mb, nb = -(-sq // 128), -(-sk // 128)
+        pad = np.zeros((mb * 128, nb * 128), bool)
+        pad[:sq, :sk] = vis
+        tiles = pad.reshape(mb, 128, nb, 128).any(axis=(1, 3))
+        assert got["block_density"] == pytest.approx(tiles.mean(), abs=1e-6)
+        assert got["visible_fraction"] == pytest.approx(vis.mean(), abs=1e-6)
+        scores = sum(min(128, sq - m * 128) * min(128, sk - n * 128) for m, n in zip(*np.nonzero(tiles)))
+        assert got["score_flops"] == 4 * 64 * scores * 6
+        assert got["flops_removed"] == pytest.approx(1 - scores / (sq * sk), abs=1e-6)
+        kv = sum(min(128, sk - n * 128) for _, n in zip(*np.nonzero(tiles)))
+        assert got["kv_reads_removed"] == pytest.approx(1 - kv / (mb * sk), abs=1e-6)
+    # the issue's case: window 1024 at S = 16k, causal: ~1/16 of the dense tiles
+    w = attention_sparsity(1, 8, 16384, 16384, 128, 2, causal=1, window_left=1023)
+    assert 0.06 < w["block_density"] < 0.071 and w["flops_removed"] > 0.93
+
+
+def test_report_states_window_density_at_the_dims():
+    from optfuse.estimate import estimate_traffic
+    from optfuse.report.fusion import build_report, render_markdown
+
+    S = 512
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    model = masked_attention((j <= i) & (j > i - 128))
+    fused, res = fuse_model(model, dims={})
+    (acc,) = _attention((FA,), res)
+    assert acc.rewrite.attrs["window_left"] == 127 and acc.rewrite.info["window"] == 128
+    est = estimate_traffic(fused, res)
+    work = est.sparsity[acc.node_name]
+    assert work["sq"] == work["sk"] == S and work["block_density"] == pytest.approx(7 / 16)
+    report = build_report(res, estimate=est)
+    assert report["fusions"][0]["sparsity"]["flops_removed"] == work["flops_removed"]
+    md = render_markdown(report)
+    assert "window=128" in md and "128-tile density 0.438" in md and "score FLOPs removed 56.2%" in md
+    # a block layout: the listed tiles (10 of 16)
+    fused, res = fuse_model(masked_attention(_local_global()))
+    (acc,) = _attention((BSA,), res)
+    assert estimate_traffic(fused, res).sparsity[acc.node_name]["block_density"] == pytest.approx(10 / 16)
+
+
+# ------------------------------------------------------------------------------------------------
+# exported HF models
+# ------------------------------------------------------------------------------------------------
+WINDOW = 10  # the test families' sliding_window
+DIMS = {"batch": 3, "sequence": 24}  # windows of 10 matter at 24 tokens
+#: family -> attention classes per layer (window or None)
+LAYERS = {
+    "mistral": [("sliding_window+padding", WINDOW)] * 2,
+    "qwen2": [("causal+padding", None)] * 2 + [("sliding_window+padding", WINDOW)] * 2,  # max_window_layers = 2
+    "gemma2": [("sliding_window+padding", WINDOW), ("causal+padding", None)],  # local, global
+}
+CASES = [(f, e, a) for f in LAYERS for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")
+         if not (f == "gemma2" and a == "sdpa")]
+
+
+@pytest.fixture(scope="module")
+def fused_export(exported_model):
+    memo = {}
+
+    def get(family, exporter, attn, **options):
+        key = (family, exporter, attn, tuple(sorted(options.items())))
+        if key not in memo:
+            em = exported_model(family, exporter, attn)
+            model = onnx.load(str(em.path))
+            fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16}, options=FusionOptions(**options))
+            memo[key] = (em, model, fused, res)
+        return memo[key]
+
+    return get
+
+
+def _layer(acc) -> int | None:
+    """The layer index in the original node names (layers.N / layers_N), if they carry one."""
+    import re
+
+    for n in acc.nodes:
+        hit = re.search(r"layers[._](\d+)", n)
+        if hit:
+            return int(hit.group(1))
+    return None
+
+
+def _padded_masks(S):
+    """Right-padded, left-padded and full rows (no row empty)."""
+    return {"right": np.array([[1] * S, [1] * 7 + [0] * (S - 7), [1] * (S - 3) + [0] * 3], np.int64),
+            "left": np.array([[1] * S, [0] * (S - 7) + [1] * 7, [0] * 3 + [1] * (S - 3)], np.int64)}
+
+
+def _compare(model, fused, em, mask, everywhere=False):
+    from optfuse.models import make_inputs
+
+    feeds = make_inputs(em.inputs, {"batch": mask.shape[0], "sequence": mask.shape[1]}, seed=0)
+    feeds["attention_mask"] = mask
+    ref, got = _run(model, feeds)[0], _run(fused, feeds)[0]
+    err = np.abs(ref - got) if everywhere else np.abs(ref - got)[mask.astype(bool)]
+    return float(err.max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter,attn", CASES)
+def test_sliding_window_families_fuse_with_their_windows(fused_export, family, exporter, attn):
+    em, model, fused, res = fused_export(family, exporter, attn)
+    acc = _attention((FA, BSA), res)
+    want = LAYERS[family]
+    assert len(acc) == len(want) == em.counts["attention"], _rejections(res)
+    assert {a.op for a in acc} == {FA} and "Softmax" not in [n.op_type for n in fused.graph.node]
+    layers = [_layer(a) for a in acc]
+    order = sorted(range(len(acc)), key=lambda k: layers[k]) if None not in layers else range(len(acc))
+    got = [(acc[k].rewrite.info["mask_class"], acc[k].rewrite.info.get("window")) for k in order]
+    if None in layers:  # dynamo names: compare as a multiset
+        got, want = sorted(got, key=str), sorted(want, key=str)
+    assert got == want
+    for a in acc:
+        attrs = a.rewrite.attrs
+        assert attrs["causal"] == 1 and a.rewrite.info["mask_source"] == "attention_mask"
+        w = a.rewrite.info.get("window")
+        assert attrs.get("window_left", -1) == (w - 1 if w else -1)
+        assert attrs.get("softcap", 0.0) == (50.0 if family == "gemma2" else 0.0)
+        assert attrs["scale"] == pytest.approx(32 ** -0.5, rel=1e-5)
+    for name, mask in _padded_masks(DIMS["sequence"]).items():
+        assert _compare(model, fused, em, mask) <= 1e-4, name
+    # the whole mask (attention_full_mask) is exact at every row, padded queries included
+    _, _, full, res_full = fused_export(family, exporter, attn, attention_full_mask=True)
+    assert {a.rewrite.attrs["causal"] for a in _attention((FA,), res_full)} == {0}
+    assert not any("window_left" in a.rewrite.attrs for a in _attention((FA,), res_full))
+    mask = _padded_masks(DIMS["sequence"])["right"]
+    assert _compare(model, full, em, mask, everywhere=True) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter,attn", [(e, a) for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")])
+def test_bert_padded_batches_exact(fused_export, exporter, attn):
+    """Key padding only: every row keeps its real keys, so left and right padding are exact everywhere."""
+    em, model, fused, res = fused_export("bert", exporter, attn)
+    assert {a.rewrite.info["mask_class"] for a in _attention((FA,), res)} == {"padding"}
+    for name, mask in _padded_masks(12).items():
+        assert _compare(model, fused, em, mask, everywhere=True) <= 1e-4, name
