@@ -330,3 +330,91 @@ def test_bert_padded_batches_exact(fused_export, exporter, attn):
     assert {a.rewrite.info["mask_class"] for a in _attention((FA,), res)} == {"padding"}
     for name, mask in _padded_masks(12).items():
         assert _compare(model, fused, em, mask, everywhere=True) <= 1e-4, name
+
+
+# ------------------------------------------------------------------------------------------------
+# Families registered for this module only: Phi-3 with a window; Longformer and BigBird, whose
+# sparse attention is chunked / gathered matmuls rather than a mask (reported as not fused)
+# ------------------------------------------------------------------------------------------------
+def _extra_families():
+    from optfuse.models import Family
+
+    return [
+        Family("sparse_phi3", "Phi-3 decoder with a sliding window (fused qkv / gate_up projections)",
+               "Phi3Config", "Phi3Model",
+               dict(vocab_size=1000, max_position_embeddings=128, hidden_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, sliding_window=WINDOW,
+                    use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+               ("input_ids", "attention_mask"), "rms_norm", causal=True, position="rotary",
+               call_kwargs={"use_cache": False}),
+        Family("sparse_longformer", "Longformer encoder (sliding chunks + global attention)", "LongformerConfig",
+               "LongformerModel",
+               dict(vocab_size=1000, max_position_embeddings=160, hidden_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=128, attention_window=8, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, pad_token_id=1),
+               ("input_ids", "attention_mask"), "layer_norm", causal=False),
+        Family("sparse_bigbird", "BigBird encoder (block_sparse: gathered random / window / global blocks)",
+               "BigBirdConfig", "BigBirdModel",
+               dict(vocab_size=1000, max_position_embeddings=256, hidden_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=128, attention_type="block_sparse", block_size=2,
+                    num_random_blocks=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+               ("input_ids", "attention_mask"), "layer_norm", causal=False),
+    ]
+
+
+@pytest.fixture(scope="module")
+def extra_export(model_cache_dir):
+    models = pytest.importorskip("optfuse.models")
+    added = {f.name: f for f in _extra_families()}
+    assert not set(added) & set(models.FAMILIES)
+    models.FAMILIES.update(added)
+    memo = {}
+
+    def get(family, exporter="torchscript", attn="eager"):
+        if (family, exporter, attn) not in memo:
+            em = models.cached_export(family, exporter, attn, cache_dir=model_cache_dir)
+            model = onnx.load(str(em.path))
+            memo[(family, exporter, attn)] = (em, model, *fuse_model(model, dims={"batch": 2, "sequence": 16}))
+        return memo[(family, exporter, attn)]
+
+    try:
+        yield get
+    finally:
+        for name in added:
+            models.FAMILIES.pop(name, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_phi3_window_fuses(extra_export, exporter):
+    em, model, fused, res = extra_export("sparse_phi3", exporter, "eager")
+    acc = _attention((FA, BSA), res)
+    assert len(acc) == 2, _rejections(res)
+    for a in acc:
+        assert a.rewrite.info["mask_class"] == "sliding_window+padding" and a.rewrite.info["window"] == WINDOW
+        assert a.rewrite.attrs["causal"] == 1 and a.rewrite.attrs["window_left"] == WINDOW - 1
+    for name, mask in _padded_masks(DIMS["sequence"]).items():
+        assert _compare(model, fused, em, mask) <= 1e-4, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["sparse_longformer", "sparse_bigbird"])
+def test_chunked_sparse_attention_is_reported_not_fused(extra_export, family):
+    """Longformer's sliding chunks and BigBird's block gathers are not a mask: nothing fuses, and
+    the report says why for every Softmax of the model."""
+    from optfuse.report.fusion import build_report, render_markdown
+
+    em, model, fused, res = extra_export(family)
+    assert not _attention((FA, BSA), res)
+    softmaxes = {n.name for n in model.graph.node if n.op_type == "Softmax"}
+    assert softmaxes
+    rejected = [r for r in res.rejected if r.op == FA]
+    covered = {n for r in rejected for n in r.nodes}
+    assert softmaxes <= covered, (softmaxes - covered, [r.reason for r in rejected])
+    md = render_markdown(build_report(res))
+    if family == "sparse_longformer":  # its Softmax feeds the value product through chunk reshapes
+        assert all(r.rule == "attention.unrecognized" for r in rejected)
+        assert "Longformer's sliding chunks" in md
+    assert "## Not fused" in md and all(r.rule in md for r in rejected)
+    feeds = __import__("optfuse.models", fromlist=["make_inputs"]).make_inputs(em.inputs, seed=0)
+    assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-5

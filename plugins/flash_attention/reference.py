@@ -1,7 +1,9 @@
-"""Reference semantics of FlashAttention: a NumPy function (float64) and an ONNX function.
+"""Reference semantics of FlashAttention and BlockSparseAttention: NumPy (float64) and ONNX functions.
 
-    s = scale * q @ k^T + bias            per (b, h), kv head h // (H / Hkv)
-    s[i, j] = -inf  where causal and j > i + (Sk - Sq)
+    s = cap(scale * q @ k^T) + bias       per (b, h), kv head h // (H / Hkv); cap(x) = c * tanh(x / c), c > 0
+    s[i, j] = -inf  where d = j - i - (Sk - Sq) is hidden: causal and d > 0, window_left >= 0 and
+                    d < -window_left, window_right >= 0 and d > window_right (FlashAttention), or
+                    the key block j // bs is not listed for query block i // bs (BlockSparseAttention)
     o = softmax(s) @ v                    a row whose every score is -inf gives o = 0
 
 A finite very negative bias (HF masks use finfo(dtype).min) is added as a number, as in the unfused
