@@ -359,6 +359,13 @@ def _extra_families():
                     num_attention_heads=2, intermediate_size=128, attention_type="block_sparse", block_size=2,
                     num_random_blocks=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
                ("input_ids", "attention_mask"), "layer_norm", causal=False),
+        Family("sparse_deberta", "DeBERTa-v2 encoder (disentangled attention: c2p / p2c position products)",
+               "DebertaV2Config", "DebertaV2Model",
+               dict(vocab_size=1000, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=128, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, relative_attention=True, position_buckets=32,
+                    max_relative_positions=64, pos_att_type=["p2c", "c2p"], type_vocab_size=0),
+               ("input_ids", "attention_mask"), "layer_norm", causal=False),
     ]
 
 
@@ -418,3 +425,61 @@ def test_chunked_sparse_attention_is_reported_not_fused(extra_export, family):
     assert "## Not fused" in md and all(r.rule in md for r in rejected)
     feeds = __import__("optfuse.models", fromlist=["make_inputs"]).make_inputs(em.inputs, seed=0)
     assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Input-side intermediates with other readers: the match shrinks instead of failing
+# ------------------------------------------------------------------------------------------------
+def test_head_split_read_elsewhere_stays_and_attention_fuses():
+    """q's 3-D head merge (batched rule) also feeds a position product, as in DeBERTa: the Reshape
+    stays for that reader, the fused node reads the 4-D q, the position scores are its bias."""
+    H, S, D = 2, 8, 32
+    b = graphs.Builder(17)
+    q3 = b.node("Reshape", "q", b.const([H, S, D], dtype=np.int64))  # batch 1: [B*H, S, D]
+    k3 = b.node("Reshape", "k", b.const([H, S, D], dtype=np.int64))
+    v3 = b.node("Reshape", "v", b.const([H, S, D], dtype=np.int64))
+    pos = b.node("MatMul", q3, b.node("Transpose", "pos_k", perm=[0, 2, 1]))  # c2p-like [B*H, S, S]
+    s = b.node("Add", b.node("Mul", b.node("MatMul", q3, b.node("Transpose", k3, perm=[0, 2, 1])), b.const(D ** -0.5)),
+               pos)
+    p = b.node("Softmax", b.node("Reshape", s, b.const([1, H, S, S], dtype=np.int64)), axis=-1)
+    o3 = b.node("MatMul", b.node("Reshape", p, b.const([H, S, S], dtype=np.int64)), v3)
+    b.node("Reshape", o3, b.const([1, H, S, D], dtype=np.int64), out="y")
+    io = [graphs.io(n, [1, H, S, D]) for n in ("q", "k", "v")] + [graphs.io("pos_k", [H, S, D])]
+    model = b.model(io, [graphs.io("y", [1, H, S, D])])
+    fused, res = fuse_model(model)
+    (acc,) = _attention((FA,), res)
+    assert acc.rule == "attention.batched" and acc.rewrite.info["kept_for_other_readers"]
+    assert not set(acc.rewrite.info["kept_for_other_readers"]) & set(acc.nodes)  # not reported as replaced
+    ops = [n.op_type for n in fused.graph.node]
+    assert "Softmax" not in ops and ops.count("MatMul") == 1  # the position product stays
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal([1, H, S, D] if n != "pos_k" else [H, S, D]).astype(np.float32)
+             for n in ("q", "k", "v", "pos_k")}
+    assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-5
+
+
+def test_scores_read_elsewhere_still_reject():
+    """Only input-side nodes may stay: the scores themselves used elsewhere still reject the match."""
+    H, S, D = 2, 8, 32
+    b = graphs.Builder(17)
+    s = b.node("MatMul", "q", b.node("Transpose", "k", perm=[0, 1, 3, 2]))
+    b.node("MatMul", b.node("Softmax", b.node("Mul", s, b.const(D ** -0.5)), axis=-1), "v", out="y")
+    b.node("ReduceMax", s, axes=[-1], keepdims=0, out="smax")
+    model = b.model([graphs.io(n, [1, H, S, D]) for n in ("q", "k", "v")],
+                    [graphs.io("y", [1, H, S, D]), graphs.io("smax", [1, H, S])])
+    _, res = fuse_model(model)
+    assert not _attention((FA,), res) and any("is also used by" in r for r in _rejections(res))
+
+
+@pytest.mark.slow
+def test_disentangled_attention_fuses_around_its_position_products(extra_export):
+    """DeBERTa-v2: the head-split q and k also feed the c2p / p2c products; they stay, the fused
+    node takes the 4-D q, k, v and the summed position scores (+ the padding mask) as its bias."""
+    em, model, fused, res = extra_export("sparse_deberta")
+    acc = _attention((FA,), res)
+    assert len(acc) == 2, _rejections(res)
+    assert all(a.rewrite.info.get("kept_for_other_readers") for a in acc)
+    assert all(a.rewrite.attrs["scale"] == pytest.approx((32 * 3) ** -0.5, rel=1e-5) for a in acc)  # scale_factor 3
+    assert "Softmax" not in [n.op_type for n in fused.graph.node]
+    for name, mask in _padded_masks(12).items():
+        assert _compare(model, fused, em, mask, everywhere=True) <= 1e-4, name

@@ -74,6 +74,13 @@ What the fused node gets:
   cannot change a result: fill <= -1e30 or -inf (it absorbs the score), or a constant cond whose
   every row keeps a key and fill <= -1e4; otherwise the match is rejected.
 
+Input-side nodes of a match (the head splits, transposes, scales and repeat_kv of q, k, v) that
+something outside the match also reads stay in the graph, and the fused node reads q, k, v from
+before them (``Rewrite.keep``, ``info["kept_for_other_readers"]``): DeBERTa's disentangled
+attention, whose head-split q and k also feed the c2p / p2c position products, fuses with those
+position scores as its additive bias. Anything after the score product that is read elsewhere
+still rejects the match.
+
 Head counts and head dims must be static: they come from shapes, or through Reshape/Transpose/
 elementwise producers when shape inference left them symbolic (TorchScript's ``view(b, s, -1, d)``).
 

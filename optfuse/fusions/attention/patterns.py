@@ -112,23 +112,24 @@ ONNX_ATTENTION = AnyOf(
 )
 
 
-#: How far the diagnostic looks from a Softmax for the products around it (nodes).
-NEAR = 20
-_PRODUCTS = ("MatMul", "Einsum", "Gemm")
+#: How far (nodes) the diagnostic looks from a Softmax for the score product (upstream) and the
+#: value product (downstream): Longformer's chunked scores lie 14 nodes up, its value product 9 down.
+NEAR_SCORES, NEAR_VALUES = 20, 12
+_PRODUCTS = ("MatMul", "Einsum")
 
 
-def _near_product(t: gs.Tensor, downstream: bool) -> bool:
-    """Whether a MatMul / Einsum lies within NEAR nodes of ``t`` (consumers or producers)."""
+def _near_product(t: gs.Tensor, downstream: bool, depth: int) -> bool:
+    """Whether a MatMul / Einsum of two computed operands (activations, not a weight) lies within
+    ``depth`` nodes of ``t`` (consumers or producers)."""
     frontier, seen = [t], set()
-    for _ in range(NEAR):
+    for _ in range(depth):
         nxt = []
         for x in frontier:
-            nodes = list(x.outputs) if downstream else list(x.inputs)
-            for n in nodes:
+            for n in (list(x.outputs) if downstream else list(x.inputs)):
                 if id(n) in seen:
                     continue
                 seen.add(id(n))
-                if n.op in _PRODUCTS:
+                if n.op in _PRODUCTS and not any(static_value(i) is not None for i in n.inputs):
                     return True
                 nxt += [o for o in (n.outputs if downstream else n.inputs) if not isinstance(o, gs.Constant)]
         frontier = nxt
@@ -136,10 +137,11 @@ def _near_product(t: gs.Tensor, downstream: bool) -> bool:
 
 
 def _attention_like_scores(t: gs.Tensor) -> bool:
-    """Scores from a product near by whose Softmax's probabilities reach a product (chunked or
-    gathered attention such as Longformer's and BigBird's), not e.g. a router's softmax."""
+    """Scores from a product of activations near by whose Softmax's probabilities reach another
+    (chunked or gathered attention such as Longformer's and BigBird's; not a router's softmax
+    over a weight product)."""
     sms = [n for n in t.outputs if n.op == "Softmax"]
-    return bool(sms) and _near_product(t, downstream=False) and _near_product(sms[0].outputs[0], downstream=True)
+    return bool(sms) and _near_product(t, False, NEAR_SCORES) and _near_product(sms[0].outputs[0], True, NEAR_VALUES)
 
 
 def _unrecognized():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...ir.query import const_value, dtype_name, rank
 from ...pattern import Context, FusionRule, Match, Rewrite
 from . import patterns
-from .common import OP, AttentionPlan, Reject
+from .common import OP, AttentionPlan, Reject, input_side_kept
 from .onnx_op import plan_onnx
 from .plan import plan_batched, plan_decomposed
 
@@ -13,17 +13,22 @@ from .plan import plan_batched, plan_decomposed
 def _check(m: Match, ctx: Context) -> str | AttentionPlan:
     try:
         if "o_unflat" in m:
-            return plan_batched(m, ctx)
-        if "softmax" in m:
-            return plan_decomposed(m, ctx)
-        return plan_onnx(m, ctx)
+            plan = plan_batched(m, ctx)
+        elif "softmax" in m:
+            plan = plan_decomposed(m, ctx)
+        else:
+            return plan_onnx(m, ctx)
     except Reject as r:
         return str(r)
+    plan.keep = input_side_kept(m, ctx.graph)
+    if plan.keep:
+        plan.info["kept_for_other_readers"] = sorted(n.name for n in plan.keep)
+    return plan
 
 
 def _rewrite(m: Match, p: AttentionPlan) -> Rewrite:
     out = m["attn"].outputs[0] if "attn" in m else m.root
-    return Rewrite(p.op, list(p.inputs), [out], dict(p.attrs), dict(p.info))
+    return Rewrite(p.op, list(p.inputs), [out], dict(p.attrs), dict(p.info), keep=list(p.keep))
 
 
 # ------------------------------------------------------------------------------------------------
