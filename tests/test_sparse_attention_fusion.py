@@ -483,3 +483,31 @@ def test_disentangled_attention_fuses_around_its_position_products(extra_export)
     assert "Softmax" not in [n.op_type for n in fused.graph.node]
     for name, mask in _padded_masks(12).items():
         assert _compare(model, fused, em, mask, everywhere=True) <= 1e-4, name
+
+
+def test_onnx_attention_op_with_a_window_mask():
+    """ONNX Attention (opset 23) with a bool sliding-window + padding mask built from positions."""
+    w = 3
+    b = graphs.Builder(23)
+    ones = b.node("Add", b.node("Mul", "attention_mask", b.const(0, dtype=np.int64)), b.const(1, dtype=np.int64))
+    pos = b.node("Sub", b.node("CumSum", ones, b.const(1, dtype=np.int64)), b.const(1, dtype=np.int64))  # [b, s]
+    rows, cols = b.node("Unsqueeze", pos, b.const([2], dtype=np.int64)), b.node("Unsqueeze", pos, b.const([1], dtype=np.int64))
+    allowed = b.node("And", b.node("LessOrEqual", cols, rows),
+                     b.node("Greater", cols, b.node("Sub", rows, b.const(w, dtype=np.int64))))  # [b, s, s]
+    pad = b.node("Unsqueeze", b.node("Cast", "attention_mask", to=TensorProto.BOOL), b.const([1], dtype=np.int64))
+    mask = b.node("Unsqueeze", b.node("And", allowed, pad), b.const([1], dtype=np.int64))  # [b, 1, s, s]
+    b.node("Attention", "q", "k", "v", mask, out="y")
+    model = b.model([graphs.io("q", ["b", 4, "s", 32]), graphs.io("k", ["b", 2, "s", 32]),
+                     graphs.io("v", ["b", 2, "s", 32]), graphs.io("attention_mask", ["b", "s"], TensorProto.INT64)],
+                    [graphs.io("y", ["b", 4, "s", 32])])
+    model.ir_version = 10
+    fused, res = fuse_model(model)
+    (acc,) = _attention((FA,), res)
+    assert acc.rule == "attention.onnx" and acc.rewrite.info["mask_class"] == "sliding_window+padding"
+    assert acc.rewrite.attrs["causal"] == 1 and acc.rewrite.attrs["window_left"] == w - 1
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in
+             (("q", (2, 4, 9, 32)), ("k", (2, 2, 9, 32)), ("v", (2, 2, 9, 32)))}
+    feeds["attention_mask"] = np.array([[1] * 9, [0] * 3 + [1] * 6], np.int64)  # left padded
+    real = feeds["attention_mask"].astype(bool)[:, None, :, None]
+    assert np.abs(np.where(real, _run(model, feeds)[0] - _run(fused, feeds)[0], 0)).max() <= 1e-4
