@@ -27,13 +27,12 @@ _SAME_SIZE = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identi
 
 @dataclass
 class TrafficEstimate:
-    """Bytes each fused node saves per run (by fused node name; None when a size stays unknown),
-    and for attention nodes the work their mask leaves (`attention_sparsity`; absent when q's or
-    k's shape stays unknown)."""
+    """Bytes each fused node saves per run (by fused node name; None when a size stays unknown)."""
 
     dims: dict[str, int] = field(default_factory=dict)
-    saved_bytes: dict[str, int | None] = field(default_factory=dict)
+    #: per attention node, the work its mask leaves (`attention_sparsity`; absent where q's or k's shape is unknown)
     sparsity: dict[str, dict] = field(default_factory=dict)
+    saved_bytes: dict[str, int | None] = field(default_factory=dict)
 
 
 def estimate_traffic(fused: onnx.ModelProto, result: FusionResult,
@@ -57,14 +56,10 @@ def estimate_traffic(fused: onnx.ModelProto, result: FusionResult,
     for acc in result.accepted:
         before = _io_bytes(acc.replaced_io, (before_t, after_t), dims, shapes)
         new = [nodes[n] for n in [acc.node_name, *acc.added_nodes] if n in nodes]
+        _record_sparsity(estimate, nodes.get(acc.node_name), dims, shapes)
         now = _io_bytes([tuple(t.name for t in [*n.inputs, *n.outputs] if t.name) for n in new],
                         (after_t, before_t), dims, shapes)
         estimate.saved_bytes[acc.node_name] = None if before is None or now is None else before - now
-        node = nodes.get(acc.node_name)
-        if node is not None and node.op in ATTENTION_OPS:
-            work = _node_sparsity(node, dims, shapes)
-            if work is not None:
-                estimate.sparsity[acc.node_name] = work
     return estimate
 
 
@@ -132,6 +127,15 @@ def _bytes(t: gs.Tensor, dims: dict[str, int], shapes: dict[str, tuple[int, ...]
 ATTENTION_OPS = ("FlashAttention", "BlockSparseAttention")
 #: The tile both attention kernels skip at: query and key blocks of this many rows.
 ATTENTION_TILE = 128
+
+
+def _record_sparsity(estimate: TrafficEstimate, node: gs.Node | None, dims: dict[str, int],
+                     shapes: dict[str, tuple[int, ...]]) -> None:
+    """``estimate.sparsity[node]`` for a fused attention node whose q and k shapes are known."""
+    if node is not None and node.op in ATTENTION_OPS:
+        work = _node_sparsity(node, dims, shapes)
+        if work is not None:
+            estimate.sparsity[node.name] = work
 
 
 def _node_sparsity(node: gs.Node, dims: dict[str, int], shapes: dict[str, tuple[int, ...]]) -> dict | None:
