@@ -3,7 +3,9 @@
 Hand-built graphs (constant block masks -> BlockSparseAttention with the expected BSR layout,
 Gemma 2's soft-cap) and exported HF families with sliding windows (Mistral, Qwen2, Gemma 2), BERT
 with left- and right-padded batches, and the families whose sparse attention is not a mask
-(Longformer, BigBird: reported as not fused).
+(Longformer, BigBird: reported as not fused), and DeBERTa's disentangled attention (input-side
+nodes that other products read stay). One module past 500 lines: the exported cases reuse the
+hand-built graphs' helpers and checks.
 """
 
 from __future__ import annotations
