@@ -5,4 +5,4 @@ without importing the exporter, and :mod:`optfuse.models` defines exactly these 
 checks that at import).
 """
 
-EXPORT_FAMILIES: tuple[str, ...] = ("bert", "gpt2", "vit", "llama", "t5")
+EXPORT_FAMILIES: tuple[str, ...] = ("bert", "gpt2", "vit", "llama", "t5", "mistral", "qwen2", "gemma2")

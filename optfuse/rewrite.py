@@ -95,7 +95,10 @@ def _leak_reason(m_nodes: Sequence[gs.Node], rw: Rewrite, graph: gs.Graph) -> st
     inside = {id(n) for n in m_nodes}
     reads = _rewrite_reads(rw)
     memo: dict[int, bool] = {}
+    staying = {id(n) for n in rw.keep}
     for node in m_nodes:
+        if id(node) in staying:
+            continue
         for t in node.outputs:
             if id(t) in kept:
                 continue
@@ -173,8 +176,10 @@ def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context) -> F
                 m, rw, reason = found
                 if reason is None:
                     claimed.update(id(n) for n in m.nodes)
-                    result.accepted.append(Accepted(rule.id, rw.op, _node_names(m.nodes), rw,
-                                                    replaced_io=_node_io(m.nodes)))
+                    staying = {id(n) for n in rw.keep}
+                    replaced = [n for n in m.nodes if id(n) not in staying]
+                    result.accepted.append(Accepted(rule.id, rw.op, _node_names(replaced), rw,
+                                                    replaced_io=_node_io(replaced)))
                     break
                 pending.append(({id(n) for n in m.nodes},
                                 Rejected(rule.id, rule.target, _node_names(m.nodes), reason)))

@@ -256,7 +256,7 @@ def test_grouped_query_attention_takes_unrepeated_kv(k_layout):
     ("range_causal", "causal", 1),
     ("range_causal_padding", "causal+padding", 1),
     ("range_window", "sliding_window", 1),
-    ("range_window_padding", "sliding_window+padding", 0),
+    ("range_window_padding", "sliding_window+padding", 1),
 ])
 def test_additive_masks(mask, cls, causal):
     model = attention_graph(mask=mask, S=None)
@@ -265,10 +265,23 @@ def test_additive_masks(mask, cls, causal):
     acc = _fa(res)[0]
     assert acc.rewrite.info["mask_class"] == cls
     assert acc.rewrite.attrs["causal"] == causal
-    if cls in ("padding", "causal+padding"):
+    if cls in ("padding", "causal+padding", "sliding_window+padding"):
         assert acc.rewrite.info["mask_source"] == "attention_mask"
-    if cls == "causal":  # the mask is not read at all
+    if cls in ("causal", "sliding_window"):  # the mask is not read at all
         assert "Range" not in _ops(fused)
+    if cls.startswith("sliding_window"):  # window 3: keys i - 3 < j <= i
+        assert acc.rewrite.attrs["window_left"] == 2 and acc.rewrite.info["window"] == 3
+    if cls == "sliding_window+padding":
+        # right padding at S // 2 = 4 with window 3: padded queries 6, 7 see only padded keys
+        # (the documented exception); every real token is exact, and the whole mask is exact everywhere
+        feeds = _feeds(model)
+        real = feeds["attention_mask"].astype(bool)[:, None, :, None]
+        got, want = _run(fused, feeds)[0], _run(model, feeds)[0]
+        assert np.abs(np.where(real, got - want, 0)).max() <= 1e-4
+        full, res_full, err_full = _fuse_and_compare(model, options=FusionOptions(attention_full_mask=True))
+        assert _fa(res_full)[0].rewrite.attrs == {k: v for k, v in acc.rewrite.attrs.items() if k != "window_left"} | {"causal": 0}
+        assert err_full <= 1e-4
+        return
     assert err <= 1e-4
 
 
@@ -289,7 +302,7 @@ def test_masked_fill(mask, cls, causal):
     assert acc.rewrite.info["mask_class"] == cls
     assert acc.rewrite.attrs["causal"] == causal
     if cls == "sliding_window":
-        assert acc.rewrite.info["window"] == 3
+        assert acc.rewrite.info["window"] == 3 and acc.rewrite.attrs["window_left"] == 2
     assert err <= 1e-4
 
 

@@ -9,7 +9,7 @@ Parametrized over ``load_specs()``, so a new op is covered as soon as its spec e
 * spec vs launch (``launch.py``): it serves the spec's op and every spec dtype and rejects other
   ops; with every input present its kernel takes the spec's input and output counts; attributes
   left out take the spec's defaults; every limit holds exactly (``max_hidden``:
-  ``max_hidden`` builds, one more does not; ``head_dims``: exactly those build; ``k_multiple`` /
+  ``max_hidden`` builds, one more does not; ``head_dims`` / ``block_sizes``: exactly those build; ``k_multiple`` /
   ``n_multiple``: an odd multiple of the value builds, one more does not; ``max_k``: the value
   builds, the next multiple does not); a launch constant
   named after a limit (``MAX_HIDDEN``, ``HEAD_DIMS``) equals it, and a kernel's own narrower one
@@ -154,6 +154,19 @@ def _check_head_dims(spec, launch, dtype, attrs, inputs, value):
         _expect(fits, spec, f"launch.{name} = {tuple(v)} {'!=' if exact else 'is not within'} the spec's head_dims {value}")
 
 
+def _check_block_sizes(spec, launch, dtype, attrs, inputs, value):
+    """``block_sizes``: exactly the spec's layout block sizes build (the ``block_size`` attribute)."""
+    value = tuple(value)
+    probe = sorted(set(value) | {16, 32, 64, 128, 256})
+    static = _static(spec, inputs, dtype)
+    built = tuple(b for b in probe if _builds(launch, spec, dtype, {**attrs, "block_size": b}, static))
+    _expect(built == value, spec, f"block sizes that build {built} != the spec's block_sizes {value}")
+    for name, v in _limit_values(launch, "block_sizes").items():
+        exact = name == "BLOCK_SIZES"
+        fits = tuple(v) == value if exact else set(v) <= set(value)
+        _expect(fits, spec, f"launch.{name} = {tuple(v)} {'!=' if exact else 'is not within'} the spec's block_sizes {value}")
+
+
 def _check_multiple(key: str):
     """``k_multiple`` / ``n_multiple``: the static dim (``K`` / ``N``) builds at an odd multiple of
     the value (so a launch demanding twice the multiple fails) and not one more; kernel-own
@@ -188,7 +201,7 @@ def _check_max_dim(key: str):
 
 
 LIMIT_CHECKS = {"min_hidden": _check_hidden_limit("min_hidden"), "max_hidden": _check_hidden_limit("max_hidden"),
-                "head_dims": _check_head_dims, "k_multiple": _check_multiple("k_multiple"),
+                "head_dims": _check_head_dims, "block_sizes": _check_block_sizes, "k_multiple": _check_multiple("k_multiple"),
                 "n_multiple": _check_multiple("n_multiple"), "max_k": _check_max_dim("max_k")}
 
 

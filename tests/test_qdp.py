@@ -163,6 +163,50 @@ def test_generated_qdp_functions_pass_tensorrt_plugin(tmp_path):
     assert proc.stdout.count("register ok") == 2, proc.stdout  # the GEMMs' [..., N] outputs
 
 
+def _fake_trtp(monkeypatch):
+    """A stand-in ``<trt>.plugin`` module recording what register_spec registers."""
+    import types
+
+    pkg = types.ModuleType("fake_trt_for_qdp")
+    mod = types.ModuleType("fake_trt_for_qdp.plugin")
+    mod.registered = {}
+
+    class AutoTuneCombination:
+        def __init__(self, types_, layouts):
+            self.types, self.layouts = types_, layouts
+
+    def decorator(kind):
+        return lambda pid: (lambda fn: mod.registered.setdefault(pid, {}).__setitem__(kind, fn) or fn)
+
+    mod.TensorDesc, mod.AutoTuneCombination, mod.KernelLaunchParams, mod.SymIntExprs = object, AutoTuneCombination, object, object
+    mod.register, mod.autotune, mod.aot_impl = decorator("register"), decorator("autotune"), decorator("aot_impl")
+    mod.cdiv = lambda a, b: -(-a // b)
+    monkeypatch.setitem(sys.modules, pkg.__name__, pkg)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return types.SimpleNamespace(trt=pkg), mod
+
+
+def test_autotune_types_keep_the_int32_layout(monkeypatch):
+    """BlockSparseAttention's block_offsets / block_indices are int32 in every type combination;
+    the float tensors take each float dtype of the spec."""
+    from optfuse.spec import get_spec
+    from optfuse.trt import qdp
+
+    be, mod = _fake_trtp(monkeypatch)
+    for op in ("BlockSparseAttention", "FlashAttention"):
+        spec = get_spec(op)
+        pid = qdp.register_spec(be, spec, 90)
+        n_in = len(spec.inputs)
+        combos = mod.registered[pid]["autotune"](*[None] * n_in, [None])
+        want = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+        assert [c.types for c in combos] == [
+            ", ".join(["INT32" if list(t.dtypes) == ["int32"] else want[d] for t in spec.inputs] + [want[d]])
+            for d in spec.inputs[0].dtypes]
+        assert all(c.layouts == "LINEAR" for c in combos)
+    spec = get_spec("BlockSparseAttention")
+    assert [t.name for t in spec.inputs if list(t.dtypes) == ["int32"]] == ["block_offsets", "block_indices"]
+
+
 def test_register_with_real_tensorrt_plugin():
     """On a machine with TensorRT >= 10.9 (none here), the real registration."""
     from optfuse.trt import compat
@@ -174,7 +218,9 @@ def test_register_with_real_tensorrt_plugin():
         pytest.skip(f"{be.label} has no AOT QDP")
     from optfuse.trt import qdp
 
-    assert len(qdp.register_all(be, arch=90)) == 5
+    from optfuse.spec import load_specs
+
+    assert len(qdp.register_all(be, arch=90)) == len(load_specs())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -139,6 +139,32 @@ def test_rtx_parse_of_plugin_model_does_not_abort(tmp_path):
     assert "parsed True 2" in proc.stdout
 
 
+PLUGIN_IO_SCRIPT = PARSE_SCRIPT.replace(
+    'print("parsed", ok, kinds.count("PLUGIN_V3"))',
+    'print("parsed", ok, [[net.get_layer(i).get_input(j).dtype.name for j in range(net.get_layer(i).num_inputs)]'
+    ' for i in range(net.num_layers) if kinds[i] == "PLUGIN_V3"])')
+
+
+@needs_trt
+@pytest.mark.trt
+def test_rtx_parses_block_sparse_layout_inputs(tmp_path):
+    """A fused BlockSparseAttention node reaches the parser with its int32 BSR layout initializers
+    as plugin inputs (the plugin's formats accept int32 where the spec says so)."""
+    if not compat.installed_backends().count("tensorrt_rtx"):
+        pytest.skip("TensorRT-RTX not installed")
+    from test_sparse_attention_fusion import _local_global, masked_attention
+
+    fused, res = fuse_model(masked_attention(_local_global()))
+    assert [a.op for a in res.accepted] == ["BlockSparseAttention"]
+    onnx.save(prepare_for_trt(fused, "classic"), tmp_path / "m.onnx")
+    (tmp_path / "parse.py").write_text(PLUGIN_IO_SCRIPT)
+    env = compat.child_env(dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run([sys.executable, str(tmp_path / "parse.py"), str(tmp_path / "m.onnx")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "parsed True [['FLOAT', 'FLOAT', 'FLOAT', 'FLOAT', 'INT32', 'INT32']]" in proc.stdout, proc.stdout
+
+
 @needs_trt
 @pytest.mark.trt
 @pytest.mark.parametrize("norm,mode,target", [("layer_norm", "fp16", "sm_89"), ("rms_norm", "bf16", "sm_80")])

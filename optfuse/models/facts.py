@@ -52,6 +52,9 @@ def expected_counts(family: str, config: Any) -> dict[str, int]:
     - ``rms_norm`` / ``skip_rms_norm``: the same for RMS norms (LLaMA ``LlamaRMSNorm``, T5
       ``T5LayerNorm``; decomposed into Pow/ReduceMean/Add/Sqrt/.../Mul, one ReduceMean each): 2L + 1,
       of which 2L follow a residual add; the first norm of layer 0 reads the embedding Gather directly.
+      Gemma 2 has 4 per layer (``norms_per_layer``: also after attention and after the MLP, on the
+      sublayer's output), so 4L + 1, still 2L after a residual add (the pre-MLP one, the next
+      layer's input norm, the final norm).
     """
     fam = get_family(family)
     n = int(config_value(config, "num_hidden_layers"))
@@ -60,7 +63,7 @@ def expected_counts(family: str, config: Any) -> dict[str, int]:
     if fam.norm == "layer_norm":
         counts.update(layer_norm=2 * n + 1, skip_layer_norm=2 * n, embed_layer_norm=1)
     else:
-        counts.update(rms_norm=2 * n + 1, skip_rms_norm=2 * n)
+        counts.update(rms_norm=fam.norms_per_layer * n + 1, skip_rms_norm=2 * n)
     return counts
 
 

@@ -71,6 +71,8 @@ class Rewrite:
       for a new tensor (nobody reads it, or an `After` node does).
     info: extra facts for the report (e.g. the attention mask class).
     after: standard nodes that read the fused node's outputs and write existing tensors.
+    keep: nodes of the match that stay for readers outside it (input-side preparation, such as a
+      head split another product also reads); the fused node does not read their outputs.
     """
 
     op: str
@@ -79,6 +81,7 @@ class Rewrite:
     attrs: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     after: list[After] = field(default_factory=list)
+    keep: list[gs.Node] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

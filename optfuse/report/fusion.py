@@ -1,7 +1,9 @@
 """``fusion_report.json`` and ``fusion_report.md`` from a FusionResult.
 
 The report lists what was fused (rule, op, fused node, the original nodes it replaced, extra facts
-the rule recorded such as the attention mask class), the counts a family summarises before and
+the rule recorded such as the attention mask class and window; for attention nodes also the tile
+density at the report's dims and the fractions of score FLOPs and K/V reads the mask removes,
+``sparsity``), the counts a family summarises before and
 after its pass (the GEMM family: GEMM launches), what was not and why, and an estimate of the
 HBM traffic each fusion saves: bytes the original nodes read and wrote minus what the fused node
 reads and writes, with symbolic dims resolved from the recipe's opt shapes (or the defaults of
@@ -45,6 +47,9 @@ def build_report(result: FusionResult, *, estimate: TrafficEstimate | None = Non
             "hbm_saved_bytes": estimate.saved_bytes.get(acc.node_name) if estimate is not None else None,
             "info": jsonable(info),
         })
+        work = estimate.sparsity.get(acc.node_name) if estimate is not None else None
+        if work:
+            fusions[-1]["sparsity"] = jsonable(work)
     known = [f["hbm_saved_bytes"] for f in fusions if f["hbm_saved_bytes"] is not None]
     report: dict[str, Any] = {
         "optfuse_version": __version__,
@@ -70,6 +75,17 @@ def build_report(result: FusionResult, *, estimate: TrafficEstimate | None = Non
     if options is not None:
         report["options"] = options  # what the run used, and where each value came from
     return report
+
+
+def sparsity_cell(work: dict[str, Any]) -> str:
+    """An attention node's mask facts at the report's dims: tile density and what the skipped tiles
+    remove (see `optfuse.estimate.attention_sparsity`)."""
+    parts = [f"Sq={work['sq']}, Sk={work['sk']}: {work['tile']}-tile density {work['block_density']:.3g}"]
+    if "visible_fraction" in work:
+        parts.append(f"visible scores {work['visible_fraction']:.3g}")
+    if "flops_removed" in work:
+        parts.append(f"score FLOPs removed {work['flops_removed']:.1%}, K/V reads removed {work['kv_reads_removed']:.1%}")
+    return ", ".join(parts)
 
 
 def options_markdown(options: dict[str, Any] | None) -> list[str]:
@@ -149,6 +165,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["| fused node | op | rule | original nodes | HBM saved | info |", "|---|---|---|---|---:|---|"]
         for f in report["fusions"]:
             info = ", ".join(f"{k}={short(v)}" for k, v in f.get("info", {}).items())
+            if f.get("sparsity"):
+                info += "; " + sparsity_cell(f["sparsity"])
             lines.append(f"| `{f['node']}` | {f['op']} | `{f['rule']}` | {names_cell(f['nodes'])} | "
                          f"{format_bytes(f['hbm_saved_bytes'])} | {md_cell(info)} |")
     else:

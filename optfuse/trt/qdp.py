@@ -7,8 +7,8 @@ per-op code):
 * ``@trtp.register("optfuse::<Op>")``: inputs as ``TensorDesc``, attributes typed from the spec
   (float, int, str, NDArray[float32|int32]); outputs ``like`` the spec says (the last dim from
   ``last_dim`` where given: a GEMM's N);
-* ``@trtp.autotune``: one linear type combination per float dtype the spec allows (all I/O of
-  one dtype);
+* ``@trtp.autotune``: one linear type combination per float dtype the spec allows (every float
+  I/O of that dtype, integer inputs such as a block layout in their own one dtype);
 * ``@trtp.aot_impl``: a thin adapter around :func:`aot_kernel`, the plain function that does the
   work and that tests call without TensorRT.
 
@@ -214,7 +214,7 @@ def register_spec(be, spec: OpSpec, arch: int | None) -> str:
     out_param = P("outputs", P.POSITIONAL_OR_KEYWORD, annotation=outputs_ann)
     n_attr = len(spec.attributes)
     attr_names = [a.name for a in spec.attributes]
-    floats = [d for d in glue.FLOAT_DTYPES if all(d in t.dtypes for t in spec.inputs + spec.outputs)]
+    floats = float_dtypes(spec)
     cdiv = _make_cdiv(trtp)
 
     # Functions are variadic so a node without its trailing optional inputs still works; the
@@ -233,8 +233,9 @@ def register_spec(be, spec: OpSpec, arch: int | None) -> str:
 
     def autotune_fn(*args):
         descs, outputs = args[:-1], args[-1]
-        n_io = len(descs) + len(outputs)
-        return [trtp.AutoTuneCombination(", ".join([TRTP_DTYPE[d]] * n_io), "LINEAR") for d in floats]
+        ios = list(spec.inputs[:len(descs)]) + list(spec.outputs)
+        return [trtp.AutoTuneCombination(", ".join(TRTP_DTYPE[io_dtype(t, d)] for t in ios), "LINEAR")
+                for d in floats]
 
     autotune_fn.__signature__ = inspect.Signature(
         in_params + [out_param], return_annotation=typing.List[trtp.AutoTuneCombination]
@@ -268,6 +269,22 @@ def register_spec(be, spec: OpSpec, arch: int | None) -> str:
     trtp.aot_impl(pid)(aot_fn)
     _ = trt  # the module stays referenced for the plugin's lifetime
     return pid
+
+
+def float_dtypes(spec: OpSpec) -> list[str]:
+    """The float dtypes every float tensor of ``spec`` allows (one type combination each)."""
+    floats = [t for t in spec.inputs + spec.outputs if glue.is_float_tensor(t)]
+    return [d for d in glue.FLOAT_DTYPES if all(d in t.dtypes for t in floats)]
+
+
+def io_dtype(t, float_dtype: str) -> str:
+    """A tensor's dtype in the combination of ``float_dtype``: that dtype for a float tensor, its
+    own for an integer one (BlockSparseAttention's int32 layout), which must then be unique."""
+    if glue.is_float_tensor(t):
+        return float_dtype
+    if len(t.dtypes) != 1:
+        raise ValueError(f"input {t.name!r} allows {t.dtypes}: a non-float tensor needs one dtype for QDP autotune")
+    return t.dtypes[0]
 
 
 def _static_of(desc) -> list[int] | None:

@@ -1,7 +1,9 @@
-"""Reference semantics of FlashAttention: a NumPy function (float64) and an ONNX function.
+"""Reference semantics of FlashAttention and BlockSparseAttention: NumPy (float64) and ONNX functions.
 
-    s = scale * q @ k^T + bias            per (b, h), kv head h // (H / Hkv)
-    s[i, j] = -inf  where causal and j > i + (Sk - Sq)
+    s = cap(scale * q @ k^T) + bias       per (b, h), kv head h // (H / Hkv); cap(x) = c * tanh(x / c), c > 0
+    s[i, j] = -inf  where d = j - i - (Sk - Sq) is hidden: causal and d > 0, window_left >= 0 and
+                    d < -window_left, window_right >= 0 and d > window_right (FlashAttention), or
+                    the key block j // bs is not listed for query block i // bs (BlockSparseAttention)
     o = softmax(s) @ v                    a row whose every score is -inf gives o = 0
 
 A finite very negative bias (HF masks use finfo(dtype).min) is added as a number, as in the unfused
@@ -54,16 +56,21 @@ def _int_attr(attrs: dict, name: str, spec=None) -> int:
 
 def sample_inputs(op, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
     """Random float32 inputs in spec order (q, k, v and a full [B, H, Sq, Sk] bias; grouped-query
-    heads, Sk != Sq; BlockSparseAttention: a per-head layout of 4-key blocks) and the attributes
-    without a default: what the contract test runs through the ONNX function and this reference."""
+    heads, Sk != Sq; BlockSparseAttention: a per-head layout of the spec's default block size over
+    3 x 4 blocks, the last ones partial) and the attributes without a default: what the contract
+    test runs through the ONNX function and this reference."""
+    sparse = _op_name(op) == BLOCK_SPARSE
+    block = BLOCK_SPARSE_SPEC.attr("block_size").default
     B, H, Hkv, Sq, Sk, D = 2, 4, 2, 5, 7, SPEC.limits["head_dims"][0]
+    if sparse:
+        Sq, Sk = 2 * block + 5, 3 * block + 7
     q = rng.standard_normal((B, H, Sq, D)).astype(np.float32)
     k, v = (rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32) for _ in range(2))
     bias = rng.standard_normal((B, H, Sq, Sk)).astype(np.float32)
     attrs = {"scale": D ** -0.5, "num_heads": H, "num_kv_heads": Hkv}
-    if _op_name(op) == BLOCK_SPARSE:
-        offsets, indices = random_layout(rng, H, Sq, Sk, 4, density=0.6)
-        return [q, k, v, bias, offsets, indices], {**attrs, "block_size": 4}
+    if sparse:
+        offsets, indices = random_layout(rng, H, Sq, Sk, block, density=0.6)
+        return [q, k, v, bias, offsets, indices], attrs
     return [q, k, v, bias], attrs
 
 
@@ -191,33 +198,28 @@ def _const_from_attr(out: str, value_field: str, attr: str, kind: int) -> onnx.N
     return n
 
 
-def onnx_function(op=None, opset: int = FUNCTION_OPSET) -> onnx.FunctionProto:
-    """``optfuse::FlashAttention(q, k, v, bias) -> o`` as an ONNX function onnxruntime can run.
+def _i64(name: str, vals: list[int]) -> onnx.TensorProto:
+    return helper.make_tensor(name, TensorProto.INT64, [len(vals)], vals)
 
-    ``opset`` is the default-domain opset the body imports; onnx.checker wants it equal to the
-    model's (>= 15), so the rewrite stage passes the model's opset.
 
-    bias is required here (see the module docstring); it broadcasts to [B, H, Sq, Sk] and may be
-    a scalar zero. GQA repeats kv heads with Unsqueeze/Expand/Reshape; the causal mask is built
-    with Trilu from the shapes (diagonal offset Sk - Sq, or Sk when causal = 0, which keeps all);
-    rows whose every score is -inf are set to 0 after Softmax (which would give NaN).
-    """
+def _scalar(name: str, kind: int, value) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, kind, [], [value]))
+
+
+def _scores_nodes() -> list[onnx.NodeProto]:
+    """q, k, v, bias -> ``s1`` = cap(scale * q @ k^T) + bias over the repeated kv heads (``vr``), and
+    the shapes ``sq_1``, ``sk_1`` (int64 [1]). cap is chosen from the softcap attribute with Where,
+    dividing by 1 where softcap <= 0 (so no 0 / 0 is ever computed)."""
     mk = helper.make_node
-    i64 = lambda name, vals: helper.make_tensor(name, TensorProto.INT64, [len(vals)], vals)  # noqa: E731
-    nodes = [
-        # -- attributes as tensors ----------------------------------------------------------------
+    return [
         _const_from_attr("scale_f", "value_float", "scale", onnx.AttributeProto.FLOAT),
+        _const_from_attr("softcap_f", "value_float", "softcap", onnx.AttributeProto.FLOAT),
         _const_from_attr("h_s", "value_int", "num_heads", onnx.AttributeProto.INT),
         _const_from_attr("hkv_s", "value_int", "num_kv_heads", onnx.AttributeProto.INT),
-        _const_from_attr("causal_s", "value_int", "causal", onnx.AttributeProto.INT),
-        mk("Constant", [], ["one_i"], value=helper.make_tensor("one_i", TensorProto.INT64, [], [1])),
-        mk("Constant", [], ["one_i_1"], value=i64("one_i_1", [1])),
-        mk("Constant", [], ["axis2"], value=i64("axis2", [2])),
-        mk("Constant", [], ["neg1"], value=i64("neg1", [-1])),
-        mk("Constant", [], ["zero_f"], value=helper.make_tensor("zero_f", TensorProto.FLOAT, [], [0.0])),
-        mk("Constant", [], ["ninf_f"],
-           value=helper.make_tensor("ninf_f", TensorProto.FLOAT, [], [float("-inf")])),
-        mk("Constant", [], ["one_f"], value=helper.make_tensor("one_f", TensorProto.FLOAT, [1], [1.0])),
+        mk("Constant", [], ["axis2"], value=_i64("axis2", [2])),
+        mk("Constant", [], ["neg1"], value=_i64("neg1", [-1])),
+        _scalar("zero_f", TensorProto.FLOAT, 0.0),
+        _scalar("one_f0", TensorProto.FLOAT, 1.0),
         # -- shapes ---------------------------------------------------------------------------------
         mk("Shape", ["q"], ["b_1"], start=0, end=1),
         mk("Shape", ["q"], ["sq_1"], start=2, end=3),
@@ -236,27 +238,133 @@ def onnx_function(op=None, opset: int = FUNCTION_OPSET) -> onnx.FunctionProto:
         mk("Unsqueeze", ["v", "axis2"], ["v5"]),
         mk("Expand", ["v5", "exp_shape"], ["v5e"]),
         mk("Reshape", ["v5e", "rep_shape"], ["vr"]),
-        # -- scores = scale * q @ k^T + bias -----------------------------------------------------------
+        # -- s0 = scale * q @ k^T; capped = c * tanh(s0 / c) when c > 0 ------------------------------
         mk("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]),
         mk("MatMul", ["q", "kt"], ["qk"]),
         mk("CastLike", ["scale_f", "q"], ["scale_t"]),
         mk("Mul", ["qk", "scale_t"], ["s0"]),
+        mk("Greater", ["softcap_f", "zero_f"], ["capped"]),
+        mk("Where", ["capped", "softcap_f", "one_f0"], ["cap_div_f"]),
+        mk("CastLike", ["cap_div_f", "q"], ["cap_div"]),
+        mk("Div", ["s0", "cap_div"], ["s0_div"]),
+        mk("Tanh", ["s0_div"], ["s0_tanh"]),
+        mk("Mul", ["s0_tanh", "cap_div"], ["s0_cap"]),
+        mk("Where", ["capped", "s0_cap", "s0"], ["s0c"]),
         mk("CastLike", ["bias", "q"], ["bias_t"]),
-        mk("Add", ["s0", "bias_t"], ["s1"]),
-        # -- causal: allowed = Trilu(ones[Sq, Sk], k = Sk - Sq + (1 - causal) * Sq) ------------------
-        mk("Concat", ["sq_1", "sk_1"], ["sqsk"], axis=0),
-        mk("ConstantOfShape", ["sqsk"], ["ones2"],
-           value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])),
-        mk("Sub", ["sk_1", "sq_1"], ["diag0"]),
-        mk("Sub", ["one_i", "causal_s"], ["not_causal"]),
-        mk("Mul", ["not_causal", "sq_1"], ["diag_extra"]),
-        mk("Add", ["diag0", "diag_extra"], ["diag_1"]),
-        mk("Squeeze", ["diag_1"], ["diag"]),
-        mk("Trilu", ["ones2", "diag"], ["allowed_f"], upper=0),
-        mk("Cast", ["allowed_f"], ["allowed"], to=TensorProto.BOOL),
+        mk("Add", ["s0c", "bias_t"], ["s1"]),
+    ]
+
+
+def _window_nodes() -> list[onnx.NodeProto]:
+    """``allowed`` [Sq, Sk] bool from the shapes: d = j - i - (Sk - Sq); causal: d <= 0;
+    window_left >= 0: d >= -window_left; window_right >= 0: d <= window_right."""
+    mk = helper.make_node
+    big = 1 << 62
+    return [
+        _const_from_attr("causal_s", "value_int", "causal", onnx.AttributeProto.INT),
+        _const_from_attr("wl_s", "value_int", "window_left", onnx.AttributeProto.INT),
+        _const_from_attr("wr_s", "value_int", "window_right", onnx.AttributeProto.INT),
+        _scalar("zero_i", TensorProto.INT64, 0),
+        _scalar("one_i", TensorProto.INT64, 1),
+        _scalar("big_i", TensorProto.INT64, big),
+        _scalar("nbig_i", TensorProto.INT64, -big),
+        mk("Squeeze", ["sq_1"], ["sq_s"]),
+        mk("Squeeze", ["sk_1"], ["sk_s"]),
+        mk("Range", ["zero_i", "sq_s", "one_i"], ["i_r"]),
+        mk("Range", ["zero_i", "sk_s", "one_i"], ["j_r"]),
+        mk("Sub", ["sk_s", "sq_s"], ["off_s"]),
+        mk("Add", ["i_r", "off_s"], ["i_off"]),
+        mk("Unsqueeze", ["i_off", "neg1"], ["i_col"]),
+        mk("Sub", ["j_r", "i_col"], ["d"]),  # [Sq, Sk]
+        # hi = min(window_right or +big, 0 if causal else +big); lo = -window_left or -big
+        mk("GreaterOrEqual", ["wr_s", "zero_i"], ["has_wr"]),
+        mk("Where", ["has_wr", "wr_s", "big_i"], ["wr_hi"]),
+        mk("Greater", ["causal_s", "zero_i"], ["is_causal"]),
+        mk("Where", ["is_causal", "zero_i", "big_i"], ["causal_hi"]),
+        mk("Min", ["wr_hi", "causal_hi"], ["hi"]),
+        mk("GreaterOrEqual", ["wl_s", "zero_i"], ["has_wl"]),
+        mk("Neg", ["wl_s"], ["neg_wl"]),
+        mk("Where", ["has_wl", "neg_wl", "nbig_i"], ["lo"]),
+        mk("LessOrEqual", ["d", "hi"], ["below_hi"]),
+        mk("GreaterOrEqual", ["d", "lo"], ["above_lo"]),
+        mk("And", ["below_hi", "above_lo"], ["allowed"]),
+    ]
+
+
+def _layout_nodes() -> list[onnx.NodeProto]:
+    """``allowed`` [1, Hl, Sq, Sk] bool from the causal flag and the BSR layout: position p of head
+    h's indices belongs to query block m(p) = #{m : offsets[h, m + 1] <= p}; positions with m(p) =
+    Mb (past offsets[h, -1]) are padding and match no block. blocks[h, m, n] = any p with m(p) = m
+    and indices[h, p] = n (a one-hot product), then gathered at (i // bs, j // bs)."""
+    mk = helper.make_node
+    return [
+        _const_from_attr("causal_s", "value_int", "causal", onnx.AttributeProto.INT),
+        _const_from_attr("bs_s", "value_int", "block_size", onnx.AttributeProto.INT),
+        _scalar("zero_i", TensorProto.INT64, 0),
+        _scalar("one_i", TensorProto.INT64, 1),
+        _scalar("half_f", TensorProto.FLOAT, 0.5),
+        mk("Constant", [], ["one_1"], value=_i64("one_1", [1])),
+        mk("Constant", [], ["big_1"], value=_i64("big_1", [1 << 62])),
+        mk("Squeeze", ["sq_1"], ["sq_s"]),
+        mk("Squeeze", ["sk_1"], ["sk_s"]),
+        mk("Range", ["zero_i", "sq_s", "one_i"], ["i_r"]),
+        mk("Range", ["zero_i", "sk_s", "one_i"], ["j_r"]),
+        # causal part: j <= i + Sk - Sq, or everything when causal = 0
+        mk("Sub", ["sk_s", "sq_s"], ["off_s"]),
+        mk("Add", ["i_r", "off_s"], ["i_off"]),
+        mk("Unsqueeze", ["i_off", "neg1"], ["i_col"]),
+        mk("Sub", ["j_r", "i_col"], ["d"]),
+        mk("Greater", ["causal_s", "zero_i"], ["is_causal"]),
+        mk("LessOrEqual", ["d", "zero_i"], ["d_causal"]),
+        mk("Not", ["is_causal"], ["not_causal"]),
+        mk("Or", ["d_causal", "not_causal"], ["causal_ok"]),
+        # the block of each position of block_indices
+        mk("Cast", ["block_offsets"], ["offs"], to=TensorProto.INT64),
+        mk("Cast", ["block_indices"], ["idx"], to=TensorProto.INT64),
+        mk("Shape", ["block_offsets"], ["mb1_1"], start=1, end=2),
+        mk("Sub", ["mb1_1", "one_1"], ["mb_1"]),
+        mk("Squeeze", ["mb_1"], ["mb_s"]),
+        mk("Slice", ["offs", "one_1", "big_1", "one_1"], ["offs_hi"]),  # [Hl, Mb]
+        mk("Shape", ["block_indices"], ["nnz_1"], start=1, end=2),
+        mk("Squeeze", ["nnz_1"], ["nnz_s"]),
+        mk("Range", ["zero_i", "nnz_s", "one_i"], ["p_r"]),
+        mk("Unsqueeze", ["p_r", "neg1"], ["p_col"]),  # [nnz, 1]
+        mk("Unsqueeze", ["offs_hi", "one_1"], ["offs_hi3"]),  # [Hl, 1, Mb]
+        mk("LessOrEqual", ["offs_hi3", "p_col"], ["before_p"]),  # [Hl, nnz, Mb]
+        mk("Cast", ["before_p"], ["before_i"], to=TensorProto.INT64),
+        mk("ReduceSum", ["before_i", "neg1"], ["row_of_p"], keepdims=1),  # [Hl, nnz, 1]
+        mk("Range", ["zero_i", "mb_s", "one_i"], ["m_r"]),
+        mk("Equal", ["row_of_p", "m_r"], ["p_in_m"]),  # [Hl, nnz, Mb]
+        mk("Sub", ["sk_s", "one_i"], ["sk_m1"]),
+        mk("Add", ["sk_m1", "bs_s"], ["sk_up"]),
+        mk("Div", ["sk_up", "bs_s"], ["nb_s"]),
+        mk("Range", ["zero_i", "nb_s", "one_i"], ["n_r"]),
+        mk("Unsqueeze", ["idx", "neg1"], ["idx3"]),  # [Hl, nnz, 1]
+        mk("Equal", ["idx3", "n_r"], ["p_is_n"]),  # [Hl, nnz, Nb]
+        mk("Cast", ["p_in_m"], ["p_in_m_f"], to=TensorProto.FLOAT),
+        mk("Cast", ["p_is_n"], ["p_is_n_f"], to=TensorProto.FLOAT),
+        mk("Transpose", ["p_in_m_f"], ["m_of_p"], perm=[0, 2, 1]),
+        mk("MatMul", ["m_of_p", "p_is_n_f"], ["hits"]),  # [Hl, Mb, Nb]
+        mk("Greater", ["hits", "half_f"], ["blocks"]),
+        mk("Div", ["i_r", "bs_s"], ["i_blk"]),
+        mk("Div", ["j_r", "bs_s"], ["j_blk"]),
+        mk("Gather", ["blocks", "i_blk"], ["rows_blk"], axis=1),  # [Hl, Sq, Nb]
+        mk("Gather", ["rows_blk", "j_blk"], ["lay"], axis=2),  # [Hl, Sq, Sk]
+        mk("Unsqueeze", ["lay", "zero_1"], ["lay4"]),
+        mk("And", ["lay4", "causal_ok"], ["allowed"]),
+    ]
+
+
+def _softmax_nodes() -> list[onnx.NodeProto]:
+    """s1 masked by ``allowed`` -> softmax -> o; rows whose every score is -inf give 0."""
+    mk = helper.make_node
+    return [
+        mk("Constant", [], ["one_i_1"], value=_i64("one_i_1", [1])),
+        mk("Constant", [], ["ninf_f"],
+           value=helper.make_tensor("ninf_f", TensorProto.FLOAT, [], [float("-inf")])),
+        mk("Constant", [], ["one_f"], value=helper.make_tensor("one_f", TensorProto.FLOAT, [1], [1.0])),
         mk("CastLike", ["ninf_f", "q"], ["ninf_t"]),
         mk("Where", ["allowed", "s1", "ninf_t"], ["s"]),
-        # -- softmax; rows with no finite score -> 0 ---------------------------------------------------
         mk("Softmax", ["s"], ["p0"], axis=-1),
         # IsInf has no fp16/bf16 kernel before opset 20: test in float32
         mk("Cast", ["s"], ["s_f32"], to=TensorProto.FLOAT),
@@ -272,6 +380,31 @@ def onnx_function(op=None, opset: int = FUNCTION_OPSET) -> onnx.FunctionProto:
         mk("Where", ["row_live", "p0", "zero_t"], ["p"]),
         mk("MatMul", ["p", "vr"], ["o"]),
     ]
-    return plugin_function(SPEC, nodes, opset,
-                           doc="softmax(scale * q @ k^T + bias [+ causal mask]) @ v; GQA by repeating kv "
-                               "heads; bias is required (a scalar 0 when the fused graph has none).")
+
+
+def onnx_function(op=None, opset: int = FUNCTION_OPSET) -> onnx.FunctionProto:
+    """``optfuse::FlashAttention(q, k, v, bias) -> o`` or ``optfuse::BlockSparseAttention(q, k, v,
+    bias, block_offsets, block_indices) -> o`` as an ONNX function onnxruntime can run.
+
+    ``opset`` is the default-domain opset the body imports; onnx.checker wants it equal to the
+    model's (>= 15), so the rewrite stage passes the model's opset.
+
+    bias is required here (see the module docstring); it broadcasts to [B, H, Sq, Sk] and may be
+    a scalar zero. GQA repeats kv heads with Unsqueeze/Expand/Reshape; softcap is applied with
+    Where on the attribute (Div by 1 when it is 0); the causal / window visibility is built from the
+    shapes (Range over i and j, offset Sk - Sq), so any sequence length works; BlockSparseAttention
+    expands its layout into the [Hl, Sq, Sk] visibility (see `_layout_nodes`). Rows whose every
+    score is -inf are set to 0 after Softmax (which would give NaN).
+    """
+    sparse = _op_name(op) == BLOCK_SPARSE
+    spec = BLOCK_SPARSE_SPEC if sparse else SPEC
+    nodes = _scores_nodes()
+    if sparse:
+        nodes.append(helper.make_node("Constant", [], ["zero_1"], value=_i64("zero_1", [0])))
+    nodes += _layout_nodes() if sparse else _window_nodes()
+    nodes += _softmax_nodes()
+    doc = ("softmax(cap(scale * q @ k^T) + bias [+ causal mask]) @ v over the key blocks the BSR layout lists"
+           if sparse else "softmax(cap(scale * q @ k^T) + bias [+ causal / window mask]) @ v")
+    return plugin_function(spec, nodes, opset,
+                           doc=doc + "; GQA by repeating kv heads; bias is required (a scalar 0 when the fused "
+                                     "graph has none).")

@@ -128,13 +128,20 @@ def test_onnx_function_matches_reference(B, H, Hkv, Sq, Sk, D, causal, bias_shap
     assert np.abs(o - ref).max() <= 1e-5
 
 
-def test_function_signature_follows_spec():
-    spec_attrs = {"scale", "causal", "num_heads", "num_kv_heads"}
-    fn = R.onnx_function(None)
-    assert (fn.domain, fn.name) == ("optfuse", "FlashAttention")
+@pytest.mark.parametrize("op,inputs", [
+    ("FlashAttention", ["q", "k", "v", "bias"]),
+    ("BlockSparseAttention", ["q", "k", "v", "bias", "block_offsets", "block_indices"]),
+])
+def test_function_signature_follows_spec(op, inputs):
+    spec = R.SPEC if op == "FlashAttention" else R.BLOCK_SPARSE_SPEC
+    spec_attrs = {"scale", "causal", "num_heads", "num_kv_heads", "softcap"}
+    spec_attrs |= {"window_left", "window_right"} if op == "FlashAttention" else {"block_size"}
+    assert {a.name for a in spec.attributes} == spec_attrs
+    fn = R.onnx_function(op)
+    assert (fn.domain, fn.name) == ("optfuse", op)
     names = set(fn.attribute) | {a.name for a in fn.attribute_proto}
     assert names == spec_attrs | {"plugin_namespace", "plugin_version"}
-    assert list(fn.input) == ["q", "k", "v", "bias"] and list(fn.output) == ["o"]
+    assert list(fn.input) == inputs and list(fn.output) == ["o"]
 
 
 def test_launch_params_use_only_ring_ops():
@@ -185,3 +192,133 @@ def test_fp16_function_runs_below_opset_20(opset):
     r = R.reference("FlashAttention", [q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), None],
                   {"scale": 0.25, "causal": 1, "num_heads": 4, "num_kv_heads": 2})[0]
     assert np.abs(o.astype(np.float64) - r).max() < 5e-3
+
+
+# -- FlashAttention v2 (windows, softcap) and BlockSparseAttention through the ONNX function --------
+def _run_op(op, inputs, attrs, opset=17):
+    """One optfuse node over ``inputs`` (spec order, bias always given) in onnxruntime (CPU)."""
+    import onnxruntime as ort
+
+    spec = R.SPEC if op == "FlashAttention" else R.BLOCK_SPARSE_SPEC
+    names = [t.name for t in spec.inputs][:len(inputs)]
+    vis = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(x.dtype), list(x.shape))
+           for n, x in zip(names, inputs)]
+    node = helper.make_node(op, names, ["o"], domain="optfuse", plugin_namespace="optfuse",
+                            plugin_version=spec.plugin_version, **attrs)
+    graph = helper.make_graph([node], "op", vis, [helper.make_tensor_value_info("o", TensorProto.FLOAT, list(inputs[0].shape))])
+    model = helper.make_model(graph, functions=[R.onnx_function(op, opset=opset)],
+                              opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("optfuse", 1)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, dict(zip(names, inputs)))[0]
+
+
+def _qkv(rng, B, H, Hkv, Sq, Sk, D=8):
+    q = rng.standard_normal((B, H, Sq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, Sk, D)).astype(np.float32)
+    return q, k, v
+
+
+def test_visible_matches_definition():
+    for sq, sk, causal, wl, wr in ((5, 9, 1, 2, -1), (9, 5, 0, 1, 3), (6, 6, 0, -1, 0), (4, 11, 1, 0, 5)):
+        got = R.visible(sq, sk, bool(causal), wl, wr)
+        for i in range(sq):
+            for j in range(sk):
+                d = j - i - (sk - sq)
+                want = (not causal or d <= 0) and (wl < 0 or d >= -wl) and (wr < 0 or d <= wr)
+                assert got[i, j] == want
+
+
+@pytest.mark.parametrize("Sq,Sk,causal,wl,wr,softcap", [
+    (6, 11, 1, 3, -1, 0.0),     # HF sliding window (causal, left), Sk > Sq (a cache)
+    (11, 6, 1, 2, -1, 0.0),     # Sk < Sq: the first rows see no key
+    (7, 7, 0, 2, 1, 0.0),       # non-causal window both sides
+    (5, 9, 0, -1, 2, 0.0),      # right only
+    (9, 5, 0, 3, -1, 0.0),      # left only, non-causal
+    (7, 7, 1, 0, -1, 0.0),      # window of one key (the diagonal)
+    (8, 8, 1, -1, -1, 2.5),     # Gemma 2 softcap, causal
+    (6, 10, 0, 2, 2, 0.7),      # softcap + window, Sk != Sq
+])
+def test_onnx_function_windows_and_softcap(Sq, Sk, causal, wl, wr, softcap):
+    rng = np.random.default_rng(Sq * 31 + Sk)
+    q, k, v = _qkv(rng, 2, 4, 2, Sq, Sk)
+    q *= 3.0  # large scores: the cap matters
+    bias = rng.standard_normal((2, 1, 1, Sk)).astype(np.float32)
+    attrs = {**_attrs(4, 2, causal), "window_left": wl, "window_right": wr, "softcap": softcap}
+    o = _run_op("FlashAttention", [q, k, v, bias], attrs)
+    (ref,) = R.reference("FlashAttention", [q, k, v, bias], attrs)
+    assert np.isfinite(o).all()
+    assert np.abs(o - ref).max() <= 1e-5
+    # the attributes change the result (the test sees them)
+    (plain,) = R.reference("FlashAttention", [q, k, v, bias], _attrs(4, 2, causal))
+    assert np.abs(plain - ref).max() > 1e-3
+
+
+def test_softcap_is_tanh_cap_before_bias():
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, 1, 2, 2, 4, 6)
+    bias = rng.standard_normal((1, 2, 4, 6)).astype(np.float32)
+    c, scale = 1.5, 0.9
+    s = c * np.tanh(scale * (q.astype(np.float64) @ k.astype(np.float64).transpose(0, 1, 3, 2)) / c) + bias
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ v
+    attrs = {**_attrs(2, 2, 0, scale=scale), "softcap": c}
+    np.testing.assert_allclose(_run_op("FlashAttention", [q, k, v, bias], attrs), want, atol=1e-5)
+
+
+def _bsr(blocks: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
+    """BSR of a [heads, Mb, Nb] block visibility; heads padded to one nnz with random entries."""
+    heads, mb, _ = blocks.shape
+    nnz = int(blocks.sum(axis=(1, 2)).max()) + 2
+    offsets = np.zeros((heads, mb + 1), np.int32)
+    indices = rng.integers(0, blocks.shape[2] + 3, (heads, nnz)).astype(np.int32)
+    for h in range(heads):
+        offsets[h, 1:] = np.cumsum(blocks[h].sum(-1))
+        flat = np.concatenate([np.flatnonzero(r) for r in blocks[h]])
+        indices[h, :flat.size] = flat
+    return offsets, indices
+
+
+@pytest.mark.parametrize("heads,block,Sq,Sk,causal,softcap", [
+    (4, 4, 13, 18, 0, 0.0),     # per-head layout, partial last blocks
+    (1, 4, 13, 18, 0, 0.0),     # one layout shared by all heads
+    (4, 3, 9, 9, 1, 0.0),       # + causal
+    (1, 5, 12, 21, 1, 1.3),     # shared, causal, softcap, Sk > Sq
+])
+def test_block_sparse_function_matches_reference(heads, block, Sq, Sk, causal, softcap):
+    rng = np.random.default_rng(heads * 100 + block)
+    q, k, v = _qkv(rng, 2, 4, 2, Sq, Sk)
+    bias = rng.standard_normal((2, 4, Sq, Sk)).astype(np.float32)
+    blocks = rng.random((heads, -(-Sq // block), -(-Sk // block))) < 0.5
+    blocks[0, 1] = False  # a query block that sees nothing
+    blocks[-1, 0, -1] = True  # a partial key block
+    offsets, indices = _bsr(blocks, rng)
+    attrs = {**_attrs(4, 2, causal), "block_size": block, "softcap": softcap}
+    o = _run_op("BlockSparseAttention", [q, k, v, bias, offsets, indices], attrs)
+    (ref,) = R.reference("BlockSparseAttention", [q, k, v, bias, offsets, indices], attrs)
+    assert np.isfinite(o).all()
+    assert np.abs(o - ref).max() <= 1e-5
+
+
+def test_block_sparse_padding_entries_and_empty_rows():
+    """Entries past offsets[h, -1] are padding (any value); a query block with no key block gives 0."""
+    rng = np.random.default_rng(11)
+    Sq, Sk, block = 8, 12, 4  # 2 query blocks, 3 key blocks
+    q, k, v = _qkv(rng, 1, 2, 2, Sq, Sk)
+    bias = np.zeros((), np.float32)
+    # head 0: block 0 sees key blocks 0, 2; block 1 sees none. head 1: block 0 none, block 1 sees 1.
+    offsets = np.array([[0, 2, 2], [0, 0, 1]], np.int32)
+    indices = np.array([[0, 2, 1, 0], [1, 2, 0, 2]], np.int32)  # padding: [1, 0] and [2, 0, 2]
+    attrs = {**_attrs(2, 2, 0), "block_size": block}
+    o = _run_op("BlockSparseAttention", [q, k, v, bias, offsets, indices], attrs)
+    (ref,) = R.reference("BlockSparseAttention", [q, k, v, bias, offsets, indices], attrs)
+    assert np.abs(o - ref).max() <= 1e-5
+    np.testing.assert_array_equal(o[0, 0, 4:], 0.0)
+    np.testing.assert_array_equal(o[0, 1, :4], 0.0)
+    # head 0, block 0 equals dense attention over keys 0..3 and 8..11
+    keys = np.r_[0:4, 8:12]
+    s = 0.3 * q[0, 0, :4].astype(np.float64) @ k[0, 0, keys].astype(np.float64).T
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(o[0, 0, :4], (p / p.sum(-1, keepdims=True)) @ v[0, 0, keys], atol=1e-5)

@@ -18,12 +18,15 @@ OP = "FlashAttention"
 
 @dataclass
 class AttentionPlan:
-    """The bindings an attention check returns and its rewrite emits: the fused node's inputs
-    (q, k, v, bias), its attributes, and facts for the report (mask class, scale, heads, ...)."""
+    """The bindings an attention check returns and its rewrite emits: the fused node's op, inputs
+    (q, k, v, bias [, block_offsets, block_indices]), its attributes, and facts for the report
+    (mask class, window, scale, heads, ...)."""
 
     inputs: list[Any]
     attrs: dict[str, Any]
     info: dict[str, Any] = field(default_factory=dict)
+    op: str = "FlashAttention"
+    keep: list[gs.Node] = field(default_factory=list)  # input-side nodes that stay for outside readers
 
 
 class AttentionFacts:
@@ -66,3 +69,34 @@ def np_dtype(dt: str):
 
         return ml_dtypes.bfloat16
     return np.dtype(dt)
+
+
+def input_side_kept(m, graph: gs.Graph) -> list[gs.Node]:
+    """The match's input-side nodes (producing the score product's operands or v) that something
+    outside the match also reads, with their ancestors in the match: they stay in the graph (the
+    fused node reads q, k, v from before them), so the match shrinks to its largest legal part
+    instead of failing on them (DeBERTa's head-split q and k also feed the position products)."""
+    inside = {id(n) for n in m.nodes}
+    roots = [t for name in ("qk", "pv") if name in m for t in
+             (m[name].inputs if name == "qk" else m[name].inputs[1:])]
+    side: dict[int, gs.Node] = {}
+    stack = list(roots)
+    while stack:
+        t = stack.pop()
+        for n in t.inputs:
+            if id(n) in inside and id(n) not in side:
+                side[id(n)] = n
+                stack.extend(n.inputs)
+    graph_outputs = {id(t) for t in graph.outputs}
+    used = [n for n in side.values()
+            if any(id(c) not in inside for o in n.outputs for c in o.outputs) or
+            any(id(o) in graph_outputs for o in n.outputs)]
+    keep: dict[int, gs.Node] = {}
+    stack = list(used)
+    while stack:
+        n = stack.pop()
+        if id(n) in keep:
+            continue
+        keep[id(n)] = n
+        stack.extend(p for t in n.inputs for p in t.inputs if id(p) in side)
+    return list(keep.values())

@@ -1,13 +1,25 @@
-"""Mask to bias: how a classified mask reaches the fused node (its bias input and causal flag).
+"""Mask to kernel parameters: how a classified mask reaches the fused node.
 
 The decomposed rules' mask is ``sum(bias terms) [+ where(cond, 0, fill)]`` (`MaskExpr`); its class
-(`mask_class`) decides whether the node gets no bias, the mask's last query row (key padding, one
-``Slice`` shared by all layers) or the whole mask, and whether ``causal=1`` (see the package doc).
+(`mask_class`) decides the fused node's bias input (none: a scalar 0, the mask's last query row --
+key padding, one ``Slice`` shared by all layers -- or the whole mask), its ``causal`` flag and
+``window_left``, and for a constant block mask the op itself (BlockSparseAttention with a BSR
+layout computed here, see `block_layout`). See the package doc for the table per class.
+
+Exactness. A mask passed whole is exact. A key-padding row next to ``causal = 1`` (and
+``window_left = w - 1`` for a sliding window) changes only query rows whose every visible key is
+padding: the unfused graph averages such a row over all keys (every score is absorbed by the same
+finfo.min), the fused node over its causal / window keys. Such rows are padding positions
+themselves (left padding or an all-zero mask row; with a window also right-padded queries more than
+w - 1 positions past the last real key), so every real token is exact.
+``FusionOptions.attention_full_mask`` passes such masks whole with causal = 0 and no window
+(exact everywhere; the kernel then reads an Sq x Sk mask and visits every block).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,17 +28,42 @@ import onnx_graphsurgeon as gs
 from ...ir.query import const_value, dtype_name, rank
 from ...ir.static import StaticEval
 from ...pattern import Context, Match, NewTensor
-from .common import AttentionFacts, need, np_dtype
+from ...spec import get_spec
+from .block_layout import BlockLayout, allowed_planes, block_layout
+from .common import OP, AttentionFacts, need, np_dtype
 from .mask_class import MaskClass, masked_below
 
 INT64_MAX = np.iinfo(np.int64).max
 #: A masked_fill value this low only matters for rows with no kept key.
 WEAK_FILL = -1e4
+BLOCK_SPARSE = "BlockSparseAttention"
+
+
+@dataclass
+class MaskParams:
+    """How the fused node takes a mask: bias ``mode`` ("none"; "row": the mask's last query row;
+    "key_max": its maximum over the query axis; "full"), the causal flag and the left window (-1: none)."""
+
+    mode: str
+    causal: int = 0
+    window_left: int = -1
+
+
+@dataclass
+class MaskPlan:
+    """What a mask gives the fused node: its bias input, attributes (causal, window_left), report
+    facts, the op (FlashAttention, or BlockSparseAttention with ``layout_inputs`` after the bias)."""
+
+    bias: Any
+    attrs: dict[str, int]
+    info: dict[str, Any]
+    op: str = OP
+    layout_inputs: list[Any] = field(default_factory=list)
 
 
 def plan_mask(m: Match, ctx: Context, q: gs.Tensor, H: int,
-              split: dict[str, int] | None = None) -> tuple[Any, int, dict]:
-    """(bias input, causal flag, report info) for the decomposed rules.
+              split: dict[str, int] | None = None) -> MaskPlan:
+    """The mask's plan for the decomposed rules.
 
     split: bindings of 3-D [B*H, Sq, Sk] bias terms -> H (the batched variant).
     """
@@ -53,10 +90,26 @@ def plan_mask(m: Match, ctx: Context, q: gs.Tensor, H: int,
     for t in terms:
         need(dtype_name(t) == dt, f"bias {t.name!r} has dtype {dtype_name(t)}, q has {dt}")
     if not terms and where is None:
-        return np.zeros((), dtype=np_dtype(dt)), 0, {"mask_class": "none"}
+        return MaskPlan(np.zeros((), dtype=np_dtype(dt)), {"causal": 0}, {"mask_class": "none"})
 
     expr = MaskExpr(terms, where, np_dtype(dt), {i: split[n] for i, n in enumerate(names) if n in split})
     cls = ctx.facts.of(AttentionFacts).masks.classify(expr.sources, expr.evaluate, expr.key)
+    info = class_info(cls)
+    if where is not None:
+        _check_fill(where, cls, masked_below(np_dtype(dt)))
+    layout = _constant_layout(expr, cls, H, q, st) if not ctx.options.attention_full_mask else None
+    if layout is not None:
+        return _layout_plan(ctx, expr, layout, st, info)
+    params = mask_mode(cls, ctx.options.attention_full_mask)
+    if params.mode == "none":
+        bias = np.zeros((), dtype=np_dtype(dt))
+    else:
+        bias = shared_bias(ctx, (params.mode,) + expr.key, lambda: expr.build(st, params.mode, ctx.graph.opset))
+    return MaskPlan(bias, mask_attrs(params), info)
+
+
+def class_info(cls: MaskClass) -> dict[str, Any]:
+    """The report facts of a mask class: its name, source, window and probe details."""
     info: dict[str, Any] = {"mask_class": cls.name}
     if cls.source:
         info["mask_source"] = cls.source
@@ -64,32 +117,73 @@ def plan_mask(m: Match, ctx: Context, q: gs.Tensor, H: int,
         info["window"] = cls.window
     if cls.detail:
         info["mask_detail"] = dict(cls.detail)
-    if where is not None:
-        _check_fill(where, cls, masked_below(np_dtype(dt)))
-    mode, causal = mask_mode(cls, ctx.options.attention_full_mask)
-    if mode == "none":
-        return np.zeros((), dtype=np_dtype(dt)), causal, info
-    return shared_bias(ctx, (mode,) + expr.key, lambda: expr.build(st, row=mode == "row")), causal, info
+    return info
 
 
-def mask_mode(cls: MaskClass, keep_full: bool) -> tuple[str, int]:
-    """How the fused node takes a mask: ("none" | "row" | "full", causal flag).
+def mask_attrs(params: MaskParams) -> dict[str, int]:
+    """The fused node's mask attributes (window_left only when there is a window)."""
+    attrs = {"causal": params.causal}
+    if params.window_left >= 0:
+        attrs["window_left"] = params.window_left
+    return attrs
 
-    causal=1 next to a mask that already holds the causal structure skips the masked key blocks;
-    it only changes rows with no allowed key at all (see the module doc). Those exist only with
-    padding; for a sliding window right padding makes them too (a padded query whose window holds
-    only padding), so a padded window keeps causal=0 and the whole mask.
+
+def mask_mode(cls: MaskClass, keep_full: bool) -> MaskParams:
+    """How the fused node takes a mask of class ``cls`` (see the module doc for exactness).
+
+    none / causal: no bias; padding: the key-padding row (the last query row: with no causal part
+    and, for causal+padding, a last row that sees every key, it is the padding); causal+padding:
+    causal = 1 and that row; sliding_window (keys i - w < j <= i): causal = 1, window_left = w - 1,
+    no bias, and with padding the key-padding row as the mask's maximum over the query axis (the
+    last row misses the keys before its window; a key the window ever shows is allowed in some row,
+    so its column's maximum is 0 when it is real and the fill when it is padding); ``keep_full``
+    passes padded causal / window masks whole with causal = 0. Any other class passes the mask whole.
     """
     base, pad = cls.base, cls.padding
     if base in ("none", "causal") and not pad:
-        return "none", int(base == "causal")
+        return MaskParams("none", int(base == "causal"))
     if base == "none":
-        return "row", 0
+        return MaskParams("row")
     if base == "causal" and not keep_full:
-        return "row", 1
-    if base == "sliding_window":
-        return "full", int(not pad)
-    return "full", 0
+        return MaskParams("row", 1)
+    if base == "sliding_window" and cls.window and not (pad and keep_full):
+        return MaskParams("key_max" if pad else "none", 1, cls.window - 1)
+    return MaskParams("full")
+
+
+def _constant_layout(expr: "MaskExpr", cls: MaskClass, H: int, q: gs.Tensor, st: StaticEval) -> BlockLayout | None:
+    """The BSR layout of a constant ``block`` mask whose every row keeps a key, when its [Sq, Sk]
+    are the scores' (static) and its planes depend on the head at most; else None."""
+    if cls.base != "block" or cls.padding or cls.fully_masked_rows:
+        return None
+    values = [const_value(s) for s in expr.sources]
+    if any(v is None for v in values):
+        return None
+    planes = allowed_planes(expr.evaluate(values), H)
+    if planes is None or not planes.any(axis=-1).all():
+        return None
+    sq = st.dim(q, 2)
+    if sq is None or planes.shape[1] != sq:
+        return None
+    block = int(get_spec(BLOCK_SPARSE).attr("block_size").default)
+    layout = block_layout(planes, block)
+    return layout if layout.density < 1.0 else None  # every block listed: dense FlashAttention
+
+
+def _layout_plan(ctx: Context, expr: "MaskExpr", layout: BlockLayout, st: StaticEval, info: dict) -> MaskPlan:
+    """BlockSparseAttention over ``layout``: no bias when the layout is exact, else the whole mask;
+    the layout tensors are int32 initializers shared by every layer with the same layout."""
+    shared = ctx.facts.of(AttentionFacts).shared
+    key = ("layout",) + layout.key()
+    if key not in shared:
+        n = sum(1 for k in shared if k[0] == "layout")
+        shared[key] = [gs.Constant(f"optfuse/attention/layout{n}/block_offsets", layout.offsets),
+                       gs.Constant(f"optfuse/attention/layout{n}/block_indices", layout.indices)]
+    bias = np.zeros((), dtype=expr.dtype) if layout.exact else \
+        shared_bias(ctx, ("full",) + expr.key, lambda: expr.build(st, "full", ctx.graph.opset))
+    info = dict(info, block_size=layout.block, layout_heads=int(layout.offsets.shape[0]),
+                block_density=round(layout.density, 4), partial_blocks_masked_by_bias=not layout.exact)
+    return MaskPlan(bias, {"causal": layout.causal, "block_size": layout.block}, info, BLOCK_SPARSE, list(shared[key]))
 
 
 def _check_fill(where, cls: MaskClass, masked: float) -> None:
@@ -146,8 +240,12 @@ class MaskExpr:
             out = w if out is None else (w + out)
         return out
 
-    def build(self, st: StaticEval, row: bool):
-        """The mask as the fused node's bias: whole, or its last query row ([..., 1, Sk])."""
+    def build(self, st: StaticEval, mode: str, opset: int):
+        """The mask as the fused node's bias: whole ("full"), its last query row ("row", [..., 1, Sk])
+        or its maximum over the query axis ("key_max", [..., 1, Sk])."""
+        if mode == "key_max":
+            return _key_max(self.build(st, "full", opset), opset)
+        row = mode == "row"
         parts = [_last_row(t, st) if row else t for t in self.terms]
         parts = [_split_heads(p, self.split[i], self.dtype) if i in self.split else p for i, p in enumerate(parts)]
         if self.where is not None:
@@ -208,6 +306,18 @@ def _broadcast_shape(a: list | None, b: list | None) -> list | None:
         else:
             out.append(x if isinstance(x, (int, np.integer)) else y)
     return out
+
+
+def _key_max(t, opset: int):
+    """ReduceMax(t, axes=[-2], keepdims=1): the key-padding row of a padded sliding-window mask."""
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t.max(axis=-2, keepdims=True))
+    shape = _shape_of(t)
+    shape = None if shape is None else list(shape[:-2]) + [1, shape[-1]]
+    dtype = t.dtype
+    if opset >= 18:  # axes became an input
+        return NewTensor("ReduceMax", [t, np.array([-2], np.int64)], {"keepdims": 1}, dtype, shape, "mask_keys")
+    return NewTensor("ReduceMax", [t], {"axes": [-2], "keepdims": 1}, dtype, shape, "mask_keys")
 
 
 def _last_row(t: gs.Tensor, st: StaticEval):

@@ -43,6 +43,7 @@ def plan_onnx(m: Match, ctx: Context) -> AttentionPlan:
     info: dict[str, Any] = {"mask_class": "causal" if causal else "none", "scale": scale, "num_heads": H,
                             "num_kv_heads": Hk, "head_dim": D}
     bias: Any = np.zeros((), dtype=np_dtype(dt))
+    window_left = -1
     mask = m.get("attn_mask")
     if mask is not None:
         check_bias_shape(mask, H, st)
@@ -53,12 +54,18 @@ def plan_onnx(m: Match, ctx: Context) -> AttentionPlan:
             need(dtype_name(mask) == dt, f"attn_mask has dtype {dtype_name(mask)}, q has {dt}")
             expr = MaskExpr([mask], None, np_dtype(dt))
         cls = ctx.facts.of(AttentionFacts).masks.classify(expr.sources, expr.evaluate, expr.key)
-        mode, mask_causal = mask_mode(cls, ctx.options.attention_full_mask)
+        params = mask_mode(cls, ctx.options.attention_full_mask)
         info["mask_class"] = ("causal+" if causal and cls.base != "causal" else "") + cls.name
         if cls.source:
             info["mask_source"] = cls.source
-        causal = int(causal or mask_causal)
-        if mode != "none":
-            bias = shared_bias(ctx, (mode,) + expr.key, lambda: expr.build(st, row=mode == "row"))
+        if cls.window:
+            info["window"] = cls.window
+        causal = int(causal or params.causal)
+        if params.window_left >= 0:
+            window_left = params.window_left
+        if params.mode != "none":
+            bias = shared_bias(ctx, (params.mode,) + expr.key, lambda: expr.build(st, params.mode, ctx.graph.opset))
     attrs = {"scale": scale, "causal": causal, "num_heads": H, "num_kv_heads": Hk}
+    if window_left >= 0:
+        attrs["window_left"] = window_left
     return AttentionPlan([q, k, v, bias], attrs, info)

@@ -51,7 +51,10 @@ def _is_static_scalar(t: gs.Tensor) -> bool:
 def _scores():
     qk = op.MatMul(_scaled(Var("q"), "q"), _scaled(_k_transposed(), "k"), capture="qk")
     # the scores' own scale: any tensor here (a non-constant one is rejected with its reason)
-    return AnyOf(op.Mul(qk, Var("s_mul")), op.Div(qk, Var("s_div")), qk)
+    s = AnyOf(op.Mul(qk, Var("s_mul")), op.Div(qk, Var("s_div")), qk)
+    # Gemma 2's soft-cap c * tanh(s / c) (the factors are checked by the planner)
+    inner = AnyOf(op.Div(s, Var("cap_div")), op.Mul(s, Var("cap_mul", where=_is_static_scalar)))
+    return AnyOf(op.Mul(op.Tanh(inner, capture="cap_tanh"), Var("cap_out")), s)
 
 
 def _probs(logits):
@@ -109,10 +112,45 @@ ONNX_ATTENTION = AnyOf(
 )
 
 
+#: How far (nodes) the diagnostic looks from a Softmax for the score product (upstream) and the
+#: value product (downstream): Longformer's chunked scores lie 14 nodes up, its value product 9 down.
+NEAR_SCORES, NEAR_VALUES = 20, 12
+_PRODUCTS = ("MatMul", "Einsum")
+
+
+def _near_product(t: gs.Tensor, downstream: bool, depth: int) -> bool:
+    """Whether a MatMul / Einsum of two computed operands (activations, not a weight) lies within
+    ``depth`` nodes of ``t`` (consumers or producers)."""
+    frontier, seen = [t], set()
+    for _ in range(depth):
+        nxt = []
+        for x in frontier:
+            for n in (list(x.outputs) if downstream else list(x.inputs)):
+                if id(n) in seen:
+                    continue
+                seen.add(id(n))
+                if n.op in _PRODUCTS and not any(static_value(i) is not None for i in n.inputs):
+                    return True
+                nxt += [o for o in (n.outputs if downstream else n.inputs) if not isinstance(o, gs.Constant)]
+        frontier = nxt
+    return False
+
+
+def _attention_like_scores(t: gs.Tensor) -> bool:
+    """Scores from a product of activations near by whose Softmax's probabilities reach another
+    (chunked or gathered attention such as Longformer's and BigBird's; not a router's softmax
+    over a weight product)."""
+    sms = [n for n in t.outputs if n.op == "Softmax"]
+    return bool(sms) and _near_product(t, False, NEAR_SCORES) and _near_product(sms[0].outputs[0], True, NEAR_VALUES)
+
+
 def _unrecognized():
     sm = op.Softmax(Var("logits"), capture="softmax", out="p")
     probs = AnyOf(op.Where(op.IsNaN(Var("p")), Const(0.0), sm), op.Reshape(sm, Var("_p_shape")), op.Cast(sm), sm)
-    return op.MatMul(probs, Var("v"))
+    # a Softmax whose probabilities reach the value product some other way: reported on its own
+    # (a Softmax inside a larger reported or fused match is not reported again)
+    bare = op.Softmax(Var("logits", where=_attention_like_scores), capture="softmax", out="p")
+    return AnyOf(op.MatMul(probs, Var("v")), bare)
 
 
 ADDITIVE = _additive()

@@ -44,12 +44,16 @@ def plan_decomposed(m: Match, ctx: Context) -> AttentionPlan:
     k_in = k_kv if heads["gqa"] else (k_new if k_new is not None else k)
     v_in = v_kv if heads["gqa"] else v
     check_dtypes(q, [k, v], m.root)
-    bias, causal, info = plan_mask(m, ctx, q, heads["H"])
-    attrs["causal"] = causal
+    mp = plan_mask(m, ctx, q, heads["H"])
+    softcap = _softcap(m, st)
+    attrs.update(mp.attrs)
+    info = mp.info
+    if softcap:
+        attrs["softcap"] = info["softcap"] = softcap
     info.update(scale=scale, num_heads=heads["H"], num_kv_heads=heads["Hkv"], head_dim=heads["D"])
     if k_new is not None:
         info["k_layout"] = "transposed back from k^T"
-    return AttentionPlan([q, k_in, v_in, bias], attrs, info)
+    return AttentionPlan([q, k_in, v_in, mp.bias, *mp.layout_inputs], attrs, info, mp.op)
 
 
 def plan_batched(m: Match, ctx: Context) -> AttentionPlan:
@@ -83,9 +87,11 @@ def plan_batched(m: Match, ctx: Context) -> AttentionPlan:
         need(rank(m["k3"]) == 3 and st.dim(m["k3"], 1) == D, f"{m['k3'].name!r} is not [B*H, D, S]")
     scale = _scale(m, st)
     check_dtypes(q, [k, v], out)
-    bias, causal, info = plan_mask(m, ctx, q, H, split={"bias3": H})
+    mp = plan_mask(m, ctx, q, H, split={"bias3": H})
+    info = mp.info
     info.update(scale=scale, num_heads=H, num_kv_heads=H, head_dim=D, layout="3-D batched heads")
-    return AttentionPlan([q, k, v, bias], {"scale": scale, "causal": causal, "num_heads": H, "num_kv_heads": H}, info)
+    attrs = {"scale": scale, **mp.attrs, "num_heads": H, "num_kv_heads": H}
+    return AttentionPlan([q, k, v, mp.bias, *mp.layout_inputs], attrs, info, mp.op)
 
 
 def _check_dropout(m: Match) -> None:
@@ -146,6 +152,26 @@ def _scale(m: Match, st: StaticEval) -> float:
             scale *= 1.0 / c if inv else c
     need(np.isfinite(scale) and scale != 0.0, f"attention scale {scale} is not a finite non-zero number")
     return float(scale)
+
+
+#: Relative tolerance between the soft-cap's divisor and its multiplier (c * tanh(s / c)).
+SOFTCAP_RTOL = 1e-6
+
+
+def _softcap(m: Match, st: StaticEval) -> float:
+    """Gemma 2's logit soft-cap c: scores -> Div(c) or Mul(1 / c) -> Tanh -> Mul(c); 0 when absent."""
+    if "cap_out" not in m:
+        return 0.0
+    vals = {n: st.value(m[n]) for n in ("cap_div", "cap_mul", "cap_out") if n in m}
+    for n, val in vals.items():
+        need(val is not None and val.size == 1, f"soft-cap factor {m[n].name!r} is not a constant scalar")
+    out = float(np.asarray(vals["cap_out"], np.float64).reshape(()))
+    inner = vals.get("cap_div")
+    c = float(np.asarray(inner, np.float64).reshape(())) if inner is not None else \
+        1.0 / float(np.asarray(vals["cap_mul"], np.float64).reshape(()))
+    need(np.isfinite(c) and c > 0 and abs(c - out) <= SOFTCAP_RTOL * abs(out),
+         f"tanh of the scores is not a soft-cap c * tanh(s / c) (divides by {c:g}, multiplies by {out:g})")
+    return out
 
 
 def _heads(m: Match, st: StaticEval, q, k, k_kv, v, v_kv) -> dict[str, Any]:
