@@ -149,7 +149,7 @@ def _decode_feeds(sq, past, lengths=None, H=4, Hkv=2, D=32, seed=0):
 
 @pytest.mark.parametrize("mask,cls,causal", [("causal", "causal", 1), ("causal_padding", "causal+padding", 1),
                                              ("window", "sliding_window", 1),
-                                             ("window_padding", "sliding_window+padding", 0)])
+                                             ("window_padding", "sliding_window+padding", 1)])
 def test_decode_graph_mask_class(mask, cls, causal):
     model = decode_graph(mask=mask)
     fused, res = fuse_model(model)

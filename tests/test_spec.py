@@ -98,7 +98,9 @@ def test_plugin_specs_and_shared():
     assert shared(specs, lambda s: s.limits["max_hidden"], "max_hidden") == 16384
     with pytest.raises(SpecError, match="differ in inputs"):
         shared(specs, lambda s: len(s.inputs), "inputs")
-    assert plugin_spec(PLUGINS_DIR / "flash_attention" / "launch.py") is get_spec("FlashAttention")
+    assert plugin_spec(PLUGINS_DIR / "flash_attention" / "launch.py", "FlashAttention") is get_spec("FlashAttention")
+    with pytest.raises(KeyError, match="holds FlashAttention, BlockSparseAttention: name the op"):
+        plugin_spec(PLUGINS_DIR / "flash_attention" / "launch.py")
     assert plugin_spec(PLUGINS_DIR / "layer_norm" / "x.py", "SkipLayerNorm") is get_spec("SkipLayerNorm")
     with pytest.raises(KeyError, match="holds LayerNorm, SkipLayerNorm: name the op"):
         plugin_spec(PLUGINS_DIR / "layer_norm" / "launch.py")
