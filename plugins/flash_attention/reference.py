@@ -255,6 +255,22 @@ def _scores_nodes() -> list[onnx.NodeProto]:
     ]
 
 
+def _diagonal_offset_nodes() -> list[onnx.NodeProto]:
+    """``d`` [Sq, Sk] = j - i - (Sk - Sq), from ``sq_1`` / ``sk_1`` (1-element shapes), ``zero_i``
+    / ``one_i`` and ``neg1``: what the window and the layout masks compare."""
+    mk = helper.make_node
+    return [
+        mk("Squeeze", ["sq_1"], ["sq_s"]),
+        mk("Squeeze", ["sk_1"], ["sk_s"]),
+        mk("Range", ["zero_i", "sq_s", "one_i"], ["i_r"]),
+        mk("Range", ["zero_i", "sk_s", "one_i"], ["j_r"]),
+        mk("Sub", ["sk_s", "sq_s"], ["off_s"]),
+        mk("Add", ["i_r", "off_s"], ["i_off"]),
+        mk("Unsqueeze", ["i_off", "neg1"], ["i_col"]),
+        mk("Sub", ["j_r", "i_col"], ["d"]),
+    ]
+
+
 def _window_nodes() -> list[onnx.NodeProto]:
     """``allowed`` [Sq, Sk] bool from the shapes: d = j - i - (Sk - Sq); causal: d <= 0;
     window_left >= 0: d >= -window_left; window_right >= 0: d <= window_right."""
@@ -268,14 +284,7 @@ def _window_nodes() -> list[onnx.NodeProto]:
         _scalar("one_i", TensorProto.INT64, 1),
         _scalar("big_i", TensorProto.INT64, big),
         _scalar("nbig_i", TensorProto.INT64, -big),
-        mk("Squeeze", ["sq_1"], ["sq_s"]),
-        mk("Squeeze", ["sk_1"], ["sk_s"]),
-        mk("Range", ["zero_i", "sq_s", "one_i"], ["i_r"]),
-        mk("Range", ["zero_i", "sk_s", "one_i"], ["j_r"]),
-        mk("Sub", ["sk_s", "sq_s"], ["off_s"]),
-        mk("Add", ["i_r", "off_s"], ["i_off"]),
-        mk("Unsqueeze", ["i_off", "neg1"], ["i_col"]),
-        mk("Sub", ["j_r", "i_col"], ["d"]),  # [Sq, Sk]
+        *_diagonal_offset_nodes(),  # d [Sq, Sk]
         # hi = min(window_right or +big, 0 if causal else +big); lo = -window_left or -big
         mk("GreaterOrEqual", ["wr_s", "zero_i"], ["has_wr"]),
         mk("Where", ["has_wr", "wr_s", "big_i"], ["wr_hi"]),
@@ -305,15 +314,7 @@ def _layout_nodes() -> list[onnx.NodeProto]:
         _scalar("half_f", TensorProto.FLOAT, 0.5),
         mk("Constant", [], ["one_1"], value=_i64("one_1", [1])),
         mk("Constant", [], ["big_1"], value=_i64("big_1", [1 << 62])),
-        mk("Squeeze", ["sq_1"], ["sq_s"]),
-        mk("Squeeze", ["sk_1"], ["sk_s"]),
-        mk("Range", ["zero_i", "sq_s", "one_i"], ["i_r"]),
-        mk("Range", ["zero_i", "sk_s", "one_i"], ["j_r"]),
-        # causal part: j <= i + Sk - Sq, or everything when causal = 0
-        mk("Sub", ["sk_s", "sq_s"], ["off_s"]),
-        mk("Add", ["i_r", "off_s"], ["i_off"]),
-        mk("Unsqueeze", ["i_off", "neg1"], ["i_col"]),
-        mk("Sub", ["j_r", "i_col"], ["d"]),
+        *_diagonal_offset_nodes(),  # d; causal part: d <= 0, or everything when causal = 0
         mk("Greater", ["causal_s", "zero_i"], ["is_causal"]),
         mk("LessOrEqual", ["d", "zero_i"], ["d_causal"]),
         mk("Not", ["is_causal"], ["not_causal"]),

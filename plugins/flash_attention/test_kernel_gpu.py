@@ -205,23 +205,6 @@ SPARSE_CASES = [
 ]
 
 
-def _key_padding(bias, how: str):
-    """HF key-padding masks in a [B, 1, 1, Sk] bias: 0 for real keys, finfo.min for padding."""
-    B, Sk = bias.shape[0], bias.shape[-1]
-    lo = torch.finfo(bias.dtype).min
-    bias.zero_()
-    for b in range(B):
-        n = max(1, Sk * (b + 1) // (B + 1) - 13)  # real keys: never a multiple of 128
-        if how in ("right", "dead"):
-            bias[b, ..., n:] = lo
-        elif how == "left":
-            bias[b, ..., :Sk - n] = lo
-        elif how == "holes":  # padding inside the live range too (computed, not skipped)
-            bias[b, ..., n:] = lo
-            bias[b, ..., n // 3:n // 2] = lo
-        if how == "dead" and b == 0:
-            bias[b] = lo  # no real key: the uniform average over all keys
-
 
 def _sparse_attrs(case):
     B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra = case
@@ -286,7 +269,7 @@ def _check_case(case, seed, arch=None, config=None, out_offset=0, attrs=None, la
     if poison:
         _poison_bias(bias, poison)
     if keypad:
-        _key_padding(bias, keypad)
+        T.key_padding(bias, keypad)
     attrs = attrs or T.attrs_for(H, Hkv, D, causal)
     src, params = T.case_sources(dtype, [q.shape, k.shape, v.shape,
                                          None if bias is None else bias.shape], attrs,

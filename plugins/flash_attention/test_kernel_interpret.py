@@ -48,24 +48,6 @@ CASES = {
 }
 
 
-def _key_padding(bias, how: str):
-    """A key-padding bias [B, 1, 1, Sk]: 0 for real keys, finfo.min for padding (HF's mask)."""
-    import torch
-
-    B, Sk = bias.shape[0], bias.shape[-1]
-    lo = torch.finfo(torch.float16 if bias.dtype == torch.float16 else torch.float32).min
-    bias.zero_()
-    for b in range(B):
-        n = max(1, Sk * (b + 1) // (B + 1))  # 1/4, 2/4, 3/4 real keys
-        if how == "right":
-            bias[b, ..., n:] = lo
-        elif how == "left":
-            bias[b, ..., :Sk - n] = lo
-        elif how == "dead":  # batch 0 has no real key at all: the uniform average over all keys
-            bias[b, ..., n:] = lo
-            if b == 0:
-                bias[b] = lo
-
 
 def _run_case(B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra):
     import torch
@@ -83,7 +65,7 @@ def _run_case(B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra):
     elif extra.get("poison") == "all":
         bias.fill_(float("-inf"))
     if "keypad" in extra:
-        _key_padding(bias, extra["keypad"])
+        T.key_padding(bias, extra["keypad"])
     attrs = T.attrs_for(H, Hkv, D, causal, extra.get("scale"))
     if "window" in extra:
         attrs["window_left"], attrs["window_right"] = extra["window"]

@@ -124,6 +124,31 @@ def random_inputs(B, H, Hkv, Sq, Sk, D, dtype, bias_shape=None, *, device="cpu",
     return q, k, v, bias
 
 
+def key_padding(bias, how: str) -> None:
+    """HF key-padding masks written into a [B, 1, 1, Sk] torch bias: 0 for real keys, finfo.min of
+    its dtype for padding; batch b keeps max(1, Sk (b + 1) / (B + 1) - 13) real keys (never a
+    multiple of 128). how: right, left, dead (batch 0 has no real key: the uniform average over
+    all keys), holes (padding inside the live range too: computed, not skipped)."""
+    import torch
+
+    B, Sk = bias.shape[0], bias.shape[-1]
+    lo = torch.finfo(bias.dtype).min
+    bias.zero_()
+    for b in range(B):
+        n = max(1, Sk * (b + 1) // (B + 1) - 13)
+        if how in ("right", "dead"):
+            bias[b, ..., n:] = lo
+        elif how == "left":
+            bias[b, ..., :Sk - n] = lo
+        elif how == "holes":
+            bias[b, ..., n:] = lo
+            bias[b, ..., n // 3:n // 2] = lo
+        else:
+            raise ValueError(f"key_padding: no padding kind {how!r}")
+        if how == "dead" and b == 0:
+            bias[b] = lo
+
+
 def to_numpy64(t):
     return None if t is None else t.detach().float().cpu().double().numpy()
 
