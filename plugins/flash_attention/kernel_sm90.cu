@@ -32,11 +32,16 @@
 // below); the loads keep up as long as K/V come mostly from L2 (each 128 x 128 block is 128 FLOP
 // per byte: from HBM alone the tensor cores would starve; see the tile order below).
 //
+// This file holds the configuration, the shared-memory layout and the kernel body (tile order,
+// producer, consumers, epilogue) in one piece because both roles share the tile order, the
+// barriers and the ring positions; the building blocks are in sm90/*.cuh by role.
+//
 // Compile-time specialization (-D): OPTFUSE_DTYPE (1 fp16, 2 bf16), HEAD_DIM (64|128), CAUSAL,
 // BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
 // SCALE_LOG2 (scale * log2(e)), STAGES (K/V ring depth), CONSUMERS (2|3), TMA, KV_ONE_FULL,
-// SOFTMAX_STREAM, ONES_SUM (D = 64: the rows' sums of p from the tensor cores), PROFILE (per-phase
+// SOFTMAX_STREAM, ONES_SUM (D = 64: the rows' sums of p from the tensor cores), WINDOW_LEFT /
+// WINDOW_RIGHT / SOFTCAP_IN / SOFTCAP_LOG2 / LAYOUT / LAYOUT_HEADS (sm90/sparsity.cuh), PROFILE (per-phase
 // cycle counters as a second output; for scripts/profile_attention.py only). launch.py
 // (sm90_config) sets them per head dim, causality and bias. Fixed: 128-key blocks, two Q buffers
 // with the staged epilogue, turn-taking consumers, lazy rescaling. Needs sm_90a (wgmma,
