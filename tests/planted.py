@@ -31,7 +31,9 @@ def plant_layer_norm_eps(monkeypatch, eps_by_node: dict[str, float]) -> None:
                 rw.attrs["epsilon"] = float(eps_by_node[n.name])
         return rw
 
-    monkeypatch.setitem(layer_norm.RULES, index, dataclasses.replace(rule, rewrite=rewrite))
+    rules = list(layer_norm.RULES)
+    rules[index] = dataclasses.replace(rule, rewrite=rewrite)
+    monkeypatch.setattr(layer_norm, "RULES", rules)
 
 
 def overflow_model(hidden=64, scale=1e5):
