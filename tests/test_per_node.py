@@ -142,3 +142,12 @@ def test_bad_chunk_size_is_bad_input():
     model, fused = fused_residual()
     with pytest.raises(InputError, match="chunk size"):
         compare_per_node(model, fused, chunk_size=0)
+
+
+def test_a_mask_sentinel_held_as_minus_1e4_is_no_overflow():
+    lowest = np.finfo(np.float32).min
+    ref = [np.array([lowest, 0.0, 1.5], dtype=np.float32)]
+    err = pn.tensor_error("mask", "mask", ref, [np.array([-1e4, 0.0, 1.5], dtype=np.float16)])
+    assert (err.max_abs, err.over_fp16, err.overflow, err.ref_min) == (0.0, 0, False, 0.0)
+    err = pn.tensor_error("x", "x", [np.array([7e4, 1.0], dtype=np.float32)], [np.array([np.inf, 1.0], np.float16)])
+    assert err.overflow and err.nonfinite == 1 and np.isinf(err.max_abs) and err.over_fp16 == 1

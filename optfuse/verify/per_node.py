@@ -14,18 +14,20 @@ the original (:func:`tensor_map`), that is
 - either side of a Cast the original lacks (the precision stage's), standing for the tensor on its
   other side.
 
-Bounded memory: the tensors are exposed in chunks of ``chunk_size`` extra graph outputs. Per chunk
-both models are cut down to the nodes those outputs need (the chunks follow the candidate's
-topological order, so an early chunk runs a short prefix), each runs on every feed in its own
-session, and only the per-tensor error statistics are kept. Peak memory is one chunk's tensors for
-one feed plus one session, not every intermediate of the model.
+Bounded memory: the tensors are exposed in chunks of ``chunk_size``, in the candidate's topological
+order. Per chunk, each model runs one segment (:class:`_Segments`, its own onnxruntime session):
+the nodes that chunk needs and no earlier segment ran, fed with the tensors earlier segments
+computed that later nodes still read (the live set). Every node runs once over all chunks, and
+only the per-tensor error statistics are kept. Peak memory is one chunk's tensors plus the live
+set (for every feed) and one session, not every intermediate of the model. A tensor crossing a
+segment boundary is rounded to its type; within a session onnxruntime's CPU provider can compute a
+chain of FP16 nodes in FP32, so an FP16 candidate's errors may differ slightly between chunk sizes.
 
 Per node (fused or not): the error at its inputs (the largest max-abs error over the compared
 tensors it reads; graph inputs and constants count 0), at its outputs, and the growth, out - in.
 A fused node's record carries its rule id and the original nodes it replaced, read from its
 ``metadata_props`` (``optfuse.rule``, ``optfuse.replaced``; written by the fuse stage), or from its
-name ``optfuse/<rule>/<n>`` when the metadata is absent. Ranking these records is
-:func:`optfuse.verify.attribution.attribute`.
+name ``optfuse/<rule>/<n>`` when the metadata is absent. :func:`attribute` ranks these records.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ from .options import DEFAULT_ITERATIONS, VerifyOptions
 DEFAULT_CHUNK_SIZE = 64
 #: The largest finite FP16 value: an FP32 value beyond it overflows to inf in FP16.
 FP16_MAX = 65504.0
+#: Values this large in the original are mask sentinels (finfo(float32).min / max), not data; the
+#: candidate keeps their meaning with any value at least this large of the same sign (the FP16
+#: conversion clamps such constants to -1e4).
+SENTINEL, SATURATED = 1e38, 1e4
 #: Metadata keys of a fused node (written by ``fusions.fuse_model``).
 RULE_KEY, REPLACED_KEY = "optfuse.rule", "optfuse.replaced"
 _NOT_COMPARED_OPS = {"Constant", "Shape", "Size", "ConstantOfShape"}
@@ -134,8 +140,7 @@ def compare_per_node(original: ModelSource, candidate: ModelSource, options: Ver
         raise InputError(f"chunk size must be >= 1, got {chunk_size}")
     ref_model = original if isinstance(original, onnx.ModelProto) else _load_graph(original)
     cand_model = candidate if isinstance(candidate, onnx.ModelProto) else _load_graph(candidate)
-    _, feeds = _plans_and_feeds(ref_model, options, iterations, seed, feeds)
-    plans, _ = _plans_and_feeds(ref_model, options, 1, seed, feeds[:1])
+    plans, feeds = _plans_and_feeds(ref_model, options, iterations, seed, feeds)
     _check_candidate_inputs(plans, cand_model)
     runnable, _ = _runnable(candidate, cand_model)
     if isinstance(runnable, onnx.ModelProto):
@@ -188,10 +193,11 @@ def tensor_map(original: onnx.ModelProto, candidate: onnx.ModelProto) -> dict[st
                     and twin.op_type == node.op_type:
                 out[t] = twin.output[j]
     # a precision Cast: each side stands for the tensor on its other side (chains resolve in order)
+    cand_produced = _produced(candidate)
     for _ in range(2):
         for t, cast in cand_casts.items():
             src = cast.input[0]
-            if t in out and src not in out and src in _produced(candidate):
+            if t in out and src not in out and src in cand_produced:
                 out[src] = out[t]
             elif src in out and t not in out:
                 out[t] = out[src]
@@ -203,16 +209,16 @@ def _produced(model: onnx.ModelProto) -> set[str]:
     return {t for n in model.graph.node if n.op_type not in _NOT_COMPARED_OPS for t in n.output if t}
 
 
-def _graph_inputs(model: onnx.ModelProto) -> list[str]:
-    return [i.name for i in model.graph.input]
-
-
 # ------------------------------------------------------------------------------------------------
 # Errors per tensor and per node
 # ------------------------------------------------------------------------------------------------
 def tensor_error(name: str, candidate: str, ref: Sequence[np.ndarray], got: Sequence[np.ndarray]) -> TensorError | None:
     """Max abs / max rel error over every feed (inf where the candidate is inf/nan and the original
-    finite); None for a tensor that is not floating point or whose shape differs."""
+    finite); None for a tensor that is not floating point or whose shape differs.
+
+    A mask sentinel (|x| >= 1e38, e.g. finfo(float32).min added to masked attention scores) that the
+    candidate holds as a value of at least 1e4 (or inf) of the same sign means the same thing: it is
+    left out of the errors, the range and the overflow count."""
     max_abs = max_rel = 0.0
     lo, hi = np.inf, -np.inf
     over = nonfinite = 0
@@ -223,7 +229,9 @@ def tensor_error(name: str, candidate: str, ref: Sequence[np.ndarray], got: Sequ
             return None
         dtype = g.dtype.name
         r64, g64 = r.astype(np.float64), g.astype(np.float64)
-        finite = np.isfinite(r64)
+        with np.errstate(invalid="ignore"):
+            sentinel = (np.abs(r64) >= SENTINEL) & (np.sign(g64) == np.sign(r64)) & (np.abs(g64) >= SATURATED)
+        finite = np.isfinite(r64) & ~sentinel
         bad = finite & ~np.isfinite(g64)
         nonfinite += int(bad.sum())
         if finite.any():
@@ -254,6 +262,8 @@ def node_errors(candidate: onnx.ModelProto, mapping: dict[str, str], tensors: di
             after.setdefault(n.name.rsplit("/", 1)[0], []).extend(t for t in n.output if t in known)
     records = []
     for depth, node in enumerate(candidate.graph.node):
+        if node.domain != DOMAIN and node.name.startswith("optfuse/"):
+            continue  # a node a fusion added (before or after it): counted with its fused node
         outs = [t for t in node.output if t in known]
         if node.domain == DOMAIN:
             outs += after.get(node.name, [])
@@ -274,7 +284,7 @@ def _kind(node: onnx.NodeProto, outs: list[str], known: dict[str, TensorError], 
           original_nodes: set[str]) -> str:
     if node.domain == DOMAIN:
         return "fused_node"
-    if node.op_type == "Cast" and node.name not in original_nodes:
+    if node.op_type == "Cast" and node.name not in original_nodes and not node.name.startswith("optfuse/"):
         return "cast"
     if mode != "fp32" and node.op_type != "Cast" and all(known[t].dtype == "float32" for t in outs):
         return "keep_fp32"
