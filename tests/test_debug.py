@@ -137,3 +137,22 @@ def test_recipe_rule_fields_change_what_fuses():
     assert not any("LayerNormalization_3" in a.nodes for a in result.accepted)
     assert any("LayerNormalization_7" in a.nodes for a in result.accepted)
     assert any("fusions.skip_nodes" in r.reason for r in result.rejected)
+
+
+@pytest.mark.slow
+def test_debug_finds_a_broken_layer_norm_in_an_exported_bert(tmp_path, monkeypatch, exported_model):
+    """A real export (tiny BERT, dynamo): the fused LayerNorm of one layer is planted with a wrong
+    epsilon; debug names that layer's original node, and the patched recipe passes convert."""
+    import shutil
+
+    model = exported_model("bert", "dynamo", "sdpa")
+    path = tmp_path / "bert.onnx"
+    shutil.copyfile(model.path, path)
+    fused, result = fuse_model(onnx.load(path))
+    norms = [a.nodes[0] for a in result.accepted if a.rule == "layer_norm.native"]
+    assert len(norms) >= 3
+    planted.plant_layer_norm_eps(monkeypatch, {norms[2]: 5.0})
+    outcome = debug(path, recipe_for(path), tmp_path / "out")
+    assert outcome.patch == {"fusions": {"skip_nodes": [norms[2]]}}
+    assert outcome.facts["attribution"][0]["kind"] == "fused_node"
+    assert converts_with(tmp_path / "out" / "bert.patched.yaml", tmp_path)

@@ -377,6 +377,8 @@ def _search(trials: _Trials, path: Path, outdir: Path) -> DebugOutcome:
     outcome = DebugOutcome(path, outdir, base.passed, base.passed, None, {})
     if base.passed:
         outcome.fault = "the candidate passes as the recipe makes it: nothing to change"
+        if base.per_node is not None:  # compared already (reduced precision): the report shows it
+            outcome.facts = per_node_facts(base.per_node, base.offenders)
         return outcome
     offenders = trials.ranked(base)
     outcome.facts = per_node_facts(base.per_node, offenders)
@@ -421,6 +423,10 @@ def _write_outputs(outcome: DebugOutcome, recipe: Recipe | None, path: Path | No
                                                         sort_keys=False)
     try:
         outcome.outdir.mkdir(parents=True, exist_ok=True)
+        if outcome.change is None:  # a patch from an earlier run would read as this run's
+            name = recipe.name if recipe is not None else outcome.model.stem
+            for stale in (PATCH_YAML, f"{name}.patched.yaml"):
+                (outcome.outdir / stale).unlink(missing_ok=True)
         written = []
         for name, text in files.items():
             target = outcome.outdir / name
