@@ -151,3 +151,15 @@ def test_a_mask_sentinel_held_as_minus_1e4_is_no_overflow():
     assert (err.max_abs, err.over_fp16, err.overflow, err.ref_min) == (0.0, 0, False, 0.0)
     err = pn.tensor_error("x", "x", [np.array([7e4, 1.0], dtype=np.float32)], [np.array([np.inf, 1.0], np.float16)])
     assert err.overflow and err.nonfinite == 1 and np.isinf(err.max_abs) and err.over_fp16 == 1
+
+
+def test_bf16_candidate_runs_emulated_with_errors_on_its_own_nodes():
+    model, fused = fused_residual()
+    cand, _ = convert_precision(fused, "bf16", keep_fp32=["Add_8"])
+    one, whole = compare_per_node(model, cand, chunk_size=1), compare_per_node(model, cand, chunk_size=64)
+    assert one.mode == "bf16" and {k: v.max_abs for k, v in one.tensors.items()} == \
+        {k: v.max_abs for k, v in whole.tensors.items()}  # the emulation rounds explicitly: no chunk effect
+    kinds = {n.node: n.kind for n in whole.nodes}
+    assert kinds["Add_8"] == "keep_fp32" and kinds["Add_4"] == "node"
+    assert not any("/bf16_round/" in n for n in kinds)  # the emulation's rounding counts with its node
+    assert next(n for n in whole.nodes if n.node == "Add_4").err_out > 0

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,8 @@ FP16_MAX = 65504.0
 SENTINEL, SATURATED = 1e38, 1e4
 #: Metadata keys of a fused node (written by ``fusions.fuse_model``).
 RULE_KEY, REPLACED_KEY = "optfuse.rule", "optfuse.replaced"
+#: Names the BF16 emulation (verify.emulate) gives its rounding nodes and the renamed outputs they round.
+_BF16_ROUND, _FP32_SUFFIX = "/bf16_round/", "/fp32"
 _NOT_COMPARED_OPS = {"Constant", "Shape", "Size", "ConstantOfShape"}
 
 
@@ -142,6 +145,7 @@ def compare_per_node(original: ModelSource, candidate: ModelSource, options: Ver
     cand_model = candidate if isinstance(candidate, onnx.ModelProto) else _load_graph(candidate)
     plans, feeds = _plans_and_feeds(ref_model, options, iterations, seed, feeds)
     _check_candidate_inputs(plans, cand_model)
+    mode = precision_of(cand_model)
     runnable, _ = _runnable(candidate, cand_model)
     if isinstance(runnable, onnx.ModelProto):
         cand_model = runnable
@@ -150,8 +154,9 @@ def compare_per_node(original: ModelSource, candidate: ModelSource, options: Ver
     chunks = [names[i:i + chunk_size] for i in range(0, len(names), chunk_size)]
     _prepare_polygraphy()
     tensors: dict[str, TensorError] = {}
-    with _Segments("original", original, ref_model, mapping.values()) as ref_src, \
-            _Segments("candidate", candidate, cand_model, mapping) as cand_src:
+    ref_targets = [t for chunk in chunks for t in dict.fromkeys(mapping[c] for c in chunk)]
+    with _Segments("original", original, ref_model, ref_targets) as ref_src, \
+            _Segments("candidate", candidate, cand_model, list(mapping)) as cand_src:
         ref_src.start(feeds)
         cand_src.start(feeds)
         for i, chunk in enumerate(chunks):
@@ -166,8 +171,8 @@ def compare_per_node(original: ModelSource, candidate: ModelSource, options: Ver
                 if err is not None:
                     tensors[c] = err
             del ref, got
-    nodes = node_errors(cand_model, mapping, tensors, precision_of(cand_model), {n.name for n in ref_model.graph.node})
-    return PerNodeResult(tensors, nodes, precision_of(cand_model), len(feeds), seed, len(chunks), chunk_size,
+    nodes = node_errors(cand_model, mapping, tensors, mode, {n.name for n in ref_model.graph.node})
+    return PerNodeResult(tensors, nodes, mode, len(feeds), seed, len(chunks), chunk_size,
                          _label(original), _label(candidate))
 
 
@@ -181,8 +186,8 @@ def tensor_map(original: onnx.ModelProto, candidate: onnx.ModelProto) -> dict[st
     cand_casts = {n.output[0]: n for n in candidate.graph.node if n.op_type == "Cast" and n.name not in orig_nodes}
     out: dict[str, str] = {}
     for node in candidate.graph.node:
-        if node.op_type in _NOT_COMPARED_OPS:
-            continue
+        if node.op_type in _NOT_COMPARED_OPS or _casts_to(node, onnx.TensorProto.BFLOAT16):
+            continue  # (NumPy holds no BF16 array: the BF16 emulation's rounding step is not fetched)
         twin = orig_nodes.get(node.name)
         for j, t in enumerate(node.output):
             if not t:
@@ -194,15 +199,22 @@ def tensor_map(original: onnx.ModelProto, candidate: onnx.ModelProto) -> dict[st
                 out[t] = twin.output[j]
     # a precision Cast: each side stands for the tensor on its other side (chains resolve in order)
     cand_produced = _produced(candidate)
+    bf16 = {n.output[0] for n in candidate.graph.node if _casts_to(n, onnx.TensorProto.BFLOAT16)}
     for _ in range(2):
         for t, cast in cand_casts.items():
             src = cast.input[0]
+            if t in bf16 or src in bf16:
+                continue
             if t in out and src not in out and src in cand_produced:
                 out[src] = out[t]
             elif src in out and t not in out:
                 out[t] = out[src]
     order = {t: i for i, n in enumerate(candidate.graph.node) for t in n.output}
     return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], -1)))
+
+
+def _casts_to(node: onnx.NodeProto, dtype: int) -> bool:
+    return node.op_type == "Cast" and any(a.name == "to" and a.i == dtype for a in node.attribute)
 
 
 def _produced(model: onnx.ModelProto) -> set[str]:
@@ -262,9 +274,11 @@ def node_errors(candidate: onnx.ModelProto, mapping: dict[str, str], tensors: di
             after.setdefault(n.name.rsplit("/", 1)[0], []).extend(t for t in n.output if t in known)
     records = []
     for depth, node in enumerate(candidate.graph.node):
-        if node.domain != DOMAIN and node.name.startswith("optfuse/"):
-            continue  # a node a fusion added (before or after it): counted with its fused node
+        if (node.domain != DOMAIN and node.name.startswith("optfuse/")) or _BF16_ROUND in node.name:
+            continue  # added by a fusion (before or after it) or by the BF16 emulation: counted with its node
         outs = [t for t in node.output if t in known]
+        outs += [t[:-len(_FP32_SUFFIX)] for t in node.output  # the BF16-rounded value the emulation gives on
+                 if t.endswith(_FP32_SUFFIX) and t[:-len(_FP32_SUFFIX)] in known]
         if node.domain == DOMAIN:
             outs += after.get(node.name, [])
         if not outs:
@@ -286,7 +300,13 @@ def _kind(node: onnx.NodeProto, outs: list[str], known: dict[str, TensorError], 
         return "fused_node"
     if node.op_type == "Cast" and node.name not in original_nodes and not node.name.startswith("optfuse/"):
         return "cast"
-    if mode != "fp32" and node.op_type != "Cast" and all(known[t].dtype == "float32" for t in outs):
+    if mode == "bf16":  # run emulated: a BF16 output was renamed <name>/fp32 and rounded into <name>
+        from .emulate import _VALUE_PRESERVING
+
+        kept = not any(t.endswith(_FP32_SUFFIX) for t in node.output) and node.op_type not in _VALUE_PRESERVING
+    else:
+        kept = mode != "fp32" and all(known[t].dtype == "float32" for t in outs)
+    if kept and node.op_type != "Cast":
         return "keep_fp32"
     return "node"
 
@@ -325,7 +345,7 @@ class _Segments:
                 self.readers.setdefault(t, []).append(id(n))
         self.constants = {i.name for i in g.initializer}
         self.typed = {v.name: v for v in [*g.value_info, *g.output]}
-        self.pending = set(targets)
+        self.pending = Counter(targets)  # target -> the calls still to ask for it
         self.done: set[int] = set()
         self.live: dict[str, list[np.ndarray]] = {}
 
@@ -362,7 +382,10 @@ class _Segments:
         else:
             values = {}
         found = {t: values[t] if t in values else self.live[t] for t in targets if t in values or t in self.live}
-        self.pending.difference_update(targets)
+        for t in set(targets):
+            self.pending[t] -= 1
+            if self.pending[t] <= 0:
+                del self.pending[t]
         self.live = {t: v for t, v in self.live.items()
                      if t in self.pending or any(r not in self.done for r in self.readers.get(t, ()))}
         return found
