@@ -128,10 +128,36 @@ class Fusions(_Strict):
     # causal+padding masks: pass the whole mask (exact even for query rows whose every allowed key
     # is padding, e.g. left padding) instead of causal=1 plus the [B,1,1,Sk] padding row (fast)
     attention_full_mask: bool = False
+    # rule ids that do not run (``<family>.<variant>``, e.g. gemm.act_residual; checked against the
+    # rules when the recipe is used)
+    disabled_rules: list[str] = []
+    # original node names or globs: a fusion that would take one of these nodes is not made
+    skip_nodes: list[str] = []
+
+    @field_validator("disabled_rules")
+    @classmethod
+    def _rule_ids(cls, v: list[str]) -> list[str]:
+        families = cls.families()
+        for rule in v:
+            family, dot, variant = rule.partition(".")
+            if not dot or not variant or family not in families:
+                raise ValueError(f"expected a rule id <family>.<variant> with family one of "
+                                 f"{', '.join(families)}, got {rule!r}")
+        return v
+
+    @field_validator("skip_nodes")
+    @classmethod
+    def _node_names(cls, v: list[str]) -> list[str]:
+        if any(not isinstance(n, str) or not n.strip() for n in v):
+            raise ValueError("expected non-empty node names or globs")
+        return v
+
+    @staticmethod
+    def families() -> tuple[str, ...]:
+        return ("layer_norm", "rms_norm", "attention", "gemm", "skip_norm")
 
     def enabled(self) -> list[str]:
-        families = ("layer_norm", "rms_norm", "attention", "gemm", "skip_norm")
-        return [name for name in families if getattr(self, name)]
+        return [name for name in self.families() if getattr(self, name)]
 
 
 class OutputTolerance(_Strict):

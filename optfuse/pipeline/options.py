@@ -340,7 +340,17 @@ def analysis_dims(model: onnx.ModelProto, recipe: Recipe | None,
 def fusion_options(recipe: Recipe | None) -> FusionOptions:
     if recipe is None:
         return FusionOptions()
-    return FusionOptions(attention_full_mask=recipe.fusions.attention_full_mask)
+    f = recipe.fusions
+    if f.disabled_rules:
+        from ..fusions import available_families, family_rules
+
+        known = [r.id for fam in available_families() for r in family_rules(fam)]
+        unknown = [r for r in f.disabled_rules if r not in known]
+        if unknown:
+            raise InputError(f"recipe {recipe_label(recipe)}: field 'fusions.disabled_rules': unknown rule id(s) "
+                             f"{', '.join(unknown)} (rules: {', '.join(known)})")
+    return FusionOptions(attention_full_mask=f.attention_full_mask, disabled_rules=frozenset(f.disabled_rules),
+                         skip_nodes=tuple(f.skip_nodes))
 
 
 # ------------------------------------------------------------------------------------------------
