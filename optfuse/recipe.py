@@ -3,7 +3,8 @@
 A recipe names the model (a file, or an export spec resolved through :mod:`optfuse.models`), its
 inputs (dtype, shape in ints or dim names, value range and meaning), the range of each symbolic
 dim (min/opt/max: the opt value is what verify feeds and what HBM estimates assume), which fusion
-families run, the precision policy, verification tolerances and the GPU target.
+families run, the precision policy, verification tolerances (and whether ``convert``'s check
+also runs per node) and the GPU target.
 
 Every model is strict (unknown keys are errors). :func:`load_recipe` turns validation failures
 into an :class:`~optfuse.errors.InputError` whose message has one line per problem::
@@ -182,6 +183,16 @@ class Precision(_Strict):
     tolerances: Tolerances = Tolerances()
 
 
+class VerifySettings(_Strict):
+    """What ``convert``'s onnxruntime check runs besides the output comparison."""
+
+    # also compare every tensor both models compute and rank what adds the error (about one more
+    # verify's time); the reports then carry the per-node facts
+    per_node: bool = False
+    # intermediate tensors exposed per onnxruntime run of the per-node comparison (bounds memory)
+    chunk_size: int = Field(64, ge=1)
+
+
 class Target(_Strict):
     arch: str = "sm_90"
     backend: Literal["auto", "tensorrt", "tensorrt_rtx"] = "auto"
@@ -214,6 +225,7 @@ class Recipe(_Strict):
     fusions: Fusions = Fusions()
     precision: Precision = Precision()
     tolerances: Tolerances = Tolerances()
+    verify: VerifySettings = VerifySettings()
     target: Target = Target()
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)

@@ -104,7 +104,7 @@ def test_fp16_overflow_names_the_tensor_and_its_range():
     assert "tensor mul_2: original range [" in top.detail and "|x| > 65504" in top.detail
     facts = per_node_facts(result, attribute(result))
     text = json.dumps(facts, allow_nan=False)  # strict JSON: no inf/nan numbers
-    assert set(facts["attribution"][0]) == {"kind", "name", "growth", "detail"}
+    assert set(facts["attribution"][0]) == {"kind", "name", "growth", "detail", "depth"}
     assert set(facts["per_node"][0]) == {"node", "op", "rule", "replaced", "depth", "err_in", "err_out", "growth"}
     assert facts["overflow"] and "mul_2" in text
     assert "| 1 | node | `Mul_2` |" in per_node_markdown(facts)

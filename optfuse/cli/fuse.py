@@ -113,39 +113,30 @@ def verify(
     over = args.overrides(shapes=shapes, min_shapes=min_shapes, opt_shapes=opt_shapes, max_shapes=max_shapes,
                           atol=atol, rtol=rtol)
     rec = pipeline.read_recipe(recipe)
-    if per_node:
-        verify_per_node(original, candidate, rec, iterations, seed, over, load_inputs, top, chunk_size, json_out)
-        return
+    files = dict(save_inputs=save_inputs, save_outputs=save_outputs, html=html)
     with progress("verifying") as status:
-        result = pipeline.verify(original, candidate, rec, iterations=iterations, seed=seed, status=status,
-                                 overrides=over, load_inputs=tuple(load_inputs or ()), save_inputs=save_inputs,
-                                 save_outputs=save_outputs, html=html)
+        if per_node:
+            outcome = pipeline.verify_per_node(original, candidate, rec, iterations=iterations, seed=seed,
+                                               status=status, overrides=over, load_inputs=tuple(load_inputs or ()),
+                                               chunk_size=chunk_size, **files)
+            result, facts = outcome.verification, outcome.facts
+        else:
+            result = pipeline.verify(original, candidate, rec, iterations=iterations, seed=seed, status=status,
+                                     overrides=over, load_inputs=tuple(load_inputs or ()), **files)
+            facts = None
     if json_out:
-        print_json(result.to_dict())
+        print_json({**result.to_dict(), **(facts or {})})
     else:
         out = console()
         show.verification(out, result, show_inputs=True)
+        if facts is not None:
+            from .debug import offenders_table
+
+            offenders_table(out, facts, top)
         for label, path in (("inputs", save_inputs), ("outputs", save_outputs), ("the report", html)):
             if path is not None:
                 out.print(f"wrote {label} to {path}")
     pipeline.raise_if_failed(result)
-
-
-def verify_per_node(original, candidate, rec, iterations, seed, over, load_inputs, top, chunk_size,
-                    json_out) -> None:
-    from .. import pipeline
-    from .debug import offenders_table
-
-    with progress("verifying") as status:
-        outcome = pipeline.verify_per_node(original, candidate, rec, iterations=iterations, seed=seed, status=status,
-                                           overrides=over, load_inputs=tuple(load_inputs or ()), chunk_size=chunk_size)
-    if json_out:
-        print_json({**outcome.verification.to_dict(), **outcome.facts})
-    else:
-        out = console()
-        show.verification(out, outcome.verification, show_inputs=True)
-        offenders_table(out, outcome.facts, top)
-    pipeline.raise_if_failed(outcome.verification)
 
 
 @guarded

@@ -1,7 +1,8 @@
-"""Where a candidate's error comes from: ``verify --per-node`` and ``optfuse debug``.
+"""``optfuse debug``: where a candidate's error comes from, as a recipe change.
 
-    original + candidate --verify_per_node--> VerifyResult + per-node errors + ranked offenders
-    model + recipe       --debug-->           the smallest recipe change that passes, and every step
+    model + recipe --debug--> the smallest recipe change that passes, and every step
+
+(``verify --per-node``, the per-node comparison it starts from, is :mod:`.per_node`.)
 
 ``debug`` builds the candidate as ``convert`` does before TensorRT (fuse, then precision, per the
 recipe) and checks it in onnxruntime against the FP32 original. When it fails, it searches, in
@@ -45,47 +46,6 @@ MAX_PRECISION_ROUNDS = 12
 DEBUG_JSON, DEBUG_MD, PATCH_YAML = "debug_report.json", "debug_report.md", "recipe_patch.yaml"
 
 
-# ------------------------------------------------------------------------------------------------
-# verify --per-node
-# ------------------------------------------------------------------------------------------------
-@dataclass
-class PerNodeOutcome:
-    verification: VerifyResult
-    per_node: PerNodeResult
-    offenders: list[Offender]
-    facts: dict[str, Any]  # report.per_node.per_node_facts
-
-
-def verify_per_node(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Recipe | None = None,
-                    iterations: int | None = None, seed: int = 0, status: Status = noop, *,
-                    overrides: Overrides = NO_OVERRIDES, load_inputs: Sequence[os.PathLike | str] = (),
-                    chunk_size: int | None = None) -> PerNodeOutcome:
-    """The plain verify, then every shared tensor compared on the same feeds and the offenders ranked."""
-    from ..report.per_node import per_node_facts
-    from ..verify import plan_inputs
-    from ..verify.per_node import DEFAULT_CHUNK_SIZE, attribute, compare_per_node
-    from .arrays import load_feeds
-    from .fuse import verify
-
-    progress = as_progress(status)
-    result = verify(original, candidate, recipe, iterations=iterations, seed=seed, status=progress,
-                    overrides=overrides, load_inputs=load_inputs)
-    header = model_header(original)
-    options = verify_options(recipe, overrides, header)
-    feeds = load_feeds(load_inputs, plan_inputs(header, options), header) if load_inputs else None
-    del header
-    with progress.step("per-node") as step:
-        per = compare_per_node(original, candidate, options, iterations=iterations or DEFAULT_ITERATIONS, seed=seed,
-                               feeds=feeds, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
-                               on_chunk=lambda i, n: progress(f"chunk {i + 1}/{n}"))
-        offenders = attribute(per)
-        step.detail = f"{len(per.tensors)} tensors compared in {per.chunks} chunk(s), {len(per.fused)} fused node(s)"
-    return PerNodeOutcome(result, per, offenders, per_node_facts(per, offenders))
-
-
-# ------------------------------------------------------------------------------------------------
-# debug
-# ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Change:
     """A change to the recipe: families and rules off, nodes not fused, nodes kept in FP32."""

@@ -158,6 +158,8 @@ class Overrides:
     rtol: float | None = None
     output_atol: Mapping[str, float] = field(default_factory=dict)
     output_rtol: Mapping[str, float] = field(default_factory=dict)
+    #: ``convert --per-node`` / ``--no-per-node`` (over the recipe's ``verify.per_node``)
+    per_node: bool | None = None
 
     def tolerances_given(self) -> bool:
         return (self.atol is not None or self.rtol is not None or bool(self.output_atol)
@@ -309,6 +311,30 @@ def options_record(recipe: Recipe | None, overrides: Overrides, dims: DimPlan | 
                          "source": "command line over recipe" if given and recipe is not None else
                          src(given, recipe is not None)}
     return rec
+
+
+@dataclass(frozen=True)
+class PerNodeSettings:
+    """Whether convert's onnxruntime check also runs the per-node comparison, its chunk size, and
+    where the switch came from ("command line", "recipe" or "default")."""
+
+    enabled: bool
+    chunk_size: int
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_node": self.enabled, "chunk_size": self.chunk_size, "source": self.source}
+
+
+def per_node_settings(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES) -> PerNodeSettings:
+    from ..verify.per_node import DEFAULT_CHUNK_SIZE
+
+    chunk = recipe.verify.chunk_size if recipe is not None else DEFAULT_CHUNK_SIZE
+    if overrides.per_node is not None:
+        return PerNodeSettings(overrides.per_node, chunk, "command line")
+    if recipe is not None and "per_node" in recipe.verify.model_fields_set:
+        return PerNodeSettings(recipe.verify.per_node, chunk, "recipe")
+    return PerNodeSettings(False, chunk, "default")
 
 
 # ------------------------------------------------------------------------------------------------

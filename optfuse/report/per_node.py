@@ -5,7 +5,7 @@ Two lists, with these keys:
 - ``per_node``: every fused node, in graph order: ``{node, op, rule, replaced, depth, err_in, err_out,
   growth}`` (max abs errors against the original at the node's inputs and outputs; growth = out - in;
   depth = the node's topological index in the candidate graph);
-- ``attribution``: the ranked offenders, ``{kind, name, growth, detail}`` with kind ``fused_node``,
+- ``attribution``: the ranked offenders, ``{kind, name, growth, detail, depth}`` with kind ``fused_node``,
   ``cast`` (a Cast the precision stage added), ``keep_fp32`` (a node kept in FP32) or ``node`` (an
   unfused node computing in the candidate's reduced precision); an FP16 overflow names the tensor
   and its range in the detail.
@@ -36,7 +36,7 @@ def node_entry(n: NodeError) -> dict[str, Any]:
 
 
 def offender_entry(o: Offender) -> dict[str, Any]:
-    return {"kind": o.kind, "name": o.name, "growth": number(o.growth), "detail": o.detail}
+    return {"kind": o.kind, "name": o.name, "growth": number(o.growth), "detail": o.detail, "depth": o.depth}
 
 
 def per_node_facts(result: PerNodeResult, offenders: list[Offender]) -> dict[str, Any]:
