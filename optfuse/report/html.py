@@ -184,6 +184,8 @@ def _draw_growth(ax, per_node: Sequence[Mapping[str, Any]], offenders: Sequence[
         ax.scatter([o["depth"] for o in pts], [y(o) for o in pts], s=30, marker="x", label=_KIND_LABELS.get(kind, kind))
     for e, name in [*((e, e["node"]) for e in offenders), *((o, o["name"]) for o in others)]:
         g = float(e["growth"])
+        if math.isfinite(g) and g <= 0:
+            continue  # adds no error: not labelled as an offender
         ax.annotate(str(name) + ("" if math.isfinite(g) else f" ({g})"), (e["depth"], y(e)), xytext=(4, 4),
                     textcoords="offset points", fontsize=7, color="#c0392b")
     # linear below linthresh, log above: at most GROWTH_DECADES decades of log scale below the largest
