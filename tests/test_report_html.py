@@ -412,3 +412,25 @@ def test_convert_per_node_page_in_headless_chromium(tmp_path, monkeypatch):
     assert not run.errors, run.console + run.exceptions
     assert set(SECTION_IDS) <= set(run.ids) and "per-node-figure_1" in run.ids
     assert run.screenshot.startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+@needs_extra
+@pytest.mark.parametrize("name", ["bert", "gpt2", "vit", "llama"])
+def test_public_recipe_fp16_with_per_node_writes_every_section(tmp_path, name):
+    """convert -r recipes/<name>.yaml --fp16 --per-node: report.html has every section, the per-node
+    one with its plot and ranked offenders; report.json says how the comparison ran."""
+    from optfuse.pipeline import Overrides
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
+    out = tmp_path / "out"
+    res = convert(None, recipe, out, skip_build=True, overrides=Overrides(precision="fp16", per_node=True))
+    assert res.passed and res.step(PER_NODE_STEP).state == "ok"
+    text = (out / "report.html").read_text()
+    assert set(SECTION_IDS) <= set(parse(text).ids)
+    assert_self_contained(text)
+    section = per_node_section(text)
+    assert "<svg" in section and "Ranked offenders" in section and PER_NODE_NOT_RUN not in section
+    facts = json.loads((out / "report.json").read_text())
+    assert facts["per_node_run"]["mode"] == "fp16" and facts["per_node_run"]["compared_tensors"] > 0
+    assert facts["per_node"] and facts["attribution"][0]["growth"] != 0

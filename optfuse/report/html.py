@@ -186,7 +186,8 @@ def _draw_growth(ax, per_node: Sequence[Mapping[str, Any]], offenders: Sequence[
         g = float(e["growth"])
         if math.isfinite(g) and g <= 0:
             continue  # adds no error: not labelled as an offender
-        ax.annotate(str(name) + ("" if math.isfinite(g) else f" ({g})"), (e["depth"], y(e)), xytext=(4, 4),
+        label = str(name).removeprefix("optfuse/")  # a fused node's rule id and index say enough
+        ax.annotate(label + ("" if math.isfinite(g) else f" ({g})"), (e["depth"], y(e)), xytext=(4, 4),
                     textcoords="offset points", fontsize=7, color="#c0392b")
     # linear below linthresh, log above: at most GROWTH_DECADES decades of log scale below the largest
     linthresh = max(min(finite), max(finite) * 10.0 ** -GROWTH_DECADES) if finite else 1e-6
