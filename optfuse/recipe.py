@@ -3,7 +3,8 @@
 A recipe names the model (a file, or an export spec resolved through :mod:`optfuse.models`), its
 inputs (dtype, shape in ints or dim names, value range and meaning), the range of each symbolic
 dim (min/opt/max: the opt value is what verify feeds and what HBM estimates assume), which fusion
-families run, the precision policy, verification tolerances and the GPU target.
+families run, the precision policy, verification tolerances (and whether ``convert``'s check
+also runs per node) and the GPU target.
 
 Every model is strict (unknown keys are errors). :func:`load_recipe` turns validation failures
 into an :class:`~optfuse.errors.InputError` whose message has one line per problem::
@@ -128,10 +129,36 @@ class Fusions(_Strict):
     # causal+padding masks: pass the whole mask (exact even for query rows whose every allowed key
     # is padding, e.g. left padding) instead of causal=1 plus the [B,1,1,Sk] padding row (fast)
     attention_full_mask: bool = False
+    # rule ids that do not run (``<family>.<variant>``, e.g. gemm.act_residual; checked against the
+    # rules when the recipe is used)
+    disabled_rules: list[str] = []
+    # original node names or globs: a fusion that would take one of these nodes is not made
+    skip_nodes: list[str] = []
+
+    @field_validator("disabled_rules")
+    @classmethod
+    def _rule_ids(cls, v: list[str]) -> list[str]:
+        families = cls.families()
+        for rule in v:
+            family, dot, variant = rule.partition(".")
+            if not dot or not variant or family not in families:
+                raise ValueError(f"expected a rule id <family>.<variant> with family one of "
+                                 f"{', '.join(families)}, got {rule!r}")
+        return v
+
+    @field_validator("skip_nodes")
+    @classmethod
+    def _node_names(cls, v: list[str]) -> list[str]:
+        if any(not isinstance(n, str) or not n.strip() for n in v):
+            raise ValueError("expected non-empty node names or globs")
+        return v
+
+    @staticmethod
+    def families() -> tuple[str, ...]:
+        return ("layer_norm", "rms_norm", "attention", "gemm", "skip_norm")
 
     def enabled(self) -> list[str]:
-        families = ("layer_norm", "rms_norm", "attention", "gemm", "skip_norm")
-        return [name for name in families if getattr(self, name)]
+        return [name for name in self.families() if getattr(self, name)]
 
 
 class OutputTolerance(_Strict):
@@ -154,6 +181,16 @@ class Precision(_Strict):
     # how close the reduced-precision model must stay to the FP32 original (defaults by mode);
     # the top-level `tolerances` are for FP32 candidates (the fused model)
     tolerances: Tolerances = Tolerances()
+
+
+class VerifySettings(_Strict):
+    """What ``convert``'s onnxruntime check runs besides the output comparison."""
+
+    # also compare every tensor both models compute and rank what adds the error (about one more
+    # verify's time); the reports then carry the per-node facts
+    per_node: bool = False
+    # intermediate tensors exposed per onnxruntime run of the per-node comparison (bounds memory)
+    chunk_size: int = Field(64, ge=1)
 
 
 class Target(_Strict):
@@ -188,6 +225,7 @@ class Recipe(_Strict):
     fusions: Fusions = Fusions()
     precision: Precision = Precision()
     tolerances: Tolerances = Tolerances()
+    verify: VerifySettings = VerifySettings()
     target: Target = Target()
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)

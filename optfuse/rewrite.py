@@ -146,7 +146,8 @@ def _try_rule(rule: FusionRule, out: gs.Tensor, ctx: Context, claimed: set[int])
     for m in match(rule.pattern, out):
         if any(id(n) in claimed for n in m.nodes):
             continue  # part of an already planned fusion: not a candidate of its own
-        checked = rule.check(m, ctx)
+        skipped = _skipped_node(m.nodes, ctx.options.skip_nodes)
+        checked = f"node {skipped!r} is listed in fusions.skip_nodes" if skipped else rule.check(m, ctx)
         if isinstance(checked, str):
             reason = checked
         else:
@@ -157,6 +158,18 @@ def _try_rule(rule: FusionRule, out: gs.Tensor, ctx: Context, claimed: set[int])
         if first_reject is None:  # the first alternative is the most complete one: report its reason
             first_reject = (m, None, reason)
     return first_reject
+
+
+def _skipped_node(nodes: Sequence[gs.Node], patterns: Sequence[str]) -> str | None:
+    """The first of `nodes` a ``fusions.skip_nodes`` pattern names (a name or a glob), else None."""
+    import fnmatch
+
+    if not patterns:
+        return None
+    for n in nodes:
+        if n.name and any(n.name == p or fnmatch.fnmatchcase(n.name, p) for p in patterns):
+            return n.name
+    return None
 
 
 def plan_family(graph: gs.Graph, rules: Sequence[FusionRule], ctx: Context) -> FusionResult:

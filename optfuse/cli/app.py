@@ -16,7 +16,7 @@ import typer.core
 
 from .. import __version__
 from ..errors import OptfuseError
-from . import build, fuse, recipe
+from . import build, debug, fuse, recipe
 from .ui import State, env_debug, fail, internal_error
 
 #: the root's options that may also follow the subcommand
@@ -86,7 +86,7 @@ def _root(
     State.json = False
 
 
-for _command in (fuse.fuse, fuse.inspect, fuse.verify, fuse.demo, build.build, build.convert):
+for _command in (fuse.fuse, fuse.inspect, fuse.verify, fuse.demo, build.build, build.convert, debug.debug):
     app.command()(_command)
 recipe_app.command("check")(recipe.check)
 recipe_app.command("init")(recipe.init)

@@ -99,15 +99,22 @@ def convert(
     load_inputs: Optional[list[Path]] = args.LOAD_INPUTS,
     save_inputs: Optional[Path] = args.SAVE_INPUTS,
     save_outputs: Optional[Path] = args.SAVE_OUTPUTS,
+    per_node: Optional[bool] = typer.Option(None, "--per-node/--no-per-node", help="Also compare every tensor "
+                                            "both models compute in the onnxruntime check and rank what adds the "
+                                            "error, into the reports (about one more verify; default: the "
+                                            "recipe's verify.per_node, else off).", show_default=False),
     json_out: bool = args.JSON,
 ) -> None:
     """fuse -> precision -> verify -> build -> engine check; writes every artifact and report.md."""
+    from dataclasses import replace
+
     from .. import pipeline
     from ..errors import OptfuseError
 
     json_mode(json_out)
     over = args.overrides(shapes=shapes, min_shapes=min_shapes, opt_shapes=opt_shapes, max_shapes=max_shapes,
                           atol=atol, rtol=rtol, fp16=fp16, bf16=bf16, fp8=fp8, keep_fp32=keep_fp32)
+    over = replace(over, per_node=per_node)
     arrays = pipeline.RunArrays(tuple(map(str, load_inputs or ())), str(save_inputs) if save_inputs else None,
                                 str(save_outputs) if save_outputs else None)
     rec = pipeline.read_recipe(recipe)

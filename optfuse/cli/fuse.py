@@ -98,25 +98,41 @@ def verify(
     save_outputs: Optional[Path] = args.SAVE_OUTPUTS,
     html: Optional[Path] = typer.Option(None, "--html", help="Also write the run's report.html (plots; needs "
                                         "pip install 'optfuse[report]').", show_default=False),
+    per_node: bool = typer.Option(False, "--per-node", help="Also compare every tensor both models compute and "
+                                  "rank the fused nodes and precision decisions by the error they add."),
+    top: int = typer.Option(10, "--top", min=1, help="Offenders shown with --per-node."),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Intermediate tensors exposed per run "
+                                   "(--per-node; bounds memory)."),
     json_out: bool = args.JSON,
 ) -> None:
     """Run ORIGINAL and CANDIDATE in onnxruntime on the same inputs (at the opt shapes) and compare
-    every output (exit 1 on a mismatch)."""
+    every output (exit 1 on a mismatch); --per-node says where the error comes from."""
     from .. import pipeline
 
     json_mode(json_out)
     over = args.overrides(shapes=shapes, min_shapes=min_shapes, opt_shapes=opt_shapes, max_shapes=max_shapes,
                           atol=atol, rtol=rtol)
     rec = pipeline.read_recipe(recipe)
+    files = dict(save_inputs=save_inputs, save_outputs=save_outputs, html=html)
     with progress("verifying") as status:
-        result = pipeline.verify(original, candidate, rec, iterations=iterations, seed=seed, status=status,
-                                 overrides=over, load_inputs=tuple(load_inputs or ()), save_inputs=save_inputs,
-                                 save_outputs=save_outputs, html=html)
+        if per_node:
+            outcome = pipeline.verify_per_node(original, candidate, rec, iterations=iterations, seed=seed,
+                                               status=status, overrides=over, load_inputs=tuple(load_inputs or ()),
+                                               chunk_size=chunk_size, **files)
+            result, facts = outcome.verification, outcome.facts
+        else:
+            result = pipeline.verify(original, candidate, rec, iterations=iterations, seed=seed, status=status,
+                                     overrides=over, load_inputs=tuple(load_inputs or ()), **files)
+            facts = None
     if json_out:
-        print_json(result.to_dict())
+        print_json({**result.to_dict(), **(facts or {})})
     else:
         out = console()
         show.verification(out, result, show_inputs=True)
+        if facts is not None:
+            from .debug import offenders_table
+
+            offenders_table(out, facts, top)
         for label, path in (("inputs", save_inputs), ("outputs", save_outputs), ("the report", html)):
             if path is not None:
                 out.print(f"wrote {label} to {path}")

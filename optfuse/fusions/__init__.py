@@ -62,7 +62,8 @@ def fuse_graph(graph: gs.Graph, families: Iterable[str] | None = None,
         ctx = Context(graph, options=options, probe_shapes=probe_shapes)
         summarize = getattr(importlib.import_module(FAMILIES[name]), "summary", None)
         before = summarize(graph) if summarize else {}
-        result = plan_family(graph, family_rules(name), ctx)
+        rules = [r for r in family_rules(name) if r.id not in options.disabled_rules]
+        result = plan_family(graph, rules, ctx)
         apply_plan(graph, result, start_index=len(total.accepted))
         if summarize:
             after = summarize(graph)
@@ -114,4 +115,20 @@ def fuse_model(model, dims: dict[str, int] | None = None, families: Iterable[str
     result = fuse_graph(graph, families, options)
     result.dims = dict(dims or {})
     fused = export_graph(graph)
+    _stamp_fused_nodes(fused, result)
     return add_functions(fused), result
+
+
+def _stamp_fused_nodes(model, result: FusionResult) -> None:
+    """Each fused node's rule id and the original nodes it replaced, as node metadata
+    (``optfuse.rule``, ``optfuse.replaced``: a JSON list), for per-node verification."""
+    import json
+
+    by_name = {a.node_name: a for a in result.accepted}
+    for node in model.graph.node:
+        acc = by_name.get(node.name)
+        if acc is None:
+            continue
+        for key, value in (("optfuse.rule", acc.rule), ("optfuse.replaced", json.dumps(acc.nodes))):
+            entry = node.metadata_props.add()
+            entry.key, entry.value = key, value

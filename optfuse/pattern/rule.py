@@ -91,6 +91,10 @@ class FusionOptions:
 
     #: causal+padding attention masks passed whole with causal=0 (exact for every row)
     attention_full_mask: bool = False
+    #: rule ids that do not run (recipe ``fusions.disabled_rules``)
+    disabled_rules: frozenset[str] = frozenset()
+    #: original node names or globs: a match that takes one of them is not fused (``fusions.skip_nodes``)
+    skip_nodes: tuple[str, ...] = ()
 
 
 class GraphFacts:

@@ -24,17 +24,20 @@ progress text) and returns a typed outcome. The recipe stops here: :mod:`.option
 the overrides into the typed options each stage takes (FusionOptions, VerifyOptions,
 PrecisionOptions, BuildProfile). Modules: :mod:`.options`, :mod:`.model` (where the model comes
 from), :mod:`.fuse` (inspect, fuse, verify, demo), :mod:`.build`, :mod:`.convert`, :mod:`.arrays`
-(input and output files of verify), :mod:`.starter` (``recipe init``).
+(input and output files of verify), :mod:`.starter` (``recipe init``), :mod:`.per_node` (``verify --per-node``,
+convert's per-node step), :mod:`.debug` (``debug``).
 """
 
 from .build import BuildOutcome, build
 from .convert import ConvertOutcome, RunArrays, Step, convert
+from .debug import DebugOutcome, debug
 from .fuse import (DEMO_DIR, DEMO_RECIPE, DemoOutcome, FuseOutcome, InspectOutcome, default_output, demo, fuse,
                    inspect, raise_if_failed, verify)
 from .model import EXPORT_HINT, export_model, graph_problem, load_checked, resolve_model
 from .options import (NO_OVERRIDES, DimPlan, Overrides, Progress, Status, StepRecord, analysis_dims, as_progress,
                       build_profile, enabled_families, fusion_options, options_record, precision_options, read_recipe,
                       resolve_dims, verify_options)
+from .per_node import PerNodeOutcome, verify_per_node
 
 __all__ = [
     "NO_OVERRIDES", "DimPlan", "Overrides", "Progress", "RunArrays", "StepRecord", "as_progress", "options_record",
@@ -42,5 +45,5 @@ __all__ = [
     "InspectOutcome", "Status", "Step", "analysis_dims", "build", "build_profile", "convert", "default_output",
     "demo", "enabled_families", "export_model", "fuse", "fusion_options", "graph_problem", "inspect",
     "load_checked", "precision_options", "raise_if_failed", "read_recipe", "resolve_model", "verify",
-    "verify_options",
+    "verify_options", "DebugOutcome", "PerNodeOutcome", "debug", "verify_per_node",
 ]

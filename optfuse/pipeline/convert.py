@@ -3,6 +3,7 @@
     MODEL (or the recipe's export) -> fuse -> <name>.fused.onnx, <name>.fusion_report.{json,md}
       -> precision -> <name>.<mode>.onnx, precision_report.json
       -> verify (FP32 original vs fused+precision, both onnxruntime CPU)
+      -> per-node comparison (``--per-node`` / the recipe's ``verify.per_node``; off by default)
       -> build (when a TensorRT backend is installed) -> <name>.plan, build_report.{json,md}, build.log
       -> engine check (polygraphy TrtRunner, only when the engine can run on this GPU)
       -> accuracy_report.{json,md}, report.{md,json,html} (every step: ran / skipped and why; the page
@@ -33,8 +34,8 @@ from ..verify import CheckError, NotExecuted, VerifyResult
 from .build import TargetPlan, build, plan_target
 from .fuse import FuseOutcome, fuse, verify
 from .model import resolve_model
-from .options import (NO_OVERRIDES, Overrides, Status, as_progress, model_header, noop, options_record,
-                      precision_options, resolve_dims, verify_options)
+from .options import (NO_OVERRIDES, Overrides, PerNodeSettings, Progress, Status, as_progress, model_header, noop,
+                      options_record, per_node_settings, precision_options, resolve_dims, verify_options)
 
 
 @dataclass
@@ -58,8 +59,9 @@ class ConvertOutcome:
     profile_warning: str = ""
     #: what the run used and where each value came from (also in the manifest and report.md)
     options: dict = field(default_factory=dict)
-    #: the per-node comparison's entries (report.facts.PER_NODE_KEYS), None when it did not run
-    per_node: list[dict] | None = None
+    #: the per-node comparison's facts (report.per_node.per_node_facts: per_node, attribution, overflow,
+    #: how it ran), None when it did not run
+    per_node: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -203,14 +205,15 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
     if resolved is not None:
         polygraphy_env(resolved)  # before verify imports polygraphy
 
-    progress.plan(6)
+    per_node = per_node_settings(recipe, overrides)
+    progress.plan(7 if per_node.enabled else 6)
     with progress.step("load") as step:
         path = resolve_model(model, recipe, workdir=outdir, status=progress)
         res.model = str(path)
         header = model_header(path)  # the shapes and tolerances are checked against it before any work
         dims = resolve_dims(header, recipe, overrides)
         _check_run_inputs(header, recipe, overrides, arrays)
-        res.options = options_record(recipe, overrides, dims)
+        res.options = {**options_record(recipe, overrides, dims), "verify": per_node.to_dict()}
         res.profile_warning = "" if skip_build else dims.guess_warning() or ""
         step.detail = f"{len(header.graph.node)} nodes; dims {dims.source()}"
         del header  # a model with its weights inside holds them: not for the rest of the run
@@ -223,6 +226,8 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
     with progress.step("verify") as step:
         _verify_step(res, path, prec_path, recipe, iterations, seed, progress, overrides, arrays)
         step.detail = res.steps[-1].detail.splitlines()[0] if res.steps[-1].detail else res.steps[-1].state
+    if per_node.enabled:
+        _per_node_step(res, path, prec_path, recipe, iterations, seed, progress, overrides, arrays, per_node)
     engine_path = outdir / f"{path.stem}.plan"
     with progress.step("build") as step:
         build_error = _build_step(res, prec_path, engine_path, recipe, plan, skip_build, progress, overrides)
@@ -308,6 +313,27 @@ def _verify_step(res: ConvertOutcome, path: Path, prec_path: Path, recipe: Recip
     res.accuracy["onnxruntime"] = v
     res.steps.append(Step("verify (onnxruntime)", "ok" if v.passed else "failed", verify_line(v),
                           [str(res.outdir / ACCURACY_MD)]))
+
+
+def _per_node_step(res: ConvertOutcome, path: Path, prec_path: Path, recipe: Recipe | None, iterations: int | None,
+                   seed: int, progress: Progress, overrides: Overrides, arrays: RunArrays,
+                   settings: PerNodeSettings) -> None:
+    """The per-node comparison on the onnxruntime check's feeds: its facts into ``res.per_node``
+    (the reports render them). Skipped when the check itself could not run."""
+    from ..report.facts import PER_NODE_STEP
+    from .per_node import per_node_check, per_node_line
+
+    if not isinstance(res.accuracy.get("onnxruntime"), VerifyResult):
+        res.steps.append(Step(PER_NODE_STEP, "skipped", "the onnxruntime check did not run"))
+        return
+    options = verify_options(recipe, overrides, model_header(path))
+    try:
+        per, offenders, res.per_node = per_node_check(path, prec_path, options, iterations, seed, progress,
+                                                      load_inputs=arrays.load_inputs, chunk_size=settings.chunk_size)
+    except VerificationError as exc:
+        res.steps.append(Step(PER_NODE_STEP, "failed", str(exc)))
+        return
+    res.steps.append(Step(PER_NODE_STEP, "ok", per_node_line(per, offenders)))
 
 
 def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe: Recipe | None, plan: TargetPlan,

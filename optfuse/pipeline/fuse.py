@@ -244,14 +244,21 @@ def verify(original: str | os.PathLike, candidate: str | os.PathLike, recipe: Re
     if save_outputs is not None:
         write_outputs(save_outputs, outputs)
     if html is not None:
-        from ..report import verify_facts, write_html
-        from ..verify import precision_of
-
-        try:
-            write_html(verify_facts(result, precision_of(model_header(candidate))), Path(html))
-        except OSError as exc:
-            raise InputError(f"cannot write {html}: {exc.strerror or exc}") from None
+        write_verify_html(result, candidate, Path(html))
     return result
+
+
+def write_verify_html(result: VerifyResult, candidate: str | os.PathLike, html: Path,
+                      per_node: dict[str, Any] | None = None) -> None:
+    """The page of one verify run at `html` (`per_node`: report.per_node.per_node_facts of
+    ``verify --per-node``); a page that cannot be written is an InputError naming it."""
+    from ..report import verify_facts, write_html
+    from ..verify import precision_of
+
+    try:
+        write_html(verify_facts(result, precision_of(model_header(candidate)), per_node=per_node), html)
+    except OSError as exc:
+        raise InputError(f"cannot write {html}: {exc.strerror or exc}") from None
 
 
 def check_html_target(path: Path) -> None:

@@ -158,6 +158,8 @@ class Overrides:
     rtol: float | None = None
     output_atol: Mapping[str, float] = field(default_factory=dict)
     output_rtol: Mapping[str, float] = field(default_factory=dict)
+    #: ``convert --per-node`` / ``--no-per-node`` (over the recipe's ``verify.per_node``)
+    per_node: bool | None = None
 
     def tolerances_given(self) -> bool:
         return (self.atol is not None or self.rtol is not None or bool(self.output_atol)
@@ -311,6 +313,30 @@ def options_record(recipe: Recipe | None, overrides: Overrides, dims: DimPlan | 
     return rec
 
 
+@dataclass(frozen=True)
+class PerNodeSettings:
+    """Whether convert's onnxruntime check also runs the per-node comparison, its chunk size, and
+    where the switch came from ("command line", "recipe" or "default")."""
+
+    enabled: bool
+    chunk_size: int
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_node": self.enabled, "chunk_size": self.chunk_size, "source": self.source}
+
+
+def per_node_settings(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES) -> PerNodeSettings:
+    from ..verify.per_node import DEFAULT_CHUNK_SIZE
+
+    chunk = recipe.verify.chunk_size if recipe is not None else DEFAULT_CHUNK_SIZE
+    if overrides.per_node is not None:
+        return PerNodeSettings(overrides.per_node, chunk, "command line")
+    if recipe is not None and "per_node" in recipe.verify.model_fields_set:
+        return PerNodeSettings(recipe.verify.per_node, chunk, "recipe")
+    return PerNodeSettings(False, chunk, "default")
+
+
 # ------------------------------------------------------------------------------------------------
 # fuse
 # ------------------------------------------------------------------------------------------------
@@ -340,7 +366,17 @@ def analysis_dims(model: onnx.ModelProto, recipe: Recipe | None,
 def fusion_options(recipe: Recipe | None) -> FusionOptions:
     if recipe is None:
         return FusionOptions()
-    return FusionOptions(attention_full_mask=recipe.fusions.attention_full_mask)
+    f = recipe.fusions
+    if f.disabled_rules:
+        from ..fusions import available_families, family_rules
+
+        known = [r.id for fam in available_families() for r in family_rules(fam)]
+        unknown = [r for r in f.disabled_rules if r not in known]
+        if unknown:
+            raise InputError(f"recipe {recipe_label(recipe)}: field 'fusions.disabled_rules': unknown rule id(s) "
+                             f"{', '.join(unknown)} (rules: {', '.join(known)})")
+    return FusionOptions(attention_full_mask=f.attention_full_mask, disabled_rules=frozenset(f.disabled_rules),
+                         skip_nodes=tuple(f.skip_nodes))
 
 
 # ------------------------------------------------------------------------------------------------

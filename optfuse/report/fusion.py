@@ -110,6 +110,10 @@ def options_markdown(options: dict[str, Any] | None) -> list[str]:
         given += [f"{o} atol {v:g}" for o, v in (t.get("outputs_atol") or {}).items()]
         given += [f"{o} rtol {v:g}" for o, v in (t.get("outputs_rtol") or {}).items()]
         lines.append(f"- tolerances: {', '.join(g for g in given if g) or 'per precision mode'} ({t['source']})")
+    v = options.get("verify")
+    if v:
+        lines.append(f"- per-node comparison: {'on' if v['per_node'] else 'off'}, up to {v['chunk_size']} tensors "
+                     f"per run ({v['source']})")
     return lines
 
 

@@ -3,7 +3,8 @@
 The page is rendered from ``templates/report.html.j2`` (jinja2, autoescaped) with its plots as
 inline SVG (matplotlib, Agg backend): HBM traffic saved per family, the |diff| CDF of each output
 against its atol (a series per check, i.e. per candidate precision), and the per-node error growth
-along the graph's depth with the top offenders labelled. Nothing on the page refers to the
+along the graph's depth with the top offenders labelled (the precision decisions and unfused
+nodes the attribution ranks high as crosses; an overflow's infinite growth drawn above the rest). Nothing on the page refers to the
 network: no script, font, stylesheet or image from elsewhere (the SVGs lose their XML namespace
 and metadata URLs, which inline SVG in HTML does not need).
 
@@ -32,6 +33,12 @@ EXTRA_HINT = "report.html needs pip install 'optfuse[report]' (jinja2 and matplo
 SECTION_IDS = ("summary", "not-run", "fusion", "hbm", "accuracy", "per-node", "build")
 #: outputs drawn as |diff| CDFs (the worst first, by max abs over atol); the table lists every one
 PLOTTED_OUTPUTS = 6
+#: ranked offenders listed on the page; of these, the precision decisions and unfused nodes are
+#: also drawn in the per-node plot when among the first PLOTTED_OTHERS
+TOP_ATTRIBUTION, PLOTTED_OTHERS = 10, 5
+#: decades of log scale the per-node growth axis shows below its largest value (linear under them)
+GROWTH_DECADES = 4
+_KIND_LABELS = {"cast": "precision Cast", "keep_fp32": "kept FP32", "node": "unfused node"}
 _EXTRA_MODULES = ("jinja2", "matplotlib")
 
 
@@ -146,28 +153,48 @@ def _draw_cdf(ax, drawn: Sequence[tuple[str, Mapping[str, Any]]], floor: float, 
     ax.grid(True, which="major", alpha=0.3)
 
 
-def per_node_svg(per_node: Sequence[Mapping[str, Any]], offenders: Sequence[Mapping[str, Any]]) -> str | None:
-    """The error each fused node adds (growth) against its depth in the graph, the offenders named."""
-    if not per_node:
+def per_node_svg(per_node: Sequence[Mapping[str, Any]], offenders: Sequence[Mapping[str, Any]],
+                 attribution: Sequence[Mapping[str, Any]] = ()) -> str | None:
+    """The error each fused node adds (growth) against its depth in the graph, the offenders named;
+    the top precision decisions and unfused nodes of the attribution as crosses."""
+    others = [o for o in attribution[:PLOTTED_OTHERS] if o["kind"] != "fused_node" and "depth" in o]
+    if not per_node and not others:
         return None
     with _figure("per-node", (7.2, 3.2)) as (fig, ax):
-        _draw_growth(ax, per_node, offenders)
+        _draw_growth(ax, per_node, offenders, others)
         return _svg(fig, "per-node")
 
 
-def _draw_growth(ax, per_node: Sequence[Mapping[str, Any]], offenders: Sequence[Mapping[str, Any]]) -> None:
+def _draw_growth(ax, per_node: Sequence[Mapping[str, Any]], offenders: Sequence[Mapping[str, Any]],
+                 others: Sequence[Mapping[str, Any]]) -> None:
+    growths = [float(e["growth"]) for e in [*per_node, *others]]
+    finite = [abs(g) for g in growths if math.isfinite(g) and g != 0]
+    top = max(finite, default=1.0) * 10  # where a non-finite growth (an FP16 overflow) is drawn
+
+    def y(e: Mapping[str, Any]) -> float:
+        g = float(e["growth"])
+        return g if math.isfinite(g) else top
+
     ops = sorted({str(e["op"]) for e in per_node})
     for op in ops:
         pts = [e for e in per_node if str(e["op"]) == op]
-        ax.scatter([e["depth"] for e in pts], [float(e["growth"]) for e in pts], s=18, label=op)
-    for e in offenders:
-        ax.annotate(str(e["node"]), (e["depth"], float(e["growth"])), xytext=(4, 4), textcoords="offset points",
-                    fontsize=7, color="#c0392b")
-    growths = [abs(float(e["growth"])) for e in per_node if float(e["growth"]) != 0]
-    ax.set_yscale("symlog", linthresh=min(growths) if growths else 1e-6)
+        ax.scatter([e["depth"] for e in pts], [y(e) for e in pts], s=18, label=op)
+    for kind in dict.fromkeys(o["kind"] for o in others):
+        pts = [o for o in others if o["kind"] == kind]
+        ax.scatter([o["depth"] for o in pts], [y(o) for o in pts], s=30, marker="x", label=_KIND_LABELS.get(kind, kind))
+    for e, name in [*((e, e["node"]) for e in offenders), *((o, o["name"]) for o in others)]:
+        g = float(e["growth"])
+        if math.isfinite(g) and g <= 0:
+            continue  # adds no error: not labelled as an offender
+        label = str(name).removeprefix("optfuse/")  # a fused node's rule id and index say enough
+        ax.annotate(label + ("" if math.isfinite(g) else f" ({g})"), (e["depth"], y(e)), xytext=(4, 4),
+                    textcoords="offset points", fontsize=7, color="#c0392b")
+    # linear below linthresh, log above: at most GROWTH_DECADES decades of log scale below the largest
+    linthresh = max(min(finite), max(finite) * 10.0 ** -GROWTH_DECADES) if finite else 1e-6
+    ax.set_yscale("symlog", linthresh=linthresh)
     ax.set_xlabel("depth in the graph (nodes from the inputs)")
     ax.set_ylabel("error added (growth)")
-    ax.legend(loc="upper left", fontsize=8, ncol=min(len(ops), 4))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(True, alpha=0.3)
 
 
@@ -185,7 +212,8 @@ def _plots(facts: Mapping[str, Any]) -> dict[str, Any]:
     fusion = facts.get("fusion")
     per_node = facts.get("per_node")
     return {"hbm": hbm_svg(fusion["hbm"]) if fusion else None, "errors": errors,
-            "per_node": per_node_svg(per_node, facts.get("top_offenders") or []) if per_node else None}
+            "per_node": per_node_svg(per_node, facts.get("top_offenders") or [], facts.get("attribution") or [])
+            if per_node is not None else None}
 
 
 def _environment():
@@ -207,7 +235,8 @@ def render_html(facts: Mapping[str, Any]) -> str:
     svg = {k: Markup(v) if isinstance(v, str) else v for k, v in plots.items() if k != "errors"}
     svg["errors"] = [{"output": e["output"], "svg": Markup(e["svg"]) if e["svg"] else None} for e in plots["errors"]]
     return _environment().get_template("report.html.j2").render(
-        facts=facts, plots=svg, section_ids=SECTION_IDS, per_node_not_run=PER_NODE_NOT_RUN)
+        facts=facts, plots=svg, section_ids=SECTION_IDS, per_node_not_run=PER_NODE_NOT_RUN,
+        top_attribution=TOP_ATTRIBUTION)
 
 
 def write_html(facts: Mapping[str, Any], path: Path) -> Path:

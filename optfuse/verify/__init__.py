@@ -26,7 +26,8 @@ outputs out). The TensorRT engine check is the second: the pipeline passes
 backend and the backend never imports verify.
 
 Modules: :mod:`.options` (VerifyOptions, tolerances, the result types), :mod:`.inputs` (input
-planning and feeds), :mod:`.compare` (running and comparing).
+planning and feeds), :mod:`.compare` (running and comparing), :mod:`.per_node` (every shared
+tensor compared, per-node error growth and its attribution).
 """
 
 from .compare import CandidateRunner, Feeds, compare_arrays, precision_of, verify, verify_against
