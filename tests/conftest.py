@@ -111,3 +111,26 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=f"needs a CUDA GPU ({why})")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def fused_export(exported_model):
+    """Factory: ``fused_export("llama", "dynamo", "eager", **FusionOptions fields)`` -> (export, model,
+    fused model, fusion result) at batch 2, sequence 16 (memoized for the session)."""
+    import onnx
+
+    from optfuse.fusions import fuse_model
+    from optfuse.pattern import FusionOptions
+
+    memo: dict = {}
+
+    def get(family, exporter, attn, **options):
+        key = (family, exporter, attn, tuple(sorted(options.items())))
+        if key not in memo:
+            em = exported_model(family, exporter, attn)
+            model = onnx.load(str(em.path))
+            fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16}, options=FusionOptions(**options))
+            memo[key] = (em, model, fused, res)
+        return memo[key]
+
+    return get

@@ -484,22 +484,6 @@ CASES = [(f, e, a) for f in FAMILIES for e in ("torchscript", "dynamo") for a in
 DIMS = {"batch": 3, "sequence": 12}
 
 
-@pytest.fixture(scope="session")
-def fused_export(exported_model):
-    memo = {}
-
-    def get(family, exporter, attn, **options):
-        key = (family, exporter, attn, tuple(sorted(options.items())))
-        if key not in memo:
-            em = exported_model(family, exporter, attn)
-            model = onnx.load(str(em.path))
-            fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16}, options=FusionOptions(**options))
-            memo[key] = (em, model, fused, res)
-        return memo[key]
-
-    return get
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family,exporter,attn", CASES)
 def test_exported_model_attention_fused(fused_export, family, exporter, attn):

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 import graphs
 from optfuse.fusions import fuse_model
@@ -248,22 +248,6 @@ LAYERS = {
 }
 CASES = [(f, e, a) for f in LAYERS for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")
          if not (f == "gemma2" and a == "sdpa")]
-
-
-@pytest.fixture(scope="module")
-def fused_export(exported_model):
-    memo = {}
-
-    def get(family, exporter, attn, **options):
-        key = (family, exporter, attn, tuple(sorted(options.items())))
-        if key not in memo:
-            em = exported_model(family, exporter, attn)
-            model = onnx.load(str(em.path))
-            fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16}, options=FusionOptions(**options))
-            memo[key] = (em, model, fused, res)
-        return memo[key]
-
-    return get
 
 
 def _layer(acc) -> int | None:

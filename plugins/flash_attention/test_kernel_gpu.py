@@ -208,18 +208,7 @@ SPARSE_CASES = [
 
 def _sparse_attrs(case):
     B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra = case
-    attrs = T.attrs_for(H, Hkv, D, causal)
-    if "window" in extra:
-        attrs["window_left"], attrs["window_right"] = extra["window"]
-    if "softcap" in extra:
-        attrs["softcap"] = extra["softcap"]
-    layout = None
-    if "layout" in extra:
-        density, heads = extra["layout"]
-        R = T.reference_mod()
-        layout = R.random_layout(np.random.default_rng(Sq + Sk), heads, Sq, Sk, 128, density)
-        attrs["block_size"] = 128
-    return attrs, layout
+    return T.sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra)
 
 
 def _sparse_id(c):

@@ -66,19 +66,7 @@ def _run_case(B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra):
         bias.fill_(float("-inf"))
     if "keypad" in extra:
         T.key_padding(bias, extra["keypad"])
-    attrs = T.attrs_for(H, Hkv, D, causal, extra.get("scale"))
-    if "window" in extra:
-        attrs["window_left"], attrs["window_right"] = extra["window"]
-    if "softcap" in extra:
-        attrs["softcap"] = extra["softcap"]
-    layout = None
-    if "layout" in extra:
-        import numpy as np
-
-        density, heads = extra["layout"]
-        R = T.reference_mod()
-        layout = R.random_layout(np.random.default_rng(1), heads, Sq, Sk, 128, density)
-        attrs["block_size"] = 128
+    attrs, layout = T.sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra, extra.get("scale"))
     if extra.get("spread"):  # growing key norms: the row max keeps rising, every block rescales
         k.mul_(torch.linspace(0.5, 8.0, Sk).reshape(1, 1, Sk, 1).to(k.dtype))
     cfg = L.FAConfig(16, 16, 1, 1)

@@ -149,6 +149,24 @@ def key_padding(bias, how: str) -> None:
             bias[b] = lo
 
 
+def sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra: dict, scale: float | None = None):
+    """(attrs, layout or None) of a sparse test case: ``extra`` may hold window (left, right),
+    softcap and layout (density, layout heads: a random 128-block BSR layout, seeded by Sq + Sk)."""
+    import numpy as np
+
+    attrs = attrs_for(H, Hkv, D, causal, scale)
+    if "window" in extra:
+        attrs["window_left"], attrs["window_right"] = extra["window"]
+    if "softcap" in extra:
+        attrs["softcap"] = extra["softcap"]
+    layout = None
+    if "layout" in extra:
+        density, heads = extra["layout"]
+        layout = reference_mod().random_layout(np.random.default_rng(Sq + Sk), heads, Sq, Sk, 128, density)
+        attrs["block_size"] = 128
+    return attrs, layout
+
+
 def to_numpy64(t):
     return None if t is None else t.detach().float().cpu().double().numpy()
 
