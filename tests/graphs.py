@@ -120,3 +120,14 @@ def residual_block(hidden=64, norm="layer_norm", n_layers=2, seed=0, opset=17):
         x = b.node("Add", y, s)
     b.nodes[-1].output[0] = "y"
     return b.model([io("x", ["b", "s", hidden])], [io("y", ["b", "s", hidden])])
+
+
+def run(model, feeds):
+    """Run ``model`` (a ModelProto) in onnxruntime (CPU, warnings off) on the feeds its inputs name."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return sess.run(None, {k: v for k, v in feeds.items() if k in names})
