@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,8 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from optfuse.kernels.registry import plugin_module  # noqa: E402
+from optfuse.plugin_dirs import script_module  # noqa: E402
 
 T = plugin_module("flash_attention", "testing")
+# the same timing as the sparse benchmark: do_bench medians, contenders in interleaved rounds
+_SPARSE = script_module("bench_sparse_attention")
+_bench, interleaved = _SPARSE._bench, _SPARSE.interleaved
 
 # name, B, H, Hkv, Sq, Sk, D, causal, padding (fraction of keys masked per batch, right-aligned)
 SHAPES = [
@@ -50,20 +53,6 @@ SHAPES = [
     ("decode B=64 Sk=4k", 64, 32, 8, 1, 4096, 128, 1, 0.0),
     ("decode B=64 Sk=8k", 64, 32, 8, 1, 8192, 128, 1, 0.0),
 ]
-
-
-def _bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")  # ms
-
-
-def interleaved(fns: dict, rounds: int) -> dict:
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k].append(_bench(fn))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def copy_bandwidth() -> float:
