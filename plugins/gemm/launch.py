@@ -150,7 +150,8 @@ def sm90_schedules(op: str, k: int, static: dict, activation: str | None) -> tup
     wins wherever the epilogue has math or a residual to read, and at long K."""
     plain = (activation in (None, "none") and static.get("residual_mode", "none") == "none"
              and op == "GemmEpilogue" and k <= 2048)
-    return ("cuda_sm90_pingpong", "cuda_sm90") if plain else ("cuda_sm90", "cuda_sm90_pingpong")
+    order = ("cuda_sm90_pingpong", "cuda_sm90") if plain else ("cuda_sm90", "cuda_sm90_pingpong")
+    return order + (launch_sm90.EPILOGUE_WG,)
 
 
 def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None,
@@ -383,7 +384,7 @@ def _sm90_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: GemmCo
 
 
 #: The CUDA sm_90 kernel's schedules, the one chosen first where both take an instance.
-SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90")
+SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90", launch_sm90.EPILOGUE_WG)
 #: impl -> the function making its KernelSource (one entry per kernel source).
 _SOURCES = {"triton": _triton_source, **{impl: _sm90_source for impl in SM90_SCHEDULES}}
 
