@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..spec import FLOAT_DTYPES, OpSpec, get_spec, plugin_module
+from ..spec import FLOAT_DTYPES, FP8_DTYPES, LIKE_INPUT, OpSpec, get_spec, plugin_module
 
-#: TensorRT DataType member name -> spec dtype name.
-TRT_DTYPE = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
+#: TensorRT DataType member name -> spec dtype name (FP8 is E4M3).
+TRT_DTYPE = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "FP8": "float8e4m3fn", "INT32": "int32",
+             "INT64": "int64", "BOOL": "bool"}
 
 
 def dtype_name(trt_dtype: Any) -> str:
@@ -34,7 +35,57 @@ def trt_dtype(trt: Any, name: str) -> Any:
 
 
 def is_float_tensor(t) -> bool:
-    return all(d in FLOAT_DTYPES for d in t.dtypes)
+    return all(d in FLOAT_DTYPES + FP8_DTYPES for d in t.dtypes)
+
+
+def output_dtypes(spec: OpSpec, input_dtypes: Sequence[str | None], attrs: dict | None) -> list[str]:
+    """Every output's dtype name (:meth:`OpSpec.output_dtype`: its ``like`` input's, or its
+    ``dtype_from`` attribute's value); both plugin forms call it."""
+    return [spec.output_dtype(j, list(input_dtypes) + [None] * (len(spec.inputs) - len(input_dtypes)), attrs)
+            for j in range(len(spec.outputs))]
+
+
+def io_dtype_combinations(spec: OpSpec, n_inputs: int) -> list[tuple[str, ...]]:
+    """The dtypes of (the first ``n_inputs`` inputs, then the outputs) that a node of ``spec`` may
+    have, one tuple per combination, from the spec's dtype lists and output rules: per dtype ``c``
+    of the first input and per value of an output's ``dtype_from`` attribute, the inputs listing
+    the first input's dtypes take ``c``, those listing one dtype take it (FP8 scales, int32
+    layouts), the others (GEMM bias, residual) take the first output's dtype. Combinations whose
+    output dtype is not allowed (an FP8 A with ``like_input``), or whose present inputs break a
+    ``with_dtypes`` rule (the GEMM's FP8 scales without FP8, or FP8 without them), are left out."""
+    first = spec.inputs[0]
+    rules = sorted({o.dtype_from for o in spec.outputs if o.dtype_from is not None})
+    values = [[(r, v) for v in spec.attr(r).choices] for r in rules]
+    settings: list[dict] = [{}]
+    for options in values:
+        settings = [{**s, k: v} for s in settings for k, v in options]
+    out: list[tuple[str, ...]] = []
+    for c in first.dtypes:
+        for attrs in settings:
+            combo = _combination(spec, n_inputs, c, attrs)
+            if combo is not None and combo not in out:
+                out.append(combo)
+    return out
+
+
+def _combination(spec: OpSpec, n_inputs: int, c: str, attrs: dict) -> tuple[str, ...] | None:
+    try:
+        ys = output_dtypes(spec, [c] * len(spec.inputs), attrs)
+    except ValueError:
+        return None
+    ins = []
+    for t in spec.inputs[:n_inputs]:
+        if t.dtypes == spec.inputs[0].dtypes:
+            ins.append(c)
+        elif len(t.dtypes) == 1:
+            ins.append(t.dtypes[0])
+        elif ys[0] in t.dtypes:
+            ins.append(ys[0])
+        else:
+            return None
+    if spec.presence_error(ins + [None] * (len(spec.inputs) - len(ins))) is not None:
+        return None
+    return tuple(ins) + tuple(ys)
 
 
 def complete_attrs(spec: OpSpec, attrs: dict | None) -> dict:
