@@ -74,6 +74,19 @@ def decode_config(dtype: Any, head_dim: int) -> DecodeConfig:
     return DecodeConfig()
 
 
+def candidate_decode_configs(dtype: Any, head_dim: int) -> list[DecodeConfig]:
+    """What a benchmark sweep tries (the default first): split sizes 128 / 512, 32- and 128-key
+    blocks, pipeline depths 2 / 4, 8 warps."""
+    base = decode_config(dtype, head_dim)
+    out = [base]
+    for change in (dict(split_keys=128), dict(split_keys=512), dict(num_stages=2), dict(num_stages=4),
+                   dict(block_n=32), dict(block_n=128, num_stages=2), dict(num_warps=8)):
+        cfg = DecodeConfig(**{**asdict(base), **change})
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def packed_block_m(rows: int, cfg: DecodeConfig) -> int:
     """BLOCK_M of the split kernel: the packed rows G * Sq rounded up to a power of two, at least 16
     (the MMA's M), at most MAX_BLOCK_M."""

@@ -226,3 +226,17 @@ def test_classic_plugin_enqueue_runs_both_kernels(stub_cuda):
     plugin.enqueue(descs, [], [0x1000, 0x2000, 0x3000], [0x9000], 0, 5)
     assert [c[0] for c in stub_cuda] == [L.SM90_ENTRY]  # prefill: one launch, no workspace
     assert stub_cuda[0][2] == [0x1000, 0x2000, 0x3000] and stub_cuda[0][3] == [0x9000]
+
+
+def test_benchmark_decode_rows_run_the_plan():
+    """scripts/bench_attention_shapes.py's decode rows all go through the split-KV plan, with the
+    default config and every config of its --sweep-decode."""
+    from optfuse.plugin_dirs import script_module
+
+    bench = script_module("bench_attention_shapes")
+    rows = [s for s in bench.SHAPES if s[0].startswith("decode")]
+    assert len(rows) >= 10 and {r[1] for r in rows} >= {1, 64, 256}
+    for name, B, H, Hkv, Sq, Sk, D, causal, pad in rows:
+        bias = (B, 1, 1, Sk) if pad else None
+        for cfg in [None] + LD.candidate_decode_configs("bfloat16", D):
+            assert _plan(B, H, Hkv, Sq, Sk, D=D, causal=causal, bias=bias, decode=cfg) is not None, name
