@@ -43,22 +43,22 @@ def _scores_log2(qk, SCALE_LOG2: tl.constexpr, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _key_block(acc, l_i, m_i, q, k_base, v_base, b_base, start_n, key_end, diag, offs_n, offs_d,
-               SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+               SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
                SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_N: tl.constexpr,
                IEEE: tl.constexpr):
     """Keys [start_n, start_n + BLOCK_N) into (acc, l_i, m_i). MASKED blocks mask keys >= key_end
     (the split's or the cache's end) and each row's causal / window limits (``diag`` = i + off
     per packed row); the other blocks are visible to every row."""
-    d_ok = offs_d < HEAD_DIM  # all-true unless D is padded to a power of two (80, 96)
     cols = start_n + offs_n
     kv_off = cols[:, None] * HEAD_DIM + offs_d[None, :]
-    if MASKED:
-        kv_mask = (cols[:, None] < key_end) & d_ok[None, :]
-    else:
-        kv_mask = d_ok[None, :]
-    k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+    if MASKED or HEAD_DIM != HEAD_DIM_PAD:  # D padded to a power of two (80, 96): mask the tail
+        kv_mask = (cols[:, None] < key_end) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+    else:  # the hot loop: whole blocks, unmasked (widest vector loads)
+        k = tl.load(k_base + kv_off)
+        v = tl.load(v_base + kv_off)
     # -- scores: q @ k^T in fp32 on the tensor cores --------------------------------------------
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -97,8 +97,8 @@ def _key_block(acc, l_i, m_i, q, k_base, v_base, b_base, start_n, key_end, diag,
 
 @triton.jit
 def _key_blocks(acc, l_i, m_i, q, k_base, v_base, b_base, lo, hi, key_end, diag, offs_n, offs_d,
-                SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+                SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                 WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BIAS_N: tl.constexpr, IEEE: tl.constexpr):
     """Stream the key blocks [lo, hi) (lo a multiple of BLOCK_N) into (acc, l_i, m_i)."""
@@ -106,8 +106,8 @@ def _key_blocks(acc, l_i, m_i, q, k_base, v_base, b_base, lo, hi, key_end, diag,
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _key_block(
             acc, l_i, m_i, q, k_base, v_base, b_base, start_n, key_end, diag, offs_n, offs_d,
-            SCALE_LOG2, HEAD_DIM, MASKED, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_BIAS,
-            BIAS_N, IEEE)
+            SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, MASKED, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+            HAS_BIAS, BIAS_N, IEEE)
     return acc, l_i, m_i
 
 
@@ -184,16 +184,16 @@ def _decode_split_kernel(
                                              WINDOW_LEFT, WINDOW_RIGHT)
     acc, l_i, m_i = _key_blocks(
         acc, l_i, m_i, q, k_base, v_base, b_base, lo, full_lo, end, diag, offs_n, offs_d,
-        SCALE_LOG2, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_BIAS,
-        BIAS_N, IEEE)
+        SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+        HAS_BIAS, BIAS_N, IEEE)
     acc, l_i, m_i = _key_blocks(
         acc, l_i, m_i, q, k_base, v_base, b_base, full_lo, full_hi, end, diag, offs_n, offs_d,
-        SCALE_LOG2, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_BIAS,
-        BIAS_N, IEEE)
+        SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+        HAS_BIAS, BIAS_N, IEEE)
     acc, l_i, m_i = _key_blocks(
         acc, l_i, m_i, q, k_base, v_base, b_base, full_hi, hi, end, diag, offs_n, offs_d,
-        SCALE_LOG2, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_BIAS,
-        BIAS_N, IEEE)
+        SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+        HAS_BIAS, BIAS_N, IEEE)
 
     # -- this split's partials: row R = bk * M + r, split s at R * n_split + s --------------------
     slot = (bk.to(tl.int64) * rows_per_kv + rows) * n_split + split
