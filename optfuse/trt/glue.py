@@ -5,6 +5,12 @@ Both the classic Python IPluginV3 (``plugins.py``, enqueue time, concrete shapes
 these input shapes/dtypes and attributes, which kernel and which launch parameters? The answer
 comes from the plugin folder's ``launch.py`` (``kernel_config`` + ``launch_params``), so the two
 forms cannot drift apart.
+
+An op whose ``launch.py`` defines ``launch_plan`` may answer with several kernels and a workspace
+(:class:`optfuse.kernels.artifact.LaunchPlan`, e.g. FlashAttention's split-KV decode):
+:func:`resolve_plan` gives the classic plugin that plan (every other op: a plan of one step), and
+:func:`workspace_size` the workspace to ask TensorRT for over a profile. QDP AOT launches one
+kernel and no workspace, so it keeps :func:`resolve`.
 """
 
 from __future__ import annotations
@@ -219,3 +225,62 @@ def resolve(
     art = build_kernel(src, arch, cache=cache)
     params = launch.launch_params(op, shapes, dtypes, attrs, cdiv=cdiv or int_cdiv, static_shape=static)
     return ResolvedKernel(src, art, params, static)
+
+
+def _plan_inputs(op: str, shapes, dtypes, attrs, arch, static):
+    spec = get_spec(op)
+    from ..kernels.target import resolve_arch
+
+    attrs = complete_attrs(spec, attrs)
+    shapes = pad_inputs(spec, shapes)
+    dtypes = pad_inputs(spec, dtypes)
+    static = dict(static) if static is not None else static_shape(spec, shapes, dtypes)
+    static.setdefault("arch", resolve_arch(arch))
+    return spec, plugin_module(spec.folder, "launch"), attrs, shapes, dtypes, static
+
+
+def resolve_plan(
+    op: str,
+    shapes: Sequence[Sequence[int] | None],
+    dtypes: Sequence[str | None],
+    attrs: dict | None,
+    *,
+    arch: int | str | None = None,
+    static: dict | None = None,
+    cache=None,
+):
+    """The :class:`LaunchPlan` of one op instance at concrete shapes, every step's artifact built:
+    ``launch.launch_plan(op, shapes, dtypes, attrs, static_shape=...)`` where the plugin defines it
+    and it returns a plan, else the one kernel of :func:`resolve` as a plan of one step."""
+    from ..kernels import build_kernel
+    from ..kernels.artifact import single_step_plan
+
+    spec, launch, attrs_c, shapes_p, dtypes_p, static_p = _plan_inputs(op, shapes, dtypes, attrs, arch, static)
+    fn = getattr(launch, "launch_plan", None)
+    plan = fn(op, shapes_p, dtypes_p, attrs_c, static_shape=static_p) if fn is not None else None
+    if plan is None:
+        rk = resolve(op, shapes, dtypes, attrs, arch=arch, static=static_p, cache=cache)
+        plan = single_step_plan(rk.source, rk.params, len(spec.outputs))
+        plan.steps[0].artifact = rk.artifact
+        return plan
+    for step in plan.steps:
+        step.artifact = build_kernel(step.source, arch, cache=cache)
+    return plan
+
+
+def workspace_size(
+    op: str,
+    min_shapes: Sequence[Sequence[int] | None],
+    max_shapes: Sequence[Sequence[int] | None],
+    dtypes: Sequence[str | None],
+    attrs: dict | None,
+) -> int:
+    """Workspace bytes for every shape of a TensorRT profile [min_shapes, max_shapes]: the
+    plugin's ``launch.workspace_bytes(op, min_shapes, max_shapes, dtypes, attrs)`` (its largest
+    plan's workspace over the profile), 0 when the plugin has none."""
+    spec = get_spec(op)
+    fn = getattr(plugin_module(spec.folder, "launch"), "workspace_bytes", None)
+    if fn is None:
+        return 0
+    return int(fn(op, pad_inputs(spec, min_shapes), pad_inputs(spec, max_shapes), pad_inputs(spec, dtypes),
+                  complete_attrs(spec, attrs)))

@@ -12,8 +12,12 @@ QDP). One generic class per op, made by :func:`make_plugin`; nothing is written 
   the dtype from ``dtype_from`` where given (:func:`optfuse.trt.glue.output_dtypes`);
 * formats: linear only; the dtypes one of :func:`optfuse.trt.glue.io_dtype_combinations` (every
   float tensor one dtype, but for FP8 operands with float32 scales and an ``output_dtype`` y);
-* enqueue: :func:`optfuse.trt.glue.resolve` (the plugin's ``launch.py``) and
-  ``optfuse.kernels.launcher.launch`` -- so this form needs Python at run time, unlike QDP.
+* workspace: :func:`optfuse.trt.glue.workspace_size` over the profile's min / max input dims (the
+  scratch memory of the largest multi-kernel plan the plugin's ``launch.py`` makes in it; 0 for
+  most ops);
+* enqueue: :func:`optfuse.trt.glue.resolve_plan` (the plugin's ``launch.py``: one kernel, or a plan
+  of several and a workspace) and ``optfuse.kernels.launcher.launch_plan`` with TensorRT's workspace
+  pointer -- so this form needs Python at run time, unlike QDP.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def _plugin_class(trt, spec: OpSpec):
             pass
 
         def get_workspace_size(self, inp, out):
-            return 0
+            return _workspace_size(spec, self.attrs, inp)
 
         def get_valid_tactics(self):
             return []
@@ -147,7 +151,7 @@ def _plugin_class(trt, spec: OpSpec):
             )
 
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            _enqueue(spec, self.attrs, self._kernels, input_desc, inputs, outputs, stream)
+            _enqueue(spec, self.attrs, self._kernels, input_desc, inputs, outputs, workspace, stream)
 
     Plugin.__name__ = Plugin.__qualname__ = f"{spec.op}PluginV3"
     return Plugin
@@ -194,21 +198,29 @@ def _supports_format(trt, spec: OpSpec, like: list[int], pos: int, in_out, num_i
     return any(list(c[:pos + 1]) == got for c in glue.io_dtype_combinations(spec, num_inputs))
 
 
-def _enqueue(spec: OpSpec, attrs: dict, kernels: dict, input_desc, inputs, outputs, stream) -> None:
-    """Resolve the kernel for these shapes/dtypes/arch (memoized in ``kernels``) and launch it."""
+def _workspace_size(spec: OpSpec, attrs: dict, inp) -> int:
+    """Bytes of workspace for every shape of the profile: ``inp`` are DynamicPluginTensorDescs
+    (``min`` / ``max`` dims, ``desc.type``)."""
+    mins = [tuple(int(d) for d in t.min) for t in inp]
+    maxs = [tuple(int(d) for d in t.max) for t in inp]
+    dtypes = [glue.dtype_name(t.desc.type) for t in inp]
+    return glue.workspace_size(spec.op, mins, maxs, dtypes, attrs)
+
+
+def _enqueue(spec: OpSpec, attrs: dict, kernels: dict, input_desc, inputs, outputs, workspace, stream) -> None:
+    """Resolve the plan for these shapes/dtypes/arch (memoized in ``kernels``) and launch its
+    steps on ``stream``, with TensorRT's ``workspace``."""
     from ..kernels import launcher
 
     shapes = [tuple(int(d) for d in desc.dims) for desc in input_desc]
     dtypes = [glue.dtype_name(desc.type) for desc in input_desc]
     arch = launcher.current_device_arch()
     key = (tuple(shapes), tuple(dtypes), arch)
-    hit = kernels.get(key)
-    if hit is None:
-        rk = glue.resolve(spec.op, shapes, dtypes, attrs, arch=arch)
-        hit = kernels[key] = (rk.artifact, rk.params)
-    art, params = hit
-    ins = glue.pad_inputs(spec, [int(p) for p in inputs])[: art.n_inputs]
-    launcher.launch(art, params, ins, [int(p) for p in outputs], int(stream))
+    plan = kernels.get(key)
+    if plan is None:
+        plan = kernels[key] = glue.resolve_plan(spec.op, shapes, dtypes, attrs, arch=arch)
+    ins = glue.pad_inputs(spec, [int(p) for p in inputs])
+    launcher.launch_plan(plan, ins, [int(p) for p in outputs], int(workspace or 0), int(stream))
 
 
 def register_all(backend, ops: list[str] | None = None) -> list[str]:
