@@ -180,12 +180,17 @@ def _arch_class(arch: int | None) -> str:
 def sm90_schedules(op: str, k: int, static: dict, activation: str | None) -> tuple[str, ...]:
     """The CUDA kernel's schedules in order of preference for an instance (H200 table, README):
     ping-pong for plain projections (no activation, no residual) with K <= 2048 -- BERT's QKV,
-    where its 128 x 128 tiles and overlapped epilogue win at every M -- else cooperative, which
-    wins wherever the epilogue has math or a residual to read, and at long K."""
-    plain = (activation in (None, "none") and static.get("residual_mode", "none") == "none"
-             and op == "GemmEpilogue" and k <= 2048)
-    order = ("cuda_sm90_pingpong", "cuda_sm90") if plain else ("cuda_sm90", "cuda_sm90_pingpong")
-    return order + (launch_sm90.EPILOGUE_WG,)
+    where its 128 x 128 tiles and overlapped epilogue win from M = 512 to 4096; cooperative where a
+    full residual comes by TMA during the mainloop (FFN down) and for GatedGemm; the epilogue-warp
+    schedule (cooperative tiles, the epilogue of each tile but the last hidden behind the next
+    tile's mainloop) for the other GemmEpilogue instances: those with an activation."""
+    residual = static.get("residual_mode", "none")
+    plain = activation in (None, "none") and residual == "none" and op == "GemmEpilogue" and k <= 2048
+    if plain:
+        return ("cuda_sm90_pingpong", launch_sm90.EPILOGUE_WG, "cuda_sm90")
+    if op == "GatedGemm" or residual == "full" or activation in (None, "none"):
+        return ("cuda_sm90", launch_sm90.EPILOGUE_WG, "cuda_sm90_pingpong")
+    return (launch_sm90.EPILOGUE_WG, "cuda_sm90", "cuda_sm90_pingpong")
 
 
 def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None,

@@ -130,12 +130,15 @@ def test_sm90_cuda_declines_what_it_cannot_run():
 
 
 def test_sm90_schedule_choice():
-    """Ping-pong for plain short-K projections (BERT's QKV), cooperative where the epilogue has
-    math or a residual, or K is long (the H200 table)."""
+    """Ping-pong for plain short-K projections (BERT's QKV); the epilogue warps where the epilogue
+    has an activation and no full residual; cooperative for a full residual (by TMA), GatedGemm and
+    long-K plain projections (the H200 table)."""
     def impl(case):
         return L.choose_config(case.op, case.dtype, case.n, case.k, 90, T.case_static(case, 90), case.activation).impl
     assert impl(T.Case("GemmEpilogue", (-1,), 2304, 768, "float16", "none", "vector", "none")) == "cuda_sm90_pingpong"
-    assert impl(T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == "cuda_sm90"
+    assert impl(T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == "cuda_sm90_epilogue_wg"
+    assert impl(T.Case("GemmEpilogue", (-1,), 4096, 1024, "bfloat16", "silu", "scalar", "scalar")) == "cuda_sm90_epilogue_wg"
+    assert impl(T.Case("GemmEpilogue", (-1,), 4096, 1024, "float16", "gelu_erf", "vector", "full")) == "cuda_sm90"
     assert impl(T.Case("GemmEpilogue", (-1,), 768, 3072, "float16", "none", "vector", "full")) == "cuda_sm90"
     assert impl(T.Case("GemmEpilogue", (-1,), 12288, 4096, "bfloat16", "none", "none", "none")) == "cuda_sm90"
     assert impl(T.Case("GatedGemm", (-1,), 11008, 4096, "float16", "silu")) == "cuda_sm90"

@@ -45,11 +45,12 @@ def test_every_shape_builds_and_sources_are_distinct():
 def test_ours_labels():
     case = bench.case_of("llama-7b.ffn_gate_up", 4096, "bfloat16")
     labels = [label for label, _ in bench.ours_configs(case, 90, None)]
-    assert labels == ["ours[cuda_sm90]", "ours[triton]"]
+    assert labels == ["ours[cuda_sm90]", "ours[cuda_sm90_epilogue_wg]", "ours[triton]"]
     assert [label for label, _ in bench.ours_configs(case, 89, None)] == ["ours[triton]"]
     cands = _candidates(case)
     named = bench.ours_configs(case, 90, bench.L.config_name(cands[1]))
-    assert [c for _, c in named] == [cands[0], next(c for c in cands if c.impl == "triton"), cands[1]]
+    first = [next(c for c in cands if c.impl == impl) for impl in ("cuda_sm90_epilogue_wg", "triton")]
+    assert [c for _, c in named] == [cands[0], *first, cands[1]]
 
 
 def test_cublaslt_contender_only_where_one_call_does_it():
