@@ -158,15 +158,38 @@ def sm90_eligible(dtype: str, head_dim: int, pattern: tuple[int, int, int, int] 
 #: 1.04-1.08x the 192-row tiles at w = 256 and w = 1024 (S = 4k), 0.93-0.98x from w = 1024 at
 #: S = 16k, where the third warpgroup's overlap wins back its extra partial blocks.
 SM90_SHORT_WINDOW = 512
+#: Throughput of a 192-row tile (three consumer warpgroups) over a 128-row one, per SM, at D = 64
+#: non-causal: 1.03-1.18x (the tuning sweep, README "Tried"); the estimate below takes 1.1.
+SM90_THREE_SPEEDUP = 1.1
+
+
+#: Query lengths up to this pick their rows per tile by the wave estimate (the dense table's
+#: longer sequences keep the tuned 192-row tiles).
+SM90_WAVES_MAX_SQ = 1024
+
+
+def rows_per_tile_by_waves(B: int, H: int, Sq: int, sm_count: int = SM90_GRID) -> int:
+    """128 or 192 query rows per tile at D = 64 when the batch, heads and query length are known:
+    128 where its persistent waves (tiles over the CTAs, each wave as long as one tile) finish at
+    least 5 % before the 192-row tiles' (the estimate's margin), for Sq <= SM90_WAVES_MAX_SQ.
+    192-row tiles waste rows past Sq (197 tokens: 384 rows) and quantize into fewer, longer waves
+    (B = 8, H = 12, S = 512: 288 tiles = 2.2 waves of 132)."""
+    def finish(bm: int) -> float:
+        tiles = -(-Sq // bm) * B * H
+        return -(-tiles // sm_count) * bm / (SM90_THREE_SPEEDUP if bm == 192 else 1.0)
+    return 128 if Sq <= SM90_WAVES_MAX_SQ and finish(128) <= 0.95 * finish(192) else 192
 
 
 def choose_config(dtype: Any, head_dim: int, causal: bool, *,
                   arch: int | None = None, pattern: tuple[int, int, int, int] | None = None,
-                  scale: float = 1.0, layout: bool = False, window_left: int = -1) -> FAConfig:
+                  scale: float = 1.0, layout: bool = False, window_left: int = -1,
+                  q_dims: tuple[int, int, int] | None = None, sm_count: int | None = None) -> FAConfig:
     """The config for a specialization. ``arch`` is the target (None: unknown, so the portable
     Triton kernel); on sm_90 the CUDA kernel is chosen wherever it applies (sm90_eligible).
     ``layout`` (BlockSparseAttention): tiles of 128 query rows on sm_90 (the Triton tiles all
-    divide the 128-block layout); so do left windows up to SM90_SHORT_WINDOW keys."""
+    divide the 128-block layout); so do left windows up to SM90_SHORT_WINDOW keys. ``q_dims``
+    (B, H, Sq), where all are known at build time: D = 64 without a mask picks its rows per tile
+    by rows_per_tile_by_waves."""
     dtype = norm_dtype(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
@@ -176,8 +199,10 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, *,
         short = 0 <= window_left < SM90_SHORT_WINDOW
         # a key-padding row shared by the batch ([1, 1, 1, Sk]) spills the three-consumer producer
         shared_row = keypad and pattern[0] == 0
+        by_waves = (q_dims is not None and head_dim == 64 and not causal and pattern is None
+                    and rows_per_tile_by_waves(*q_dims, sm_count or SM90_GRID) == 128)
         return sm90_config(head_dim, causal, keypad=keypad,
-                           block_m=128 if layout or short or shared_row else None)
+                           block_m=128 if layout or short or shared_row or by_waves else None)
     cls = "float32" if dtype == "float32" else "half"
     return TUNED.get((cls, head_dim, bool(causal))) or _default_config(dtype, head_dim, causal)
 
@@ -240,10 +265,24 @@ def _head_dim(static_shape: dict) -> int:
 
 def _config_for(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
                 static_shape: dict | None, sparsity: Sparsity = Sparsity()) -> FAConfig:
-    arch = (static_shape or {}).get("arch")
+    static_shape = static_shape or {}
+    arch = static_shape.get("arch")
     return choose_config(dtype, head_dim, causal,
                          arch=None if arch is None else int(arch), pattern=pattern, scale=scale,
-                         layout=sparsity.layout, window_left=sparsity.window_left)
+                         layout=sparsity.layout, window_left=sparsity.window_left,
+                         q_dims=_known_q_dims(static_shape), sm_count=static_shape.get("sm_count"))
+
+
+def _known_q_dims(static_shape: dict) -> tuple[int, int, int] | None:
+    """(B, H, Sq) of q where every one is a known int (a concrete run, or static dims at build)."""
+    q = static_shape.get("q_shape") or static_shape.get("q")
+    if not q or len(q) != 4:
+        return None
+    try:
+        dims = tuple(static_int(d) for d in q[:3])
+    except (ValueError, TypeError):
+        return None
+    return dims if all(d > 0 for d in dims) else None
 
 
 def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:

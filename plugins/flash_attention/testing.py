@@ -50,7 +50,7 @@ def case_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict
     q = list(shapes[0])
     bias = shapes[3] if len(shapes) > 3 else None
     static = {"head_dim": q[3], "bias_shape": None if bias is None else tuple(bias),
-              "bias_dtype": bias_dtype, "arch": arch}
+              "bias_dtype": bias_dtype, "arch": arch, "q_shape": q}  # what a plugin's enqueue knows
     if layout is not None:
         static["layout_heads"] = int(layout[0].shape[0]) != 1
     src = L.kernel_config(op, dtype, attrs, static, config=config)
