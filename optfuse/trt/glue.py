@@ -227,18 +227,6 @@ def resolve(
     return ResolvedKernel(src, art, params, static)
 
 
-def _plan_inputs(op: str, shapes, dtypes, attrs, arch, static):
-    spec = get_spec(op)
-    from ..kernels.target import resolve_arch
-
-    attrs = complete_attrs(spec, attrs)
-    shapes = pad_inputs(spec, shapes)
-    dtypes = pad_inputs(spec, dtypes)
-    static = dict(static) if static is not None else static_shape(spec, shapes, dtypes)
-    static.setdefault("arch", resolve_arch(arch))
-    return spec, plugin_module(spec.folder, "launch"), attrs, shapes, dtypes, static
-
-
 def resolve_plan(
     op: str,
     shapes: Sequence[Sequence[int] | None],
@@ -254,10 +242,17 @@ def resolve_plan(
     and it returns a plan, else the one kernel of :func:`resolve` as a plan of one step."""
     from ..kernels import build_kernel
     from ..kernels.artifact import single_step_plan
+    from ..kernels.target import resolve_arch
 
-    spec, launch, attrs_c, shapes_p, dtypes_p, static_p = _plan_inputs(op, shapes, dtypes, attrs, arch, static)
+    spec = get_spec(op)
+    launch = plugin_module(spec.folder, "launch")
+    shapes_p, dtypes_p = pad_inputs(spec, shapes), pad_inputs(spec, dtypes)
+    static_p = dict(static) if static is not None else static_shape(spec, shapes_p, dtypes_p)
+    static_p.setdefault("arch", resolve_arch(arch))
     fn = getattr(launch, "launch_plan", None)
-    plan = fn(op, shapes_p, dtypes_p, attrs_c, static_shape=static_p) if fn is not None else None
+    plan = None
+    if fn is not None:
+        plan = fn(op, shapes_p, dtypes_p, complete_attrs(spec, attrs), static_shape=static_p)
     if plan is None:
         rk = resolve(op, shapes, dtypes, attrs, arch=arch, static=static_p, cache=cache)
         plan = single_step_plan(rk.source, rk.params, len(spec.outputs))

@@ -7,7 +7,6 @@
 * ``launch_params(op, shapes, dtypes, attrs, cdiv=...)`` -> :class:`LaunchParams`, written with
   ``+ - *`` and ``cdiv`` over the dynamic dims (B, H, Hkv, Sq, Sk), so TensorRT QDP ``aot_impl``
   can call it with symbolic shapes.
-
 * ``launch_plan(op, shapes, dtypes, attrs, static_shape=...)`` -> :class:`LaunchPlan` or None: the
   split-KV decode kernels (kernel_decode.py, launch_decode.py) for Sq <= 16 over Sk >= 512 keys,
   two launches and a workspace (``workspace_bytes`` over a TensorRT profile); None elsewhere, where
@@ -16,6 +15,10 @@
 Argument order (QDP): inputs q, k, v[, bias], extra int32 (H, Hkv, Sq, Sk), output o. Tensors are
 contiguous; strides are derived from the shapes inside the kernel. H and Hkv are runtime
 arguments (one integer division per program), so one artifact serves every head count.
+
+Past 500 lines because every entry point (kernel choice, both kernels' sources and launches, the
+decode dispatch) reads the same bias-pattern, head-dim and sparsity facts defined here; the decode
+kernels' own sources, configs and workspace are in launch_decode.py.
 """
 
 from __future__ import annotations

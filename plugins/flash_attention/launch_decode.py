@@ -33,9 +33,9 @@ DECODE_MAX_QUERIES = 16
 #: Keys from which they run: two splits or more. Below, one split would leave the combine launch
 #: as pure overhead; those caches stay on the one-kernel path (kernel.py / kernel_sm90.cu).
 DECODE_MIN_KEYS = 512
-#: Keys per split. B = 1, Hkv = 8, Sk = 8k gives 256 programs: two per SM of an H200 (132 SMs),
-#: all resident at once with the default config's 96 KB of K/V stages (two CTAs per SM), each
-#: streaming 128 KB of K/V in four 64-key blocks; the partials a split writes (G * Sq rows of
+#: Keys per split. B = 1, Hkv = 8, Sk = 8k gives 256 programs: about two per SM of an H200 (132
+#: SMs), all resident at once (the default config's split kernel takes 70 KB of shared memory at
+#: D = 128: three fit an SM), each streaming 128 KB of K/V in four 64-key blocks; the partials a split writes (G * Sq rows of
 #: D + 2 floats) are G * Sq / 256 of the K/V it reads (1.6 % at GQA 32/8, Sq = 1), read once more
 #: by the combine. Fixed (not chosen per batch) so that the workspace grows monotonically with
 #: the shapes and the grid stays a + - * cdiv expression.
@@ -65,8 +65,8 @@ class DecodeConfig:
 
 
 def decode_config(dtype: Any, head_dim: int) -> DecodeConfig:
-    """fp16/bf16: 64-key blocks, 3 stages (D <= 128: 2 x 3 x 16 KB of K/V); D = 256: 32-key blocks
-    (the same bytes per stage); fp32 (IEEE dots): 32-key blocks, 2 stages."""
+    """fp16/bf16: 64-key blocks, 3 stages (D = 128: 16 KB each of K and V per block); D = 256:
+    32-key blocks (the same bytes per block); fp32 (IEEE dots): 32-key blocks, 2 stages."""
     if norm_dtype(dtype) == "float32":
         return DecodeConfig(block_n=32, num_stages=2)
     if next_pow2(head_dim) > 128:
