@@ -3,7 +3,8 @@
 
 Model-like shapes -- encoders with and without padding, vision transformers (token counts just past
 a tile boundary), speech, long-context GQA prefill, and decode over a KV cache (Sq = 1..16, Sk 1k..128k,
-batch 1..256) -- each timed in interleaved rounds (medians of ``triton.testing.do_bench``):
+batch 1..256) -- each timed in interleaved rounds, every contender replayed from a CUDA graph (medians of
+``triton.testing.do_bench_cudagraph``: no contender pays its host launch cost; ``--launch-timing``: ``do_bench``):
 
 * ``ours``: what ``launch.py`` picks on sm_90, as AOT artifacts through ``optfuse.kernels.launcher``:
   one kernel, or for decode (Sq <= 16 over >= 512 keys) the split-KV plan -- split and combine
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,9 +37,22 @@ from optfuse.kernels.registry import plugin_module  # noqa: E402
 from optfuse.plugin_dirs import script_module  # noqa: E402
 
 T = plugin_module("flash_attention", "testing")
-# the same timing as the sparse benchmark: do_bench medians, contenders in interleaved rounds
 _SPARSE = script_module("bench_sparse_attention")
-_bench, interleaved = _SPARSE._bench, _SPARSE.interleaved
+
+
+def interleaved(fns: dict, rounds: int, graphs: bool) -> dict:
+    """Median ms of each contender over interleaved rounds: replayed from a CUDA graph
+    (``graphs``: no contender pays its host launch cost, as in a TensorRT engine; decode's kernels
+    run for microseconds) or, as the sparse benchmark times, with ``do_bench``'s launches."""
+    if not graphs:
+        return _SPARSE.interleaved(fns, rounds)
+    import triton.testing
+
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 # name, B, H, Hkv, Sq, Sk, D, causal, padding (fraction of keys masked per batch, right-aligned)
 SHAPES = [
@@ -83,7 +98,14 @@ def _config_tag(cfg) -> str:
     return (f"split={cfg.split_keys},n={cfg.block_n},stages={cfg.num_stages},warps={cfg.num_warps}")
 
 
-def _ours(dtype, shapes, attrs, ins, out, stream, decode=None):
+def _stream() -> int:
+    """The current torch stream at call time: the one a CUDA graph capture records on."""
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _ours(dtype, shapes, attrs, ins, out, decode=None):
     """(launch function, kernel names): the decode plan (both kernels and the workspace) where
     launch.py picks it, else the one kernel; ``decode`` = a DecodeConfig instead of the default."""
     from optfuse.kernels import build_kernel, launch
@@ -93,16 +115,16 @@ def _ours(dtype, shapes, attrs, ins, out, stream, decode=None):
     if plan is not None:
         T.build_plan(plan, 90)
         workspace = T.new_workspace(plan, "cuda")  # 0xFF: a partial read unwritten is a NaN
-        return (lambda sync=False: launch_plan(plan, ins, [out], workspace, stream, sync=sync),
+        return (lambda sync=False: launch_plan(plan, ins, [out], workspace, _stream(), sync=sync),
                 " + ".join(step.source.name for step in plan.steps))
     if decode is not None:
         return None, ""
     src, params = T.case_sources(dtype, shapes, attrs, arch=90)
     art = build_kernel(src, 90)
-    return (lambda sync=False: launch(art, params, ins, [out], stream, sync=sync)), src.name
+    return (lambda sync=False: launch(art, params, ins, [out], _stream(), sync=sync)), src.name
 
 
-def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16", sweep=()):
+def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16", sweep=(), graphs=True):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -120,8 +142,7 @@ def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16",
     shapes = [q.shape, k.shape, v.shape, None if bias is None else bias.shape]
     out = torch.full_like(q, float("nan"))
     ins = [q, k, v] + ([bias] if bias is not None else [])
-    stream = torch.cuda.current_stream().cuda_stream
-    ours, kernel = _ours(dtype, shapes, attrs, ins, out, stream)
+    ours, kernel = _ours(dtype, shapes, attrs, ins, out)
     ours(sync=True)
     gqa = Hkv != H
     # SDPA's causal is top-left aligned; with Sq < Sk ours is bottom-right (key j <= i + Sk - Sq),
@@ -142,7 +163,7 @@ def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16",
            "max_abs_vs_sdpa": float((out.float() - ref.float()).abs().max())}
     fns = {"ours": ours, "sdpa_default": sdpa()}
     for cfg in sweep:
-        fn, _ = _ours(dtype, shapes, attrs, ins, out, stream, decode=cfg)
+        fn, _ = _ours(dtype, shapes, attrs, ins, out, decode=cfg)
         if fn is not None:
             tag = f"ours[{_config_tag(cfg)}]"
             out.fill_(float("nan"))
@@ -156,7 +177,7 @@ def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16",
             fns[be_name] = sdpa([be])
         except Exception as e:  # a backend that does not take the shape
             row[f"{be_name}_error"] = f"{type(e).__name__}: {str(e)[:100]}"
-    times = interleaved(fns, rounds)
+    times = interleaved(fns, rounds, graphs)
     for k_, t in times.items():
         row[f"{k_}_ms"] = t
     best = min(t for k_, t in times.items() if not k_.startswith("ours"))
@@ -171,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", help="substring of the shape names to run (e.g. decode)")
+    ap.add_argument("--launch-timing", action="store_true",
+                    help="time with do_bench's launches (host launch costs included) instead of CUDA graph replays")
     ap.add_argument("--sweep-decode", action="store_true",
                     help="time every candidate decode config too (decode rows only)")
     args = ap.parse_args(argv)
@@ -188,7 +211,7 @@ def main(argv=None):
             if args.sweep_decode:
                 ld = plugin_module("flash_attention", "launch_decode")
                 sweep = ld.candidate_decode_configs("bfloat16", shape[6])[1:]
-            row = run_shape(*shape, rounds=args.rounds, sweep=sweep)
+            row = run_shape(*shape, rounds=args.rounds, sweep=sweep, graphs=not args.launch_timing)
         except Exception as e:
             row = {"name": shape[0], "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(row, flush=True)
@@ -207,7 +230,8 @@ def main(argv=None):
     print(f"{len(rows)} rows in {time.time() - t0:.0f}s")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                              "copy_gbs": bw, "rows": rows}, indent=1))
+                                              "copy_gbs": bw, "timing": "launches" if args.launch_timing else "cuda graphs",
+                                              "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
