@@ -16,7 +16,7 @@ RowSum, Sk (int32), o``; grid ``B * H * Sq``.
 from __future__ import annotations
 
 import numbers
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,11 +35,17 @@ DECODE_MAX_QUERIES = 16
 DECODE_MIN_KEYS = 512
 #: Keys per split. B = 1, Hkv = 8, Sk = 8k gives 256 programs: about two per SM of an H200 (132
 #: SMs), all resident at once (the default config's split kernel takes 70 KB of shared memory at
-#: D = 128: three fit an SM), each streaming 128 KB of K/V in four 64-key blocks; the partials a split writes (G * Sq rows of
-#: D + 2 floats) are G * Sq / 256 of the K/V it reads (1.6 % at GQA 32/8, Sq = 1), read once more
-#: by the combine. Fixed (not chosen per batch) so that the workspace grows monotonically with
-#: the shapes and the grid stays a + - * cdiv expression.
+#: D = 128: three fit an SM), each streaming 128 KB of K/V in four 64-key blocks; the partials a
+#: split writes (G * Sq rows of D + 2 floats) are G * Sq / 256 of the K/V it reads (1.6 % at GQA
+#: 32/8, Sq = 1), read once more by the combine. The workspace bound of a profile takes this size.
 SPLIT_KEYS = 256
+#: Keys per split where the programs still fill two waves of SMs with it (decode_config): fewer
+#: partials and a longer stream per program. H200, CUDA-graph timings: 0.90-0.97x the time of
+#: 256-key splits on every benchmark row that fills the waves (B = 1 at 32k-128k keys, B = 16..256),
+#: 1.00-1.13x slower where it does not (B = 1, Sk <= 8k).
+LONG_SPLIT_KEYS = 512
+#: SMs of an H100 SXM / H200, the waves' unit.
+SM_COUNT = 132
 #: Most packed rows (G * Sq) per program: M beyond it takes cdiv(M, 64) row blocks per split,
 #: which read the split's K/V from L2 after the first.
 MAX_BLOCK_M = 64
@@ -64,14 +70,20 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: block_n {self.block_n} does not divide split_keys {self.split_keys}")
 
 
-def decode_config(dtype: Any, head_dim: int) -> DecodeConfig:
+def decode_config(dtype: Any, head_dim: int, programs_at_long_split: int | None = None) -> DecodeConfig:
     """fp16/bf16: 64-key blocks, 3 stages (D = 128: 16 KB each of K and V per block); D = 256:
-    32-key blocks (the same bytes per block); fp32 (IEEE dots): 32-key blocks, 2 stages."""
+    32-key blocks (the same bytes per block); fp32 (IEEE dots): 32-key blocks, 2 stages. Splits of
+    LONG_SPLIT_KEYS where ``programs_at_long_split`` (the split kernel's grid with them, at concrete
+    shapes) fills two waves of SM_COUNT, else SPLIT_KEYS."""
     if norm_dtype(dtype) == "float32":
-        return DecodeConfig(block_n=32, num_stages=2)
-    if next_pow2(head_dim) > 128:
-        return DecodeConfig(block_n=32)
-    return DecodeConfig()
+        cfg = DecodeConfig(block_n=32, num_stages=2)
+    elif next_pow2(head_dim) > 128:
+        cfg = DecodeConfig(block_n=32)
+    else:
+        cfg = DecodeConfig()
+    if programs_at_long_split is not None and programs_at_long_split >= 2 * SM_COUNT:
+        cfg = replace(cfg, split_keys=LONG_SPLIT_KEYS)
+    return cfg
 
 
 def candidate_decode_configs(dtype: Any, head_dim: int) -> list[DecodeConfig]:
@@ -210,8 +222,11 @@ def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_d
     Hkv, Sk = k[1], k[2]
     if H % Hkv:
         raise ValueError(f"{OP}: {H} query heads do not share {Hkv} kv heads evenly")
-    cfg = cfg or decode_config(dtype, head_dim)
     group = H // Hkv
+    if cfg is None:
+        block_m = packed_block_m(group * Sq, decode_config(dtype, head_dim))
+        programs = _cdiv(group * Sq, block_m) * _cdiv(Sk, LONG_SPLIT_KEYS) * (B * Hkv)
+        cfg = decode_config(dtype, head_dim, programs)
     block_m = packed_block_m(group * Sq, cfg)
     part, row_max, row_sum, total = workspace_layout(B, H, Sq, Sk, head_dim, cfg)
     partials = [Buffer("workspace", part), Buffer("workspace", row_max), Buffer("workspace", row_sum)]

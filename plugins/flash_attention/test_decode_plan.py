@@ -35,9 +35,15 @@ def test_decode_shapes_take_the_plan(Sq, Sk, bias):
     assert split.inputs == [Buffer("input", i) for i in range(3 + (shape is not None))]
     assert split.outputs == combine.inputs and all(b.kind == "workspace" for b in split.outputs)
     assert combine.outputs == [Buffer("output", 0)]
-    n_split = -(-Sk // LD.SPLIT_KEYS)
     rows = 4 * Sq  # G = 32 / 8 query heads per kv head, Sq rows each
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    # 512-key splits where their programs fill two waves of 132 SMs (B = 3: 131072 keys, or 16 rows
+    # over 8192), 256 elsewhere
+    long_programs = -(-rows // block_m) * -(-Sk // LD.LONG_SPLIT_KEYS) * B * 8
+    split_keys = LD.LONG_SPLIT_KEYS if long_programs >= 2 * LD.SM_COUNT else LD.SPLIT_KEYS
+    assert split.source.constexprs["SPLIT_KEYS"] == split_keys
+    assert split_keys == (LD.LONG_SPLIT_KEYS if (Sq, Sk) in ((1, 131072), (16, 8192)) else LD.SPLIT_KEYS)
+    n_split = -(-Sk // split_keys)
     assert split.source.constexprs["BLOCK_M"] == block_m
     assert split.params.grid == (-(-rows // block_m) * n_split * B * 8, 1, 1)
     assert split.params.extra_args == [32, 8, Sq, Sk]
