@@ -197,6 +197,9 @@ def test_fp8_kernel_source():
     assert src.lang == "triton" and list(src.signature) == ["A", "W", "Bias", "AScale", "WScale", "M", "Y"]
     assert src.signature["A"] == "*fp8e4nv" and src.signature["Y"] == "*bf16" and src.signature["AScale"] == "*fp32"
     assert src.constexprs["W_SCALE"] == 2 and src.constexprs["Residual"] is None and src.n_inputs == 5
+    # the partial sums go into the FP32 accumulator every K block (sm_90's FP8 wgmma keeps fewer bits)
+    assert src.constexprs["FP8_ACC"] == min(L.FP8_IMPRECISE_ACC, src.constexprs["BLOCK_K"]) == 128
+    assert L.kernel_config("GemmEpilogue", "float16", {}, {"N": 64, "K": 64}).constexprs["FP8_ACC"] is None
     assert "/float8e4m3fn-to-bfloat16/" in src.name and "_wscale-vector/" in src.name
     assert L.kernel_config("GemmEpilogue", FP8, attrs, _fp8_static(arch=89)).lang == "triton"
     with pytest.raises(ValueError, match=r"sm_89 or later \(target sm_86\)"):
