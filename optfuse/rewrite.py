@@ -350,9 +350,10 @@ def _fits(value, type_: str) -> bool:
 
 
 def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Embed the reference ONNX function of every optfuse op used, so onnxruntime runs the model.
-    A plugin whose reference defines ``function_overload(op, inputs, attrs)`` has one function per
-    variant (GEMM: FP8, output dtype): each node gets its variant's ONNX ``overload`` (IR >= 10)."""
+    """Embed the reference ONNX function of every optfuse op used (replacing the optfuse functions
+    the model holds), so onnxruntime runs the model. A plugin whose reference defines
+    ``function_overload(op, inputs, attrs)`` has one function per variant (GEMM: FP8, output dtype):
+    each node gets its variant's ONNX ``overload`` (IR >= 10)."""
     # a function body is read with the model's default opset (ReduceMean's axes moved in opset 18)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     used: set[tuple[str, str]] = set()
@@ -363,10 +364,11 @@ def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
         if pick is not None:
             n.overload = pick(n.op_type, list(n.input), {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute})
         used.add((n.op_type, n.overload))
-    existing = {(f.domain, f.name, f.overload) for f in model.functions}
+    # made afresh from the nodes: a function that went through onnx-graphsurgeon lost its overload
+    stale = [f for f in model.functions if f.domain == DOMAIN]
+    for f in stale:
+        model.functions.remove(f)
     for op, overload in sorted(used):
-        if (DOMAIN, op, overload) in existing:
-            continue
         reference = plugin_module(get_spec(op).folder, "reference")
         fn = reference.onnx_function(op, opset=opset, **({"overload": overload} if overload else {}))
         model.functions.append(fn)

@@ -23,6 +23,17 @@ GatedGemm shapes replace mm / lt by ``mm2`` (two bare GEMMs, gate and up) and ``
 GEMM over [W_gate; W_up], N doubled: what the gate must not cost on top of); the chain is
 mm, mm, silu, mul.
 
+FP8 (``--fp8``: off by default): the same shapes with E4M3 A and weights (per-tensor A scale,
+per-output-channel weight scales; y in ``--fp8-output``, bf16 by default), in their own table:
+
+* ``scaled``: ``torch._scaled_mm`` with per-tensor scales (cuBLASLt's FP8 GEMM, no epilogue);
+* ``scaled_bias``: the same with its bias (cuBLASLt's FP8 bias epilogue), where the op is a bias only;
+* ``rowwise``: ``torch._scaled_mm`` with per-row / per-column scales (our scales' math; CUTLASS in torch);
+* ``fp8_chain``: ``scaled`` then the epilogue in eager (the same math as ours: one kernel per op);
+  GatedGemm: ``scaled2`` (two FP8 GEMMs) and ``scaled_packed`` (one over [W_gate; W_up]);
+* ``bf16``: ``torch.mm`` in bf16 on the same shape (what FP8 is measured against);
+* ``ours``: the FP8 Triton kernel (launch.py's choice), checked against the float64 dequantized math.
+
 Timing: ``triton.testing.do_bench_cudagraph`` medians: each contender's calls replayed from a
 CUDA graph, so no contender pays Python launch costs (ours goes through a ctypes launcher; a
 TensorRT engine launches from C++); all contenders of a point visited in turn for ``--rounds``
@@ -32,6 +43,10 @@ Ratios are time ours / time contender (< 1: ours is faster).
     python scripts/bench_gemm.py --build .optfuse_cache/gemm            # CPU: prebuild the cubins
     python scripts/bench_gemm.py --prebuilt .optfuse_cache/gemm --out bench_gemm.json   # GPU
     python scripts/bench_gemm.py --quick                                # three shapes, M = 4096
+    python scripts/bench_gemm.py --build DIR --fp8 && python scripts/bench_gemm.py --prebuilt DIR --fp8
+
+Over 500 lines: one script, so that every contender of a point (16-bit and FP8) is timed in the
+same run with the same inputs and timing code.
 """
 
 from __future__ import annotations
@@ -73,13 +88,17 @@ SHAPES = {
 TOKENS = (512, 4096, 32768)
 QUICK_SHAPES = ("bert-large.ffn_up", "llama-7b.ffn_gate_up", "llama-7b.ffn_down")
 DTYPES = ("float16",)
+FP8 = "float8e4m3fn"
+#: y's dtype of the FP8 points (``--fp8-output``)
+FP8_OUTPUT = {"dtype": "bfloat16"}
 
 
 def case_of(name: str, m: int, dtype: str) -> "T.Case":
     op, k, n, act, bias, residual = SHAPES[name]
     if name.startswith("square-"):
         m = k  # M = N = K
-    return T.Case(op, (m,), n, k, dtype, act, bias, residual)
+    out = {"output_dtype": FP8_OUTPUT["dtype"]} if dtype == FP8 else {}
+    return T.Case(op, (m,), n, k, dtype, act, bias, residual, **out)
 
 
 def points(shapes, tokens, dtypes):
@@ -95,7 +114,8 @@ def points(shapes, tokens, dtypes):
 def ours_configs(case, arch, variants: str | None) -> list:
     """(label, config): the first candidate of every kernel source (what kernel_config picks
     first), then, with ``variants`` ("all" or config names), those candidates too."""
-    cands = L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation)
+    cands = L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation,
+                                case.y_dtype)
     out, seen = [], set()
     for c in cands:
         if c.impl not in seen:
@@ -288,12 +308,120 @@ def contenders(case, ins, compiler, artifacts, arch, variants, check):
     return fns, notes
 
 
+def fp8_contenders(case, ins, artifacts, arch, variants, check):
+    """{name: callable} for one FP8 point (the module doc's FP8 contenders), and notes."""
+    import torch
+
+    from optfuse.kernels import launch
+
+    notes, fns = {}, {}
+    names = [t.name for t in T.reference_mod().SPECS[case.op].inputs]
+    by = dict(zip(names, ins))
+    y_dt = getattr(torch, case.y_dtype)
+    x, sa = by["A"], by["a_scale"]
+    one = torch.ones((), device="cuda", dtype=torch.float32)
+    act = torch_activation(case.activation)
+
+    def scaled(w, sw=one, bias=None, rowwise=False):
+        if rowwise:
+            return torch._scaled_mm(x, w.t(), scale_a=sa.reshape(1, 1).expand(x.shape[0], 1).contiguous(),
+                                    scale_b=sw.reshape(1, -1), bias=bias, out_dtype=y_dt)
+        return torch._scaled_mm(x, w.t(), scale_a=sa.reshape(()), scale_b=sw.reshape(()), bias=bias, out_dtype=y_dt)
+
+    bf16 = {k: (v.to(torch.bfloat16) if v is not None and v.dtype == torch.float8_e4m3fn else v) for k, v in by.items()}
+    if case.op == "GatedGemm":
+        wg, wu = by["W_gate"], by["W_up"]
+        wgu = torch.cat([wg, wu], 0)
+        fns["scaled2"] = lambda: (scaled(wg), scaled(wu))
+        fns["scaled_packed"] = lambda: scaled(wgu)
+        fns["rowwise"] = lambda: scaled(wgu, torch.cat([by["w_gate_scale"], by["w_up_scale"]]), rowwise=True)
+        fns["fp8_chain"] = lambda: act(scaled(wg)) * scaled(wu)
+        bg = torch.cat([bf16["W_gate"], bf16["W_up"]], 0)
+        fns["bf16"] = lambda: torch.mm(bf16["A"], bg.t())
+    else:
+        w, bias, res = by["W"], by["bias"], by["residual"]
+        fns["scaled"] = lambda: scaled(w)
+        if bias is not None and res is None and case.activation == "none":
+            fns["scaled_bias"] = lambda: scaled(w, bias=bias)
+        fns["rowwise"] = lambda: scaled(w, by["w_scale"], rowwise=True)
+        fns["fp8_chain"] = lambda: chain_after(case, scaled(w), bias, res, act)
+        fns["bf16"] = lambda: torch.mm(bf16["A"], bf16["W"].t())
+    ref = fp8_reference(case, by) if check else None
+    present = [t for t in ins if t is not None]
+    for label, cfg in ours_configs(case, arch, variants):
+        src, params = T.case_sources(case, config=cfg, arch=arch)
+        art, origin = artifacts.get(src, arch)
+        out = torch.full((case.m, case.n), float("nan"), dtype=y_dt, device="cuda")
+        launch(art, params, present, [out], torch.cuda.current_stream().cuda_stream, sync=True)
+        if check:
+            check_on_device(out, ref, T.tolerance_key(case), src.name)
+        notes[label] = f"{L.config_name(cfg)} ({origin})"
+        fns[label] = (lambda a=art, p=params, o=out: launch(a, p, present, [o], torch.cuda.current_stream().cuda_stream))
+    return fns, notes
+
+
+def chain_after(case, y, bias, residual, act):
+    """The epilogue of ``case`` in eager torch on the GEMM result ``y`` (one kernel per op)."""
+    before = case.residual_position == "before_activation"
+    if bias is not None:
+        y = y + bias
+    if residual is not None and before:
+        y = y + residual
+    y = act(y)
+    if residual is not None and not before:
+        y = y + residual
+    return y
+
+
+def fp8_reference(case, by: dict):
+    """The float64 dequantized math on the device: (A * a_scale) @ (W * w_scale[n])^T, then the epilogue."""
+    a = by["A"].double() * by["a_scale"].double()
+    act = torch_activation(case.activation)
+    if case.op == "GatedGemm":
+        g = a @ (by["W_gate"].double() * by["w_gate_scale"].double().reshape(-1, 1)).t()
+        u = a @ (by["W_up"].double() * by["w_up_scale"].double().reshape(-1, 1)).t()
+        return act(g) * u
+    y = a @ (by["W"].double() * by["w_scale"].double().reshape(-1, 1)).t()
+    bias = None if by["bias"] is None else by["bias"].double()
+    res = None if by["residual"] is None else by["residual"].double()
+    return chain_after(case, y, bias, res, act)
+
+
+def _cuda_fp8_inputs(case, gen) -> list:
+    """FP8 inputs on the GPU per spec input: A ~ N(0, 1) and weights ~ N(0, 1/K) quantized with
+    saturation (per-tensor A scale, per-channel weight scales), bias and residual ~ N(0, 1) in y's dtype."""
+    import torch
+
+    R = T.reference_mod()
+    names = [t.name for t in R.SPECS[case.op].inputs]
+    operands, scales = R.OPERANDS[case.op], R.SCALES[case.op]
+    values = {}
+    for name, shape, dt in zip(names, case.shapes(), case.dtypes()):
+        if shape is None or name in scales:
+            continue
+        t = torch.randn(tuple(shape), device="cuda", dtype=torch.float32, generator=gen)
+        if name in operands[1:]:
+            t = t * case.k ** -0.5
+        if name not in operands:
+            values[name] = t.to(getattr(torch, dt))
+            continue
+        scale = T.fp8_scale(t).reshape(()) if name == "A" else T.fp8_scale(t, dim=1).reshape(-1)
+        values[name] = T.quantize_fp8(t, scale if name == "A" else scale.reshape(-1, 1))
+        values[scales[operands.index(name)]] = scale
+    return [values.get(n) for n in names]
+
+
 def run_point(name, m, dtype, args, compiler, artifacts, arch) -> dict:
     import torch
 
     case = case_of(name, m, dtype)
-    ins = _cuda_inputs(case, torch.Generator(device="cuda").manual_seed(m * 7 + case.n))
-    fns, notes = contenders(case, ins, compiler, artifacts, arch, args.variants, not args.no_check)
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + case.n)
+    if case.fp8:
+        ins = _cuda_fp8_inputs(case, gen)
+        fns, notes = fp8_contenders(case, ins, artifacts, arch, args.variants, not args.no_check)
+    else:
+        ins = _cuda_inputs(case, gen)
+        fns, notes = contenders(case, ins, compiler, artifacts, arch, args.variants, not args.no_check)
     times = interleaved(fns, args.rounds, notes)
     flops = 2.0 * case.m * case.n * case.k * (2 if case.op == "GatedGemm" else 1)
     row = {"shape": name, "op": case.op, "M": case.m, "N": case.n, "K": case.k, "dtype": dtype,
@@ -301,9 +429,11 @@ def run_point(name, m, dtype, args, compiler, artifacts, arch) -> dict:
            "ms": times, "notes": notes,
            "tflops": {k: flops / t / 1e9 for k, t in times.items()}}
     first = next(k for k in times if k.startswith("ours["))
-    for base in ("mm", "lt", "chain", "compile", "packed", "mm2"):
+    for base in ("mm", "lt", "chain", "compile", "packed", "mm2", *FP8_COLUMNS):
         if base in times:
             row[f"ours/{base}"] = times[first] / times[base]
+    if case.fp8:
+        row["output_dtype"] = case.y_dtype
     del ins, fns
     torch.cuda.empty_cache()
     return row
@@ -346,9 +476,16 @@ def fmt(x, spec="6.3f") -> str:
 
 
 COLUMNS = ("mm", "packed", "mm2", "lt", "chain", "compile")
+FP8_COLUMNS = ("scaled", "scaled_packed", "scaled2", "scaled_bias", "rowwise", "fp8_chain", "bf16")
 
 
 def print_table(rows) -> None:
+    fp8 = [r for r in rows if r.get("dtype") == FP8]
+    if fp8:
+        print_fp8_table(fp8)
+    rows = [r for r in rows if r.get("dtype") != FP8]
+    if not rows:
+        return
     print(f"{'shape':22} {'M':>6} {'dtype':8} {'ours ms':>8} " + " ".join(f"{c + ' ms':>10}" for c in COLUMNS)
           + "   ours/mm|packed  ours/lt  ours/chain  ours/compile  ours TF/s")
     for r in rows:
@@ -367,12 +504,29 @@ def print_table(rows) -> None:
                 print(f"{'':22} {'':6} {'':8} {ms[k]:8.3f}  {k} ({ms[k] / ms[first]:.3f}x the first)")
 
 
+def print_fp8_table(rows) -> None:
+    """The FP8 points: ms per contender, ours / each, ours' TF/s."""
+    print(f"{'shape (FP8)':22} {'M':>6} {'y':8} {'ours ms':>8} " + " ".join(f"{c + ' ms':>13}" for c in FP8_COLUMNS)
+          + "   ours/scaled|packed  ours/scaled_bias  ours/fp8_chain  ours/bf16  ours TF/s")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:22} {r['M']:6d} {'':8} error: {r['error']}")
+            continue
+        ms = r["ms"]
+        first = next(k for k in ms if k.startswith("ours["))
+        base = r.get("ours/scaled", r.get("ours/scaled_packed"))
+        print(f"{r['shape']:22} {r['M']:6d} {r.get('output_dtype', ''):8} {ms[first]:8.3f} "
+              + " ".join(f"{fmt(ms.get(c), '13.3f')}" for c in FP8_COLUMNS)
+              + f"   {fmt(base, '18.3f')}  {fmt(r.get('ours/scaled_bias'), '16.3f')}  {fmt(r.get('ours/fp8_chain'), '14.3f')}"
+              + f"  {fmt(r.get('ours/bf16'), '9.3f')}  {r['tflops'][first]:9.0f}")
+
+
 def losses(rows) -> list[str]:
     """Every point where ours is slower than bare cuBLAS (the packed GEMM for GatedGemm) or
-    cuBLASLt's epilogue, by how much."""
+    cuBLASLt's epilogue (FP8: than torch._scaled_mm, bare or packed, or with its bias), by how much."""
     out = []
     for r in rows:
-        for base in ("mm", "packed", "lt"):
+        for base in ("mm", "packed", "lt", "scaled", "scaled_packed", "scaled_bias"):
             ratio = r.get(f"ours/{base}")
             if ratio is not None and ratio > 1.0:
                 out.append(f"{r['shape']} M={r['M']} {r['dtype']}: {ratio:.3f}x {base}")
@@ -387,6 +541,9 @@ def parse_args(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of: {', '.join(SHAPES)}")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="M values (squares use M = N = K)")
     ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--fp8", action="store_true", help="add the FP8 points (E4M3 A and weights; own table)")
+    ap.add_argument("--fp8-output", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="y's dtype of the FP8 points")
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_SHAPES)} at M = 4096")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (medians)")
     ap.add_argument("--variants", metavar="all|NAME[,NAME]",
@@ -402,6 +559,9 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.shapes, args.tokens = ",".join(QUICK_SHAPES), "4096"
+    if args.fp8 and FP8 not in args.dtypes.split(","):
+        args.dtypes += "," + FP8
+    FP8_OUTPUT["dtype"] = args.fp8_output
     unknown = set(args.shapes.split(",")) - set(SHAPES)
     if unknown:
         ap.error(f"--shapes: unknown {', '.join(sorted(unknown))} (have {', '.join(SHAPES)})")

@@ -30,6 +30,8 @@ Each check raises :class:`ContractError`; ``test_contract_checks_catch_a_broken_
 one failing on a deliberately broken copy of the spec (renamed input, output or attribute, dropped
 output, wrong default, wrong version, changed limit, dropped dtype, dropped output dtype rule). A spec limit with no check
 here fails the launch check: add its check to ``LIMIT_CHECKS``.
+
+Over 500 lines: every check and the broken-spec cases that prove each one fails stay in one file.
 """
 
 from __future__ import annotations

@@ -177,13 +177,14 @@ def test_every_kernel_compiles(tmp_path, monkeypatch):
     runner = CliRunner()
     r = runner.invoke(kernels_app, ["build", "--target", "sm_80,sm_90", "--jobs", str(min(8, os.cpu_count() or 1))])
     assert r.exit_code == 0, r.output + repr(r.exception)
-    n = len(all_sources())
+    # per arch: a plugin may add arch-specific kernels (the FP8 GEMMs need sm_89 or later)
+    n80, n90 = len(all_sources(arch=80)), len(all_sources(arch=90))
     entries = list(KernelCache(tmp_path).entries())
-    assert len(entries) == 2 * n
+    assert len(entries) == n80 + n90
     assert {m["arch"] for _, m in entries} == {80, 90}
     assert all(m["has_cubin"] and m["has_ptx"] for _, m in entries)
     r = runner.invoke(kernels_app, ["list", "--target", "sm_90"])
-    assert r.exit_code == 0 and f"{n} kernels" in r.output and "rms_norm_fwd" in r.output
+    assert r.exit_code == 0 and f"{n90} kernels" in r.output and "rms_norm_fwd" in r.output
     import optfuse.kernels.cache as cache_mod
 
     monkeypatch.setattr(cache_mod, "compile_source", lambda *a: (_ for _ in ()).throw(AssertionError("recompiled")))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..spec import FLOAT_DTYPES, FP8_DTYPES, LIKE_INPUT, OpSpec, get_spec, plugin_module
+from ..spec import FLOAT_DTYPES, FP8_DTYPES, OpSpec, get_spec, plugin_module
 
 #: TensorRT DataType member name -> spec dtype name (FP8 is E4M3).
 TRT_DTYPE = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "FP8": "float8e4m3fn", "INT32": "int32",

@@ -127,7 +127,8 @@ def _gemm_epilogue_kernel(
         A, W, W_up, Bias, Residual, AScale, WScale, WUpScale, M, Y,
         N: tl.constexpr, K: tl.constexpr, ALPHA: tl.constexpr, ACTIVATION: tl.constexpr,
         BIAS_MODE: tl.constexpr, RES_MODE: tl.constexpr, RESIDUAL_BEFORE: tl.constexpr,
-        GATED: tl.constexpr, W_SCALE: tl.constexpr, W_UP_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        GATED: tl.constexpr, W_SCALE: tl.constexpr, W_UP_SCALE: tl.constexpr, FP8_ACC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
     # -- which tile: grouped order over a 1-D grid -------------------------------------------------
     pid = tl.program_id(0)
@@ -169,7 +170,7 @@ def _gemm_epilogue_kernel(
         if IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=FP8_ACC)
         if GATED:
             if EVEN_K:
                 u = tl.load(u_ptrs)
@@ -178,7 +179,7 @@ def _gemm_epilogue_kernel(
             if IEEE:
                 acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
             else:
-                acc_up = tl.dot(a, u, acc_up)
+                acc_up = tl.dot(a, u, acc_up, max_num_imprecise_acc=FP8_ACC)
             u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

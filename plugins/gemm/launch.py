@@ -24,6 +24,10 @@ arch picks one and ``_SOURCES`` is where each impl's source is made: on sm_90 th
 kernel (``cuda_sm90``: kernel_sm90.cu, launch_sm90.py) wherever it takes the instance (fp16/bf16,
 N a multiple of 32 with room for its tensor maps), else the Triton kernel (kernel.py), which is
 also the kernel of every other arch.
+
+Over 500 lines: the config tables of every dtype class (fp16 / bf16, fp32, FP8) and arch, the
+static-shape facts they depend on, and both kernel sources' choice are kept in one module, so the
+choice between them reads in one place.
 """
 
 from __future__ import annotations
@@ -56,6 +60,11 @@ RESIDUAL_MODES = {"none": 0, "scalar": 1, "full": 2}
 SCALE_MODES = {"none": 0, "scalar": 1, "vector": 2}
 #: FP8 needs the FP8 tensor cores: sm_89 (Ada) and later.
 FP8_MIN_ARCH = 89
+#: FP8 dots on sm_90 (wgmma) accumulate in fewer than FP32's bits; tl.dot's max_num_imprecise_acc
+#: adds the imprecise partial sums into the FP32 accumulator every this many K (at most BLOCK_K;
+#: Triton's sm_90 default, 2**30, never does, so the error grows with K): 128, DeepSeek-V3's
+#: promotion interval. Other archs ignore it.
+FP8_IMPRECISE_ACC = 128
 #: Per op: the operands that are FP8 together, and the scales that come with them (spec order).
 FP8_OPERANDS = {"GemmEpilogue": ("A", "W"), "GatedGemm": ("A", "W_gate", "W_up")}
 FP8_SCALES = {"GemmEpilogue": ("a_scale", "w_scale"), "GatedGemm": ("a_scale", "w_gate_scale", "w_up_scale")}
@@ -122,9 +131,10 @@ _HALF_DEFAULT = {  # (arch class, gated) -> config for fp16 / bf16
     ("small_smem", True): _C(128, 64, 32, 8, 4, 4),
 }
 #: FP8 (E4M3 operands, FP8 tensor cores: mma on sm_89, wgmma on sm_90): BLOCK_K 128 (128 bytes of a
-#: row, as 64 is at 16 bits); the same tiles as fp16 where the ring fits, 3 stages within sm_89's 99 KiB.
+#: row, as 64 is at 16 bits), 3-4 stages within sm_89's 99 KiB. 128 x 256 tiles spill registers on
+#: sm_90 once the partial sums are promoted every K block (FP8_IMPRECISE_ACC: a second accumulator).
 _FP8_DEFAULT = {
-    ("sm90", False): _C(128, 256, 128, 8, 8, 3),
+    ("sm90", False): _C(128, 128, 128, 8, 8, 4),
     ("sm90", True): _C(128, 128, 128, 8, 8, 3),
     ("sm80", False): _C(128, 128, 128, 8, 8, 3),
     ("sm80", True): _C(128, 64, 128, 8, 4, 3),
@@ -151,11 +161,10 @@ _CANDIDATES = {
                       _C(32, 64, 32, 8, 2, 4), _C(64, 64, 16, 8, 4, 4), _C(64, 64, 32, 8, 8, 2)],
     ("fp32", True): [_C(64, 64, 32, 8, 8, 2), _C(64, 32, 32, 8, 4, 3), _C(32, 64, 32, 8, 4, 3),
                      _C(64, 64, 16, 8, 4, 3)],
-    ("fp8", False): [_C(128, 256, 128, 8, 8, 3), _C(128, 128, 128, 8, 8, 3), _C(128, 128, 128, 8, 4, 4),
-                     _C(64, 128, 128, 8, 4, 4), _C(128, 64, 128, 8, 4, 4), _C(128, 256, 64, 8, 8, 4),
-                     _C(64, 64, 128, 8, 4, 3)],
-    ("fp8", True): [_C(128, 128, 128, 8, 8, 3), _C(128, 64, 128, 8, 4, 3), _C(64, 128, 128, 8, 4, 3),
-                    _C(64, 64, 128, 8, 4, 4)],
+    ("fp8", False): [_C(128, 128, 128, 8, 8, 4), _C(128, 128, 128, 8, 8, 3), _C(128, 128, 128, 8, 4, 4),
+                     _C(64, 128, 128, 8, 4, 4), _C(128, 64, 128, 8, 4, 4), _C(64, 64, 128, 8, 4, 3)],
+    ("fp8", True): [_C(128, 128, 128, 8, 8, 3), _C(64, 128, 128, 8, 4, 3), _C(64, 64, 128, 8, 4, 4),
+                    _C(128, 64, 128, 8, 8, 3)],
 }
 
 
@@ -466,6 +475,7 @@ def _triton_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: Gemm
         "BIAS_MODE": BIAS_MODES[epi.bias_mode], "RES_MODE": RESIDUAL_MODES[epi.residual_mode],
         "RESIDUAL_BEFORE": epi.residual_before, "GATED": op == "GatedGemm",
         "W_SCALE": SCALE_MODES[epi.w_scale_mode], "W_UP_SCALE": SCALE_MODES[epi.w_up_scale_mode],
+        "FP8_ACC": min(FP8_IMPRECISE_ACC, cfg.block_k) if dtype in FP8_DTYPES else None,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
         "EPILOGUE_SPLIT": cfg.epilogue_split,
     })

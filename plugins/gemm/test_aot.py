@@ -1,6 +1,6 @@
 """AOT compiles of the GEMM kernels through optfuse.kernels (CPU only, no GPU needed): the Triton
-kernel for sm_80, sm_89 and sm_90 with its default configs, the CUDA sm_90 kernel (NVRTC) with
-each of its variants, parameters in QDP order."""
+kernel for sm_80, sm_89 and sm_90 with its default configs (FP8 for sm_89 and sm_90: FP8 tensor-core
+MMAs in the PTX), the CUDA sm_90 kernel (NVRTC) with each of its variants, parameters in QDP order."""
 
 import re
 
@@ -23,6 +23,11 @@ T = plugin_module("gemm", "testing")
     (89, T.Case("GatedGemm", (-1,), 2048, 1024, "float16", "gelu_tanh")),
     (80, T.Case("GemmEpilogue", (-1,), 4096, 4096, "float16", "silu", "none", "scalar")),
     (80, T.Case("GemmEpilogue", (-1,), 24, 40, "float32", "tanh", "none", "none", alpha=0.5)),
+    (90, T.Case("GemmEpilogue", (-1,), 3072, 768, "float8e4m3fn", "gelu_erf", "vector", "full", output_dtype="bfloat16")),
+    (90, T.Case("GatedGemm", (-1,), 11008, 4096, "float8e4m3fn", "silu", output_dtype="float16")),
+    (89, T.Case("GemmEpilogue", (-1,), 1000, 1000, "float8e4m3fn", "gelu_tanh", "scalar", "full", "before_activation",
+                output_dtype="float16", w_scale="scalar")),
+    (89, T.Case("GatedGemm", (-1,), 2048, 1024, "float8e4m3fn", "gelu_erf", output_dtype="float32")),
 ], ids=lambda x: x.id() if hasattr(x, "id") else f"sm{x}")
 def test_aot_compile(tmp_path, arch, case):
     static = T.case_static(case, arch)
@@ -44,6 +49,9 @@ def test_aot_compile(tmp_path, arch, case):
     if case.dtype != "float32":
         assert ("wgmma" in art.ptx) == (arch == 90)  # Hopper: warpgroup MMA; sm_80 / sm_89: mma.sync
         assert arch == 90 or "mma.sync" in art.ptx
+    if case.fp8:  # the FP8 tensor cores: E4M3 operands in the MMA itself
+        mma = r"wgmma\.mma_async\S*\.e4m3\.e4m3" if arch == 90 else r"mma\.sync\S*\.e4m3\.e4m3"
+        assert re.search(mma, art.ptx), src.name
     assert KernelCache(tmp_path).build(src, arch).key == art.key  # a second build is a cache hit
 
 
@@ -78,16 +86,21 @@ def test_qdp_aot_kernel_with_symbolic_shapes(tmp_path, monkeypatch, op, inputs, 
 
 @pytest.mark.parametrize("arch", [80, 89, 90])
 @pytest.mark.parametrize("op,dtype", [("GemmEpilogue", "float16"), ("GatedGemm", "bfloat16"),
-                                      ("GemmEpilogue", "float32"), ("GatedGemm", "float32")])
+                                      ("GemmEpilogue", "float32"), ("GatedGemm", "float32"),
+                                      ("GemmEpilogue", "float8e4m3fn"), ("GatedGemm", "float8e4m3fn")])
 def test_default_configs_spill_no_register(tmp_path, op, dtype, arch):
     """The Triton kernel's default config on each arch with the largest epilogue (GELU erf, a bias
-    vector and a full residual for GemmEpilogue) keeps everything in registers (ptxas -v: no
-    spill; the sm_90 CUDA kernel's NVRTC PTX is newer than Triton's ptxas reads)."""
+    vector and a full residual for GemmEpilogue; FP8: per-channel scales, y bf16) keeps everything in
+    registers (ptxas -v: no spill; the sm_90 CUDA kernel's NVRTC PTX is newer than Triton's ptxas reads)."""
     if dtype == "float32" and arch != 90:
         pytest.skip("the fp32 configs do not depend on the arch")
-    case = T.Case(op, (-1,), 4096, 4096, dtype, "gelu_erf", *(("vector", "full") if op == "GemmEpilogue" else ()))
+    if dtype == "float8e4m3fn" and arch < L.FP8_MIN_ARCH:
+        pytest.skip("no FP8 tensor cores below sm_89")
+    out = {"output_dtype": "bfloat16"} if dtype == "float8e4m3fn" else {}
+    case = T.Case(op, (-1,), 4096, 4096, dtype, "gelu_erf", *(("vector", "full") if op == "GemmEpilogue" else ()), **out)
     static = T.case_static(case, arch)
     triton_cfg = next(c for c in L.candidate_configs(op, dtype, 4096, 4096, arch, static, "gelu_erf") if c.impl == "triton")
+    assert triton_cfg == L.choose_config(op, dtype, 4096, 4096, arch, static, "gelu_erf", case.y_dtype) or dtype != "float8e4m3fn"
     src = L.kernel_config(op, dtype, case.attrs, static, config=triton_cfg)
     usage = T.ptxas_usage(KernelCache(tmp_path).build(src, arch))
     assert usage["spill_stores"] == usage["spill_loads"] == 0, (src.name, usage)
@@ -142,3 +155,31 @@ def test_sm90_schedule_choice():
     assert impl(T.Case("GemmEpilogue", (-1,), 768, 3072, "float16", "none", "vector", "full")) == "cuda_sm90"
     assert impl(T.Case("GemmEpilogue", (-1,), 12288, 4096, "bfloat16", "none", "none", "none")) == "cuda_sm90"
     assert impl(T.Case("GatedGemm", (-1,), 11008, 4096, "float16", "silu")) == "cuda_sm90"
+
+
+@pytest.mark.parametrize("op", ["GemmEpilogue", "GatedGemm"])
+def test_qdp_aot_kernel_fp8(tmp_path, monkeypatch, op):
+    """The aot_impl body for FP8: symbolic leading dims, the scales among the inputs in spec order
+    (QDP), the Triton kernel on sm_90 and sm_89 (never the CUDA one), refused on sm_80."""
+    from optfuse.kernels.testing import SymDim, sym_cdiv
+    from optfuse.trt.qdp import TensorInfo, aot_kernel
+
+    monkeypatch.setenv("OPTFUSE_CACHE", str(tmp_path))
+    B, S = SymDim("B"), SymDim("S")
+    a = TensorInfo("float8e4m3fn", [B, S, 768], [-1, -1, 768])
+    w = TensorInfo("float8e4m3fn", [3072, 768])
+    sa, sw = TensorInfo("float32", []), TensorInfo("float32", [3072])
+    if op == "GemmEpilogue":
+        infos = [a, w, TensorInfo("bfloat16", [3072]), TensorInfo("bfloat16", [B, S, 3072]), sa, sw]
+    else:
+        infos = [a, w, w, sa, sw, sw]
+    attrs = {"activation": "silu", "output_dtype": "bfloat16"}
+    for arch in (89, 90):
+        ak = aot_kernel(op, infos, attrs, 0, arch=arch, cdiv=sym_cdiv)
+        assert "/triton_" in ak.artifact.metadata["source_name"] and "float8e4m3fn-to-bfloat16" in ak.artifact.metadata["source_name"]
+        assert ak.artifact.n_inputs == 6 and repr(ak.extra_args[0]) == "(B*S)"
+        cfg = L.choose_config(op, "float8e4m3fn", 3072, 768, arch, out_dtype="bfloat16")
+        assert cfg.impl == "triton" and cfg.block_k == 128
+        assert repr(ak.launch.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
+    with pytest.raises(ValueError, match="sm_89 or later"):
+        aot_kernel(op, infos, attrs, 0, arch=80, cdiv=sym_cdiv)

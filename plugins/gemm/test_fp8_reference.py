@@ -141,9 +141,21 @@ def test_a_model_with_fp8_and_other_gemm_nodes_runs_in_onnxruntime():
         ("GatedGemm", "fp8_to_float32"), ("GemmEpilogue", ""), ("GemmEpilogue", "fp8_to_float32"),
         ("GemmEpilogue", "to_float16")]
     assert model.ir_version == 10
-    assert add_functions(model).functions == model.functions  # idempotent
+    assert add_functions(onnx.ModelProto.FromString(model.SerializeToString())).functions == model.functions  # idempotent
     onnx.checker.check_model(model, full_check=True)
-    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    # onnx-graphsurgeon drops the overloads (nodes and functions): add_functions makes them afresh
+    import onnx_graphsurgeon as gs
+
+    again = add_functions(gs.export_onnx(gs.import_onnx(model)))
+    assert [n.overload for n in again.graph.node] == [n.overload for n in model.graph.node]
+    assert sorted((f.name, f.overload, len(f.node)) for f in again.functions) == \
+        sorted((f.name, f.overload, len(f.node)) for f in model.functions)
+    for m in (model, again):
+        got = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+        _check_all(got, want)
+
+
+def _check_all(got, want):
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=1e-3 if g.dtype == np.float16 else 2e-5,

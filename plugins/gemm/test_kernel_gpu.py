@@ -9,6 +9,11 @@ artifacts are used; otherwise they are compiled with the local Triton.
 Kernel sources: every test runs once per entry of KERNEL_SOURCES (a ``GemmConfig.impl``) on each
 case that source's candidate configs cover; a new kernel (the sm_90 CUDA one) joins by adding its
 impl name there.
+
+FP8 (float8e4m3fn, sm_89 and later; the Triton kernel): the reference is the float64 product of the
+same FP8 values times the scales (the dequantized math); inputs are quantized by the test with
+saturation, per-tensor A and per-channel (or single) weight scales; ``extra={"headroom": 0.5}``
+cases saturate the largest values at +-448 (the E4M3 range edge).
 """
 
 import os
@@ -53,13 +58,37 @@ CASES = [
     C("GatedGemm", (333,), 1000, 776, "float32", "gelu_tanh"),
     C("GatedGemm", (1031,), 2752, 1024, "bfloat16", "silu"),                           # LLaMA-like, 1/4 scale
     C("GatedGemm", (5,), 11008, 4096, "float16", "silu"),                              # LLaMA-7B, few rows
+    C("GemmEpilogue", (1000,), 776, 1000, "float16", "gelu_erf", "vector", "full", output_dtype="float32"),
 ]
+_FP8 = "float8e4m3fn"
+_EDGE = {"headroom": 0.5}  # the largest values saturated at +-448
+FP8_CASES = [
+    *[C("GemmEpilogue", (3, 201), 1000, 776, _FP8, a, "vector", "full", output_dtype="bfloat16") for a in _ACTS],
+    C("GemmEpilogue", (2, 333), 1032, 1544, _FP8, "gelu_tanh", "vector", "full", "before_activation",
+      output_dtype="float16"),
+    C("GemmEpilogue", (2, 333), 1032, 1544, _FP8, "silu", "scalar", "scalar", output_dtype="bfloat16", w_scale="scalar"),
+    C("GemmEpilogue", (1000,), 776, 1000, _FP8, "relu", "none", "none", output_dtype="float32"),
+    C("GemmEpilogue", (777,), 520, 4104, _FP8, "gelu_erf", "vector", "full", "before_activation",
+      output_dtype="bfloat16", extra=_EDGE),
+    C("GemmEpilogue", (1,), 3072, 768, _FP8, "gelu_erf", "vector", "none", output_dtype="bfloat16"),   # one row
+    C("GemmEpilogue", (2, 1050), 3072, 768, _FP8, "gelu_erf", "vector", "none", output_dtype="bfloat16"),
+    C("GemmEpilogue", (4, 129), 768, 3072, _FP8, "none", "vector", "full", output_dtype="bfloat16", extra=_EDGE),
+    C("GemmEpilogue", (301,), 264, 136, _FP8, "quick_gelu", "vector", "none", alpha=0.125, output_dtype="float16"),
+    C("GatedGemm", (3, 201), 1000, 776, _FP8, "silu", output_dtype="bfloat16"),
+    C("GatedGemm", (333,), 1000, 776, _FP8, "gelu_tanh", output_dtype="float32", w_scale="scalar"),
+    C("GatedGemm", (1031,), 2752, 1024, _FP8, "gelu_erf", output_dtype="float16", extra=_EDGE),
+    C("GatedGemm", (5,), 11008, 4096, _FP8, "silu", output_dtype="bfloat16"),                 # LLaMA-7B, few rows
+]
+CASES += FP8_CASES
 #: The cases every candidate config runs on (one per op and dtype class).
 CONFIG_CASES = [
     C("GemmEpilogue", (2, 333), 1032, 1544, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"),
     C("GemmEpilogue", (603,), 1000, 776, "float32", "gelu_erf", "vector", "full"),
     C("GatedGemm", (3, 201), 1000, 776, "float16", "silu"),
     C("GatedGemm", (333,), 1000, 776, "float32", "gelu_tanh"),
+    C("GemmEpilogue", (2, 333), 1032, 1544, _FP8, "gelu_tanh", "vector", "full", "before_activation",
+      output_dtype="bfloat16", extra=_EDGE),
+    C("GatedGemm", (3, 201), 1000, 776, _FP8, "silu", output_dtype="float16"),
 ]
 
 
@@ -76,11 +105,18 @@ def _device_arch():
     return detect_arch()
 
 
+def _runs_on(case, arch) -> bool:
+    """FP8 needs FP8 tensor cores (sm_89 and later; arch None: unknown, built anyway)."""
+    return not case.fp8 or arch is None or int(arch) >= L.FP8_MIN_ARCH
+
+
 def configs_of(impl: str, case, arch) -> list:
-    """The candidate configs of kernel source ``impl`` for a case on ``arch``."""
+    """The candidate configs of kernel source ``impl`` for a case on ``arch`` (none for FP8 below sm_89)."""
+    if not _runs_on(case, arch):
+        return []
     static = T.case_static(case, arch)
-    return [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, static, case.activation)
-            if c.impl == impl]
+    return [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, arch, static, case.activation,
+                                           case.y_dtype) if c.impl == impl]
 
 
 def gpu_test_sources(arch=None) -> list:
@@ -106,16 +142,18 @@ def _check(case, config, seed, arch):
     from optfuse.kernels import launch
 
     gen = torch.Generator().manual_seed((seed + zlib.crc32(case.id().encode())) % (2 ** 31))
-    ins = T.case_inputs(case, generator=gen)
+    ins = T.case_inputs(case, generator=gen, headroom=case.extra.get("headroom", 1.0))
+    if case.extra.get("headroom", 1.0) < 1:
+        assert (ins[0].float().abs() == T.FP8_MAX).any(), "the case should reach the E4M3 range edge"
     src, params = T.case_sources(case, config=config, arch=arch)
     art = T.get_artifact(src, arch)
     ref = T.reference_of(case, ins)
     dev = [t.cuda() for t in ins if t is not None]
-    out = torch.empty((*case.lead, case.n), dtype=dev[0].dtype, device="cuda")
+    out = torch.empty((*case.lead, case.n), dtype=getattr(torch, case.y_dtype), device="cuda")
     for _ in range(2):  # twice: a race or a read of unwritten memory shows as a changing result
         out.fill_(float("nan"))
         launch(art, params, dev, [out], torch.cuda.current_stream().cuda_stream, sync=True)
-        T.check_close(out, ref, case.dtype, src.name)
+        T.check_close(out, ref, T.tolerance_key(case), src.name)
 
 
 @pytest.mark.parametrize("impl", KERNEL_SOURCES)
@@ -149,6 +187,9 @@ def test_default_choice_is_tested(cuda_torch):
     test_artifact_matches_reference runs what a plugin runs."""
     arch = _device_arch()
     for case in CASES:
-        chosen = L.choose_config(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation)
+        if not _runs_on(case, arch):
+            continue
+        chosen = L.choose_config(case.op, case.dtype, case.n, case.k, arch, T.case_static(case, arch), case.activation,
+                                 case.y_dtype)
         assert chosen.impl in KERNEL_SOURCES, f"{case.id()}: picks {chosen.impl!r}, not under test"
         assert configs_of(chosen.impl, case, arch)[0] == chosen

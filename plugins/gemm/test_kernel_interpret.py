@@ -4,7 +4,9 @@ TRITON_INTERPRET must be set before triton is imported, so the cases run in one 
 started with it; each test checks its case's result. Small tiles (16 x 16 x 16, GROUP_M 2) make
 small problems cover several row groups, a partial last group, and M / N / K tails (M = 37 or 70,
 N = 40, K = 56: none a multiple of 16); a few cases run the epilogue in column halves (32-wide tiles). bf16 is left to the GPU tests: the interpreter's tl.dot on
-bf16 operands is wrong (Triton 3.9).
+bf16 operands is wrong (Triton 3.9). FP8 (float8e4m3fn, ``tl.float8e4nv``) runs in the interpreter on
+CPU tensors (Triton 3.9): both ops, per-channel and single weight scales, y in fp32 / fp16, values
+saturated at +-448 (headroom 0.5), with a K tile of 32 (the FP8 MMA's K).
 """
 
 from __future__ import annotations
@@ -47,21 +49,44 @@ CASES.update({
     "gated_gelu_tanh": ("GatedGemm", *_TAIL, "float16", "gelu_tanh", "none", "none", "after_activation", 1.0, None),
 })
 SMALL = (16, 16, 16, 2, 1, 1)  # block_m, block_n, block_k, group_m, num_warps, num_stages
+SMALL_FP8 = (16, 16, 32, 2, 1, 1)
+_FP8 = "float8e4m3fn"
+# FP8 cases: (..., config, output_dtype, w_scale, headroom)
+CASES.update({
+    "fp8_gelu_bias_residual_f32": ("GemmEpilogue", *_TAIL, _FP8, "gelu_erf", "vector", "full", "after_activation", 1.0,
+                                   SMALL_FP8, "float32", "vector", 1.0),
+    "fp8_saturated_f16": ("GemmEpilogue", (45,), 40, 64, _FP8, "silu", "scalar", "full", "before_activation", 0.5,
+                          SMALL_FP8, "float16", "vector", 0.5),
+    "fp8_one_weight_scale": ("GemmEpilogue", *_TAIL, _FP8, "none", "none", "none", "after_activation", 1.0,
+                             SMALL_FP8, "float32", "scalar", 1.0),
+    "fp8_k_tail_split": ("GemmEpilogue", (37,), 40, 40, _FP8, "tanh", "vector", "none", "after_activation", 1.0,
+                         (16, 32, 32, 2, 1, 1, "triton", True), "float32", "vector", 1.0),
+    "fp8_gated_silu": ("GatedGemm", *_TAIL, _FP8, "silu", "none", "none", "after_activation", 1.0,
+                       SMALL_FP8, "float32", "vector", 0.5),
+    "fp8_gated_split_f16": ("GatedGemm", (3, 13), 40, 64, _FP8, "gelu_tanh", "none", "none", "after_activation", 1.0,
+                            (16, 32, 32, 2, 1, 1, "triton", True), "float16", "scalar", 1.0),
+    # a non-FP8 y of another dtype than A's (fp16 in, fp32 out)
+    "f16_to_f32": ("GemmEpilogue", *_TAIL, "float16", "gelu_erf", "vector", "full", "after_activation", 1.0, None,
+                   "float32", "vector", 1.0),
+})
 
 
-def _run_case(op, lead, n, k, dtype, act, bias, residual, position, alpha, config):
+def _run_case(op, lead, n, k, dtype, act, bias, residual, position, alpha, config, output_dtype="like_input",
+              w_scale="vector", headroom=1.0):
     import torch
 
     from optfuse.kernels.registry import plugin_module
 
     T = plugin_module("gemm", "testing")
     L = plugin_module("gemm", "launch")
-    case = T.Case(op, lead, n, k, dtype, act, bias, residual, position, alpha)
-    ins = T.case_inputs(case, generator=torch.Generator().manual_seed(0))
+    case = T.Case(op, lead, n, k, dtype, act, bias, residual, position, alpha, output_dtype, w_scale)
+    ins = T.case_inputs(case, generator=torch.Generator().manual_seed(0), headroom=headroom)
+    if headroom < 1:  # the case reaches the E4M3 range edge: some values saturated to +-448
+        assert (ins[0].float().abs() == T.FP8_MAX).any()
     src, params = T.case_sources(case, config=L.GemmConfig(*(config or SMALL)))
-    out = torch.full((*lead, n), float("nan"), dtype=getattr(torch, dtype))
+    out = torch.full((*lead, n), float("nan"), dtype=getattr(torch, case.y_dtype))
     T.run_triton(src, params, ins, [out], interpret=True)
-    T.check_close(out, T.reference_of(case, ins), dtype, src.name)
+    T.check_close(out, T.reference_of(case, ins), T.tolerance_key(case), src.name)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +115,25 @@ def test_the_check_catches_a_wrong_activation():
         wrong = R.gemm_epilogue64(x[0], x[1], x[2], x[3], other)
         with pytest.raises(AssertionError):
             T.check_close(np.asarray(wrong, np.float32), T.reference_of(case, ins), "float32", f"{act} as {other}")
+
+
+def test_the_check_catches_a_wrong_fp8_scale():
+    """On the FP8 cases' inputs the comparison tells a missing or per-tensor-only weight scale from
+    the per-channel one, and a missing A scale."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    from optfuse.kernels.registry import plugin_module
+
+    T = plugin_module("gemm", "testing")
+    R = plugin_module("gemm", "reference")
+    case = T.Case("GemmEpilogue", *_TAIL, "float8e4m3fn", "gelu_erf", "vector", "full", output_dtype="float32")
+    ins = T.case_inputs(case, generator=torch.Generator().manual_seed(0))
+    x = [T.to_numpy64(t) for t in ins]
+    ref = T.reference_of(case, ins)
+    for a_scale, w_scale in ((x[4], None), (None, x[5]), (x[4], x[5].mean())):
+        wrong = R.gemm_epilogue64(x[0], x[1], x[2], x[3], "gelu_erf", a_scale=a_scale, w_scale=w_scale)
+        with pytest.raises(AssertionError):
+            T.check_close(np.asarray(wrong, np.float32), ref, T.tolerance_key(case), "wrong scale")
 
 
 if __name__ == "__main__":

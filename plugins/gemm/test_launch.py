@@ -155,3 +155,83 @@ def test_prebuild_sources():
     assert {s.meta["activation"] for s in srcs} >= {"none", "gelu_erf", "gelu_tanh", "silu"}
     names90 = {s.name for s in L.prebuild_sources(arch=90)}
     assert any("128x256x64" in n for n in names90)
+
+
+# -- FP8 (spec v2) ----------------------------------------------------------------------------------
+FP8 = "float8e4m3fn"
+
+
+def _fp8_static(op="GemmEpilogue", w_scale=(3072,), arch=90):
+    if op == "GemmEpilogue":
+        shapes = [[-1, 768], [3072, 768], [3072], None, [], list(w_scale)]
+        dtypes = [FP8, FP8, "bfloat16", None, "float32", "float32"]
+    else:
+        shapes = [[-1, 768], [3072, 768], [3072, 768], [1], list(w_scale), [3072]]
+        dtypes = [FP8] * 3 + ["float32"] * 3
+    return {**L.static_shape(op, shapes, dtypes), "arch": arch}
+
+
+def test_fp8_static_shape_facts():
+    assert _fp8_static()["w_scale_mode"] == "vector" and _fp8_static(w_scale=(1,))["w_scale_mode"] == "scalar"
+    gated = _fp8_static("GatedGemm", w_scale=())
+    assert (gated["w_scale_mode"], gated["w_up_scale_mode"]) == ("scalar", "vector")
+    a, w = [-1, 768], [3072, 768]
+    for shapes, dtypes, why in [
+        ([a, w, None, None, [], None], [FP8, FP8, None, None, "float32", None], "w_scale must be present"),
+        ([a, w, None, None, None, [3072]], [FP8, FP8, None, None, None, "float32"], "a_scale must be present"),
+        ([a, w, None, None, [], [3072]], ["float16"] * 2 + [None, None, "float32", "float32"], "absent without FP8"),
+        ([a, w, None, None, [], [3072]], [FP8, "float16", None, None, "float32", "float32"], "must all be FP8 or none"),
+        ([a, w, None, None, [2], [3072]], [FP8, FP8, None, None, "float32", "float32"], "a_scale of shape"),
+        ([a, w, None, None, [], [768]], [FP8, FP8, None, None, "float32", "float32"], "w_scale of shape"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            L.static_shape("GemmEpilogue", shapes, dtypes)
+
+
+def test_fp8_kernel_source():
+    """FP8 runs the Triton kernel (the sm_90 CUDA kernel takes fp16 / bf16 only) with the scales
+    after the other inputs (spec order) and y of output_dtype; refused below sm_89 and without an
+    output_dtype."""
+    attrs = {"activation": "gelu_erf", "output_dtype": "bfloat16"}
+    src = L.kernel_config("GemmEpilogue", FP8, attrs, _fp8_static())
+    assert src.lang == "triton" and list(src.signature) == ["A", "W", "Bias", "AScale", "WScale", "M", "Y"]
+    assert src.signature["A"] == "*fp8e4nv" and src.signature["Y"] == "*bf16" and src.signature["AScale"] == "*fp32"
+    assert src.constexprs["W_SCALE"] == 2 and src.constexprs["Residual"] is None and src.n_inputs == 5
+    # the partial sums go into the FP32 accumulator every K block (sm_90's FP8 wgmma keeps fewer bits)
+    assert src.constexprs["FP8_ACC"] == min(L.FP8_IMPRECISE_ACC, src.constexprs["BLOCK_K"]) == 128
+    assert L.kernel_config("GemmEpilogue", "float16", {}, {"N": 64, "K": 64}).constexprs["FP8_ACC"] is None
+    assert "/float8e4m3fn-to-bfloat16/" in src.name and "_wscale-vector/" in src.name
+    assert L.kernel_config("GemmEpilogue", FP8, attrs, _fp8_static(arch=89)).lang == "triton"
+    with pytest.raises(ValueError, match=r"sm_89 or later \(target sm_86\)"):
+        L.kernel_config("GemmEpilogue", FP8, attrs, _fp8_static(arch=86))
+    with pytest.raises(ValueError, match="would be float8e4m3fn"):
+        L.kernel_config("GemmEpilogue", FP8, {"activation": "none"}, _fp8_static())
+    with pytest.raises(ValueError, match="scales come exactly with FP8"):
+        L.kernel_config("GemmEpilogue", "float16", attrs, _fp8_static())
+    gated = L.kernel_config("GatedGemm", FP8, {"output_dtype": "float16"}, _fp8_static("GatedGemm"))
+    assert list(gated.signature) == ["A", "W", "W_up", "AScale", "WScale", "WUpScale", "M", "Y"]
+    assert (gated.constexprs["W_SCALE"], gated.constexprs["W_UP_SCALE"]) == (2, 2) and gated.signature["Y"] == "*fp16"
+    p = L.launch_params("GemmEpilogue", [[SymDim("M"), 768], [3072, 768], [3072], None, [], [3072]],
+                        [FP8, FP8, "bfloat16", None, "float32", "float32"], attrs, cdiv=sym_cdiv,
+                        static_shape=_fp8_static())
+    cfg = L.choose_config("GemmEpilogue", FP8, 3072, 768, 90, _fp8_static(), "gelu_erf", "bfloat16")
+    assert repr(p.grid[0]) == f"(cdiv(M,{cfg.block_m})*{3072 // cfg.block_n})" and p.block[0] == cfg.num_warps * 32
+
+
+def test_fp8_configs_fit_the_arch():
+    for arch in (89, 90, None):
+        for op in L.OPS:
+            cands = L.candidate_configs(op, FP8, 4096, 4096, arch)
+            assert cands[0].impl == "triton" and cands[0].block_k == 128
+            limit = L.SMEM_LIMIT.get(arch, L.PORTABLE_SMEM) if arch else L.PORTABLE_SMEM
+            assert all(L.shared_mem_estimate(op, FP8, c) <= limit and c.block_k >= 32 for c in cands)
+    assert L.candidate_configs("GemmEpilogue", FP8, 24, 16)[0].block_k == 32  # the FP8 MMA's K at least
+
+
+def test_other_output_dtype_runs_the_triton_kernel_on_sm90():
+    """The CUDA sm_90 kernel writes y in A's dtype: an fp16 GEMM with output_dtype float32 runs the Triton kernel."""
+    case = T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none")
+    assert L.kernel_config(case.op, "float16", case.attrs, T.case_static(case, 90)).lang == "cuda"
+    case32 = T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none", output_dtype="float32")
+    src = L.kernel_config(case32.op, "float16", case32.attrs, T.case_static(case32, 90))
+    assert src.lang == "triton" and src.signature["Y"] == "*fp32" and src.signature["Bias"] == "*fp32"

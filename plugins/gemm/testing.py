@@ -1,14 +1,15 @@
 """Helpers shared by the GEMM tests and scripts/bench_gemm.py (torch is imported inside functions).
 
-* :class:`Case` -- one op instance: op, M (as leading dims of A), N, K, dtype, activation, bias /
-  residual modes, residual position;
-* :func:`case_inputs` -- random inputs in spec order (present ones only);
+* :class:`Case` -- one op instance: op, M (as leading dims of A), N, K, dtype (A's), activation, bias /
+  residual modes, residual position, alpha, y's dtype (``output_dtype``), the FP8 weight scales' mode;
+* :func:`case_inputs` -- random inputs in spec order (None where absent); FP8 ones quantized with
+  saturation (``quantize_fp8``), scales per tensor (A) and per output channel (weights);
 * :func:`case_sources` -- KernelSource + LaunchParams of a case, from launch.py;
 * :func:`run_triton` -- the Triton kernel of a KernelSource run directly (JIT on a GPU, or the
   interpreter on CPU), binding arguments by parameter name, so absent inputs (``None`` constexprs
   between the runtime parameters) work;
-* :func:`reference_of` / :func:`check_close` -- the float64 reference (reference.py) and the
-  accuracy check against it;
+* :func:`reference_of` / :func:`check_close` / :func:`tolerance_key` -- the float64 reference
+  (reference.py; FP8: the dequantized math on the same FP8 values) and the accuracy check against it;
 * :func:`ptxas_usage` -- registers and spill bytes of an artifact's PTX (Triton's bundled ptxas);
 * :func:`get_artifact` -- an artifact prebuilt elsewhere (``$OPTFUSE_GEMM_PREBUILT``, a KernelCache
   root), else compiled here.
@@ -46,6 +47,8 @@ class Case:
     residual: str = "none"  # none | scalar | full
     residual_position: str = "after_activation"
     alpha: float = 1.0
+    output_dtype: str = "like_input"  # y's dtype (an FP8 case names one)
+    w_scale: str = "vector"  # FP8: the weight scales per output channel ("vector") or one ("scalar")
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -53,59 +56,114 @@ class Case:
         return math.prod(self.lead)
 
     @property
+    def fp8(self) -> bool:
+        return self.dtype == "float8e4m3fn"
+
+    @property
+    def y_dtype(self) -> str:
+        return self.dtype if self.output_dtype == "like_input" else self.output_dtype
+
+    @property
     def attrs(self) -> dict:
-        if self.op == "GatedGemm":
-            return {"activation": self.activation}
-        return {"activation": self.activation, "alpha": self.alpha, "residual_position": self.residual_position}
+        out = {"activation": self.activation}
+        if self.op == "GemmEpilogue":
+            out.update({"alpha": self.alpha, "residual_position": self.residual_position})
+        if self.output_dtype != "like_input":
+            out["output_dtype"] = self.output_dtype
+        return out
 
     def shapes(self) -> list[list[int] | None]:
         """Per spec input (None for an absent one)."""
         a, w = [*self.lead, self.k], [self.n, self.k]
+        ws = [self.n] if self.w_scale == "vector" else [1]
         if self.op == "GatedGemm":
-            return [a, w, list(w)]
+            return [a, w, list(w), *(([], ws, list(ws)) if self.fp8 else (None,) * 3)]
         bias = {"none": None, "scalar": [], "vector": [self.n]}[self.bias]
         res = {"none": None, "scalar": [1], "full": [*self.lead, self.n]}[self.residual]
-        return [a, w, bias, res]
+        return [a, w, bias, res, *(([], ws) if self.fp8 else (None, None))]
+
+    def dtypes(self) -> list[str | None]:
+        """Per spec input: A's dtype for A and the weights, y's for bias and residual, float32 for scales."""
+        names = [t.name for t in reference_mod().SPECS[self.op].inputs]
+        scales = reference_mod().SCALES[self.op]
+        operands = reference_mod().OPERANDS[self.op]
+        return [None if s is None else (self.dtype if n in operands else "float32" if n in scales else self.y_dtype)
+                for n, s in zip(names, self.shapes())]
 
     def id(self) -> str:
-        parts = [self.op, "x".join(map(str, self.lead)), f"n{self.n}", f"k{self.k}", self.dtype, self.activation]
+        dt = self.dtype if self.output_dtype == "like_input" else f"{self.dtype}-to-{self.output_dtype}"
+        parts = [self.op, "x".join(map(str, self.lead)), f"n{self.n}", f"k{self.k}", dt, self.activation]
         if self.op == "GemmEpilogue":
             parts += [f"bias-{self.bias}", f"res-{self.residual}"]
             if self.residual != "none" and self.residual_position == "before_activation":
                 parts.append("before")
             if self.alpha != 1.0:
                 parts.append(f"alpha{self.alpha:g}")
+        if self.fp8:
+            parts.append(f"wscale-{self.w_scale}")
         return "-".join(parts)
 
 
-def case_inputs(case: Case, *, device: str = "cpu", generator=None) -> list:
-    """Random torch inputs per spec input (None where absent): A ~ N(0, 1), weights ~ N(0, 1/K)
-    (pre-activations of order 1, where every activation bends), bias and residual ~ N(0, 1)."""
+#: E4M3's largest finite value.
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x, scale):
+    """``x / scale`` saturated to +-448 and rounded to float8e4m3fn (torch), ``scale`` broadcasting
+    over x (per tensor, or [N, 1] per output channel): what a caller's quantizer hands the op."""
     import torch
 
-    tdt = getattr(torch, case.dtype)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_scale(x, dim=None, headroom: float = 1.0):
+    """The scale mapping ``headroom`` times x's amax (per tensor, or per row along ``dim``) to 448:
+    headroom < 1 saturates the largest values (scaled past +-448 before the clamp)."""
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    return (amax.float() * headroom / FP8_MAX).clamp_min(1e-12)
+
+
+def case_inputs(case: Case, *, device: str = "cpu", generator=None, headroom: float = 1.0) -> list:
+    """Random torch inputs per spec input (None where absent): A ~ N(0, 1), weights ~ N(0, 1/K)
+    (pre-activations of order 1, where every activation bends), bias and residual ~ N(0, 1) in y's
+    dtype. FP8: A and the weights quantized (``quantize_fp8``) with a per-tensor scale for A and a
+    per-output-channel (or, ``w_scale`` scalar, one) scale per weight from ``fp8_scale(headroom)``,
+    so ``headroom`` < 1 puts values at the E4M3 range edge (+-448 after saturation)."""
+    import torch
 
     def rnd(shape, scale=1.0):
-        x = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * scale
-        return x.to(device=device, dtype=tdt)
+        return torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * scale
 
-    out = []
-    for i, shape in enumerate(case.shapes()):
-        if shape is None:
-            out.append(None)
-        elif i in (1, 2) and (case.op == "GatedGemm" or i == 1):
-            out.append(rnd(shape, case.k ** -0.5))
+    R = reference_mod()
+    names = [t.name for t in R.SPECS[case.op].inputs]
+    operands, scales = R.OPERANDS[case.op], R.SCALES[case.op]
+    values = {}
+    for name, shape, dt in zip(names, case.shapes(), case.dtypes()):  # spec order: A, weights, then the rest
+        if shape is None or name in scales:
+            continue
+        x = rnd(shape, case.k ** -0.5 if name in operands[1:] else 1.0)
+        if not case.fp8 or name not in operands:
+            values[name] = x.to(device=device, dtype=getattr(torch, dt))
+            continue
+        if name == "A":
+            scale = fp8_scale(x, headroom=headroom).reshape(())
+        elif case.w_scale == "vector":
+            scale = fp8_scale(x, dim=1, headroom=headroom).reshape(-1)
         else:
-            out.append(rnd(shape))
-    return out
+            scale = fp8_scale(x, headroom=headroom).reshape(1)
+        values[name] = quantize_fp8(x, scale if name == "A" else scale.reshape(-1, 1)).to(device)
+        values[scales[operands.index(name)]] = scale.to(device)
+    return [values.get(name) for name in names]
 
 
 def case_static(case: Case, arch: int | None = None, bias_dtype: str | None = None) -> dict:
+    """The static shape of a case (``bias_dtype``: bias and residual of another dtype than y's)."""
     L = launch_mod()
-    shapes = case.shapes()
-    dtypes = [None if s is None else (bias_dtype if i >= 2 and bias_dtype else case.dtype)
-              for i, s in enumerate(shapes)]
-    static = L.static_shape(case.op, shapes, dtypes)
+    dtypes = case.dtypes()
+    if bias_dtype:
+        dtypes = [bias_dtype if (i in (2, 3) and case.op == "GemmEpilogue" and d is not None) else d
+                  for i, d in enumerate(dtypes)]
+    static = L.static_shape(case.op, case.shapes(), dtypes)
     static["arch"] = arch
     return static
 
@@ -116,8 +174,7 @@ def case_sources(case: Case, config=None, arch: int | None = None) -> tuple[Kern
     static = case_static(case, arch)
     src = L.kernel_config(case.op, case.dtype, case.attrs, static, config=config)
     shapes = case.shapes()
-    params = L.launch_params(case.op, shapes, [case.dtype] * len(shapes), case.attrs, static_shape=static,
-                             config=config)
+    params = L.launch_params(case.op, shapes, case.dtypes(), case.attrs, static_shape=static, config=config)
     return src, params
 
 
@@ -142,22 +199,34 @@ def to_numpy64(t):
 
 
 def reference_of(case: Case, inputs: Sequence[Any]):
-    """The float64 reference output (reference.py's functions, not rounded to the I/O dtype)."""
+    """The float64 reference output (reference.py's functions, not rounded to y's dtype); FP8: the
+    product of the FP8 values (exact in float64) times the scales."""
     import numpy as np
 
     R = reference_mod()
-    x = [to_numpy64(t) for t in inputs]
+    x = dict(zip([t.name for t in R.SPECS[case.op].inputs], [to_numpy64(t) for t in inputs]))
     if case.op == "GatedGemm":
-        return R.gated_gemm64(x[0], x[1], x[2], case.activation)
-    y = R.gemm_epilogue64(x[0], x[1], x[2], x[3], case.activation, case.alpha, case.residual_position)
+        return R.gated_gemm64(x["A"], x["W_gate"], x["W_up"], case.activation, x["a_scale"], x["w_gate_scale"],
+                              x["w_up_scale"])
+    y = R.gemm_epilogue64(x["A"], x["W"], x["bias"], x["residual"], case.activation, case.alpha,
+                          case.residual_position, x["a_scale"], x["w_scale"])
     return np.asarray(y, np.float64)
 
 
 #: Error bound vs the float64 reference: max |y - ref| <= RTOL * (|ref| + scale) + ATOL per element,
 #: scale = the RMS of ref. fp16 / bf16: FP32 accumulation, then one rounding of y (2^-11 / 2^-8
 #: relative) and the inputs' own rounding (already in the reference, which reads the same values);
-#: fp32: IEEE dots, K-long sums (~sqrt(K) ulps).
-TOLERANCE = {"float16": (2e-3, 1e-3), "bfloat16": (1.6e-2, 8e-3), "float32": (2e-5, 2e-5)}
+#: fp32: IEEE dots, K-long sums (~sqrt(K) ulps). FP8 operands (keys ``float8e4m3fn->y``): the
+#: reference reads the same FP8 values, so y's rounding bounds fp16 / bf16 outputs; an fp32 y is
+#: bounded by the FP8 tensor cores' accumulation, which keeps fewer than FP32's 24 bits on sm_90.
+TOLERANCE = {"float16": (2e-3, 1e-3), "bfloat16": (1.6e-2, 8e-3), "float32": (2e-5, 2e-5),
+             "float8e4m3fn->float16": (2e-3, 1e-3), "float8e4m3fn->bfloat16": (1.6e-2, 8e-3),
+             "float8e4m3fn->float32": (5e-4, 5e-4)}
+
+
+def tolerance_key(case: Case) -> str:
+    """The TOLERANCE entry of a case: y's dtype, or ``float8e4m3fn-><y>`` with FP8 operands."""
+    return f"{case.dtype}->{case.y_dtype}" if case.fp8 else case.y_dtype
 
 
 def check_close(out, ref, dtype: str, what: str = "") -> float:
