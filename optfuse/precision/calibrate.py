@@ -19,6 +19,10 @@ from bin 128 on, stride 1; error: sum over bins of count * (fake_quant(centre) -
 rather than entropy: the KL-divergence (entropy) calibrator is defined for INT8's uniform grid of
 128 levels, which E4M3's floating-point grid is not; the squared error of the E4M3 fake quantization
 itself is the quantity FP8 rounding changes, and ModelOpt offers ``mse`` for FP8 for that reason.
+E4M3's grid is relative (3 mantissa bits in every binade), so a smaller scale does not refine the
+bulk of a distribution until that bulk would reach the subnormals: MSE keeps isolated outliers
+(amax near max |x|) and clips only where the E4M3 grid's alignment pays (a sparse top bin);
+``percentile`` is the calibrator that clips outliers.
 
 A scale is amax / 448 (E4M3's largest finite value), per tensor for activations; :func:`weight_scales`
 gives the per-output-channel weight scales (max |W| over each channel's row / 448).
