@@ -23,9 +23,10 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
     "fp16": (1e-2, 1e-2),
     "bf16": (5e-2, 5e-2),
     # E4M3 keeps 3 mantissa bits: each quantized operand is off by up to 2^-4 of itself, and a GEMM
-    # output of random-signed terms by ~5% of its RMS; elementwise, a unit-scale output then stays
-    # within 0.25 + 0.25 |ref| (~5 sigma). Cosine similarity (verify.fp8) is the scale-free bar.
-    "fp8": (2.5e-1, 2.5e-1),
+    # output of random-signed terms by ~5% of its RMS (the tiny LLaMA's unit-scale hidden state:
+    # mean |diff| 0.047, max 0.30 over 12k elements); 0.5 + 0.25 |ref| is ~8 sigma of that.
+    # Elementwise maxima grow with the element count: cosine similarity (verify.fp8) is the main bar.
+    "fp8": (5e-1, 2.5e-1),
 }
 #: FP8 candidates: the least cosine similarity of each output to the original's (~5% relative RMS
 #: error gives 0.9987), and the least top-1 agreement of head outputs (None: reported, not required)
