@@ -271,6 +271,10 @@ def _check_run_inputs(header: onnx.ModelProto, recipe: Recipe | None, overrides:
     options = verify_options(recipe, overrides, header)
     if arrays.load_inputs:
         load_feeds(arrays.load_inputs, plan_inputs(header, options), header)
+    if precision_options(recipe, overrides).mode == "fp8":
+        from .fp8 import check_calibration
+
+        check_calibration(header, recipe, overrides)
 
 
 def _fuse_step(res: ConvertOutcome, path: Path, recipe: Recipe | None, status: Status,

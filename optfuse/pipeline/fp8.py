@@ -47,6 +47,13 @@ def calibration_feeds(model: onnx.ModelProto, recipe: Recipe | None, overrides: 
     return [make_feed(plans, rng) for _ in range(settings.batches)]
 
 
+def check_calibration(model: onnx.ModelProto, recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES) -> None:
+    """The calibration file against the model's inputs, before any work (InputError: exit 2)."""
+    settings = calibration_settings(recipe)
+    if settings.npz is not None:
+        calibration_feeds(model, recipe, overrides, settings)
+
+
 def calibration_source(recipe: Recipe | None, n_feeds: int) -> str:
     """One phrase for the reports: how many calibration batches, from where."""
     s = calibration_settings(recipe)
