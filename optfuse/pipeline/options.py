@@ -305,6 +305,11 @@ def options_record(recipe: Recipe | None, overrides: Overrides, dims: DimPlan | 
     rec["precision"] = {"mode": p.mode, "source": src(overrides.precision is not None, recipe is not None),
                         "keep_fp32": list(p.keep_fp32),
                         "keep_fp32_source": src(bool(overrides.keep_fp32), bool(recipe and recipe.precision.keep_fp32))}
+    if p.mode == "fp8":
+        c = calibration_settings(recipe)
+        rec["precision"].update({"fp8_base": p.fp8_base, "fp8_exclude": list(p.fp8_exclude), "calibration": {
+            "method": p.calibrator, "percentile": p.percentile if p.calibrator == "percentile" else None,
+            "batches": c.batches, "seed": None if c.npz is not None else c.seed, "npz": c.npz_label or None}})
     given = overrides.tolerances_given()
     rec["tolerances"] = {"atol": overrides.atol, "rtol": overrides.rtol, "outputs_atol": dict(overrides.output_atol),
                          "outputs_rtol": dict(overrides.output_rtol),

@@ -150,7 +150,8 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 def raise_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     """`model` at default-domain opset >= `opset`: onnx's version converter on the graph, then the
-    optfuse reference functions re-embedded at the new opset (their bodies follow the model's opset)."""
+    optfuse reference functions re-embedded at the new opset (their bodies follow the model's opset)
+    and the nodes' metadata restored."""
     if default_opset(model) >= opset:
         return model
     from onnx import version_converter
@@ -167,6 +168,10 @@ def raise_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
         raise InputError(f"precision fp8 needs opset >= {opset} and onnx's version converter cannot raise this "
                          f"model's opset {default_opset(model)}: {str(exc).splitlines()[0]}") from None
     out.functions.extend(kept)
+    meta = {n.name: list(n.metadata_props) for n in model.graph.node if n.name and n.metadata_props}
+    for n in out.graph.node:  # the converter drops node metadata (optfuse.rule, optfuse.replaced)
+        if n.name in meta and not n.metadata_props:
+            n.metadata_props.extend(meta[n.name])
     return add_functions(out)
 
 
