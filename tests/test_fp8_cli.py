@@ -95,3 +95,22 @@ def test_fp8_convert_on_the_demo(tmp_path):
     if (out / "report.html").exists():
         html = (out / "report.html").read_text()
         assert "FP8 placement" in html and "cosine" in html
+
+
+def test_verify_shows_cosine_for_an_fp8_candidate(tmp_path):
+    from optfuse.fusions import fuse_model
+    from optfuse.precision import PrecisionOptions, apply_precision
+
+    m = graphs.residual_block(n_layers=2)
+    fused, _ = fuse_model(m, dims={"b": 2, "s": 8}, families=graphs.NORM_FAMILIES)
+    rng = np.random.default_rng(0)
+    out, _ = apply_precision(fused, PrecisionOptions(mode="fp8"),
+                             [{"x": rng.standard_normal((2, 8, 64)).astype(np.float32)} for _ in range(2)])
+    onnx.save(m, tmp_path / "m.onnx")
+    onnx.save(out, tmp_path / "c.onnx")
+    res = invoke("verify", tmp_path / "m.onnx", tmp_path / "c.onnx", "--shapes", "x:2x8x64")
+    assert res.exit_code == 0, res.stderr
+    assert "cosine" in res.stdout and "0.99" in res.stdout
+    res = invoke("verify", tmp_path / "m.onnx", tmp_path / "c.onnx", "--shapes", "x:2x8x64", "--json")
+    o = json.loads(res.stdout)["outputs"][0]
+    assert o["cosine"] > 0.99 and o["min_cosine"] == 0.99 and o["atol"] == 0.5
