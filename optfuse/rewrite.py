@@ -350,17 +350,28 @@ def _fits(value, type_: str) -> bool:
 
 
 def add_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Embed the reference ONNX function of every optfuse op used, so onnxruntime runs the model."""
-    used = sorted({n.op_type for n in model.graph.node if n.domain == DOMAIN})
-    existing = {(f.domain, f.name) for f in model.functions}
+    """Embed the reference ONNX function of every optfuse op used, so onnxruntime runs the model.
+    A plugin whose reference defines ``function_overload(op, inputs, attrs)`` has one function per
+    variant (GEMM: FP8, output dtype): each node gets its variant's ONNX ``overload`` (IR >= 10)."""
     # a function body is read with the model's default opset (ReduceMean's axes moved in opset 18)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
-    for op in used:
-        if (DOMAIN, op) in existing:
+    used: set[tuple[str, str]] = set()
+    for n in model.graph.node:
+        if n.domain != DOMAIN:
             continue
-        spec = get_spec(op)
-        fn = plugin_module(spec.folder, "reference").onnx_function(op, opset=opset)
+        pick = getattr(plugin_module(get_spec(n.op_type).folder, "reference"), "function_overload", None)
+        if pick is not None:
+            n.overload = pick(n.op_type, list(n.input), {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute})
+        used.add((n.op_type, n.overload))
+    existing = {(f.domain, f.name, f.overload) for f in model.functions}
+    for op, overload in sorted(used):
+        if (DOMAIN, op, overload) in existing:
+            continue
+        reference = plugin_module(get_spec(op).folder, "reference")
+        fn = reference.onnx_function(op, opset=opset, **({"overload": overload} if overload else {}))
         model.functions.append(fn)
+    if any(overload for _, overload in used):
+        model.ir_version = max(model.ir_version, 10)  # function overloads
     if used and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return model

@@ -10,7 +10,15 @@ code against it.
 The reader needs only pyyaml (plugin launch/reference code and the GPU tests import it where
 pydantic is not installed); validation is strict all the same: unknown keys, wrong types,
 unknown dtype or attribute type names, duplicate names or ops, an output ``like`` naming no
-input and a default of the wrong type are a :class:`SpecError` naming the file and the field.
+input, a default of the wrong type and a bad ``dtype_from`` rule are a :class:`SpecError` naming
+the file and the field.
+
+An output's dtype is that of the input it is ``like``, or, with ``dtype_from: <attribute>``, the
+value of that string attribute: each of its choices is one of the output's dtypes or
+``like_input`` (:data:`LIKE_INPUT`: the ``like`` input's dtype). :meth:`OpSpec.output_dtype`
+applies the rule; both TensorRT plugin forms and the contract test call it. An optional input
+with ``with_dtypes: [...]`` is present exactly when the first input has one of those dtypes (the
+GEMM's FP8 scales: ``[float8e4m3fn]``); :meth:`OpSpec.presence_error` checks a node against it.
 
 Plugin folders are imported as the package ``optfuse_plugins.<folder>`` (see
 :mod:`optfuse.plugin_dirs`), so kernels, references and launch code live next to the spec.
@@ -21,15 +29,21 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import yaml
 
 from . import DOMAIN
 from .plugin_dirs import PLUGINS_DIR, plugin_module  # noqa: F401  (re-exported)
 
-DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "bool")
+DTYPES = ("float32", "float16", "bfloat16", "float8e4m3fn", "int32", "int64", "bool")
+#: Dtypes computed in (and stored as) floating point wide enough for every op's math.
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+#: 8-bit floats (E4M3, no infinities, max 448: ONNX's FLOAT8E4M3FN): GEMM operands that come with
+#: float32 scales; never an op's output.
+FP8_DTYPES = ("float8e4m3fn",)
+#: The ``dtype_from`` attribute value meaning "the dtype of the input the output is ``like``".
+LIKE_INPUT = "like_input"
 ATTR_TYPES = ("float", "int", "string", "floats", "ints")
 
 
@@ -47,6 +61,10 @@ class TensorSpec:
     # ... except its last dim, which is dim `axis` of input `input` (a GEMM's [..., K] x [N, K]
     # gives [..., N]): (input name, axis), or None.
     last_dim: tuple[str, int] | None = None
+    # ... and its dtype is the value of this string attribute (LIKE_INPUT: the ``like`` input's)
+    dtype_from: str | None = None
+    # An optional input present exactly when the first input has one of these dtypes (empty: any)
+    with_dtypes: tuple[str, ...] = ()
     doc: str = ""
 
 
@@ -99,6 +117,43 @@ class OpSpec:
             dims[-1] = list(shapes[self.input_index(name)])[axis]
         return dims
 
+    def output_dtype(self, j: int, dtypes: Sequence[str | None], attrs: dict | None = None) -> str:
+        """Output ``j``'s dtype from the inputs' dtypes (spec order, None for an absent one) and the
+        node's attributes (a left-out one takes the spec default): the ``dtype_from`` attribute's
+        value, or the ``like`` input's dtype (``like_input``, or no ``dtype_from`` rule). Raises
+        ValueError where that is not one of the output's dtypes (GEMM: an FP8 A with ``like_input``)."""
+        out = self.outputs[j]
+        value = LIKE_INPUT
+        if out.dtype_from is not None:
+            got = (attrs or {}).get(out.dtype_from)
+            value = self.attr(out.dtype_from).default if got is None else got
+            value = value.decode() if isinstance(value, bytes) else str(value)
+            if value not in self.attr(out.dtype_from).choices:
+                raise ValueError(f"{self.op}: {out.dtype_from} {value!r} is not one of "
+                                 f"{', '.join(self.attr(out.dtype_from).choices)}")
+        if value == LIKE_INPUT:
+            if out.like is None:
+                raise ValueError(f"{self.op}: output {out.name!r} has no dtype rule")
+            value = dtypes[self.input_index(out.like)]
+            if value is None:
+                raise ValueError(f"{self.op}: input {out.like!r} (whose dtype output {out.name!r} takes) is absent")
+        if value not in out.dtypes:
+            why = f" ({out.dtype_from} {LIKE_INPUT}: the dtype of {out.like})" if out.dtype_from else ""
+            raise ValueError(f"{self.op}: output {out.name!r} would be {value}{why}, not one of {', '.join(out.dtypes)}")
+        return value
+
+    def presence_error(self, dtypes: Sequence[str | None]) -> str | None:
+        """Why inputs of these dtypes (spec order, None: absent) break a ``with_dtypes`` rule, or None."""
+        first = dtypes[0] if dtypes else None
+        for i, t in enumerate(self.inputs):
+            if not t.with_dtypes or first is None:
+                continue
+            present = i < len(dtypes) and dtypes[i] is not None
+            if present != (first in t.with_dtypes):
+                return (f"{self.op}: input {t.name!r} is {'present' if present else 'absent'} with "
+                        f"{self.inputs[0].name} {first}; it comes exactly with {', '.join(t.with_dtypes)}")
+        return None
+
     def defaults(self) -> dict[str, Any]:
         """The attributes that have a default, with it (spec order)."""
         return {a.name: a.default for a in self.attributes if a.default is not None}
@@ -107,7 +162,8 @@ class OpSpec:
 # -- validation --------------------------------------------------------------------------------
 _OP_KEYS = {"op": True, "doc": True, "inputs": True, "outputs": True, "attributes": False, "domain": False,
             "version": False, "limits": False}
-_TENSOR_KEYS = {"name": True, "dtypes": True, "optional": False, "like": False, "last_dim": False, "doc": False}
+_TENSOR_KEYS = {"name": True, "dtypes": True, "optional": False, "like": False, "last_dim": False,
+                "dtype_from": False, "with_dtypes": False, "doc": False}
 _LAST_DIM_KEYS = {"input": True, "axis": True}
 _ATTR_KEYS = {"name": True, "type": True, "default": False, "choices": False, "doc": False}
 
@@ -169,6 +225,9 @@ def _tensor(raw: Any, where: str) -> TensorSpec:
         optional=_typed(raw.get("optional", False), bool, f"{where}.optional"),
         like=None if like is None else _typed(like, str, f"{where}.like"),
         last_dim=last_dim,
+        dtype_from=None if raw.get("dtype_from") is None else _typed(raw["dtype_from"], str, f"{where}.dtype_from"),
+        with_dtypes=tuple(_typed(d, str, f"{where}.with_dtypes[{j}]")
+                          for j, d in enumerate(_typed(raw.get("with_dtypes", []), list, f"{where}.with_dtypes"))),
         doc=_typed(raw.get("doc", ""), str, f"{where}.doc"),
     )
 
@@ -217,6 +276,22 @@ def _limits(raw: Any, where: str) -> dict[str, Any]:
     return dict(raw)
 
 
+def _check_dtype_from(out: TensorSpec, attributes: tuple[AttrSpec, ...], where: str) -> None:
+    """``dtype_from`` names a string attribute with a default and choices, each one of the output's
+    dtypes or ``like_input`` (which needs a ``like`` rule)."""
+    attr = next((a for a in attributes if a.name == out.dtype_from), None)
+    if attr is None:
+        _fail(where, f"{out.dtype_from!r} names no attribute (attributes: {', '.join(a.name for a in attributes) or 'none'})")
+    if attr.type != "string" or not attr.choices or attr.default is None:
+        _fail(where, f"attribute {attr.name!r} must be a string with choices and a default")
+    for c in attr.choices:
+        if c != LIKE_INPUT and c not in out.dtypes:
+            _fail(where, f"choice {c!r} of {attr.name!r} is neither {LIKE_INPUT!r} nor one of the output's dtypes "
+                         f"({', '.join(out.dtypes)})")
+    if LIKE_INPUT in attr.choices and out.like is None:
+        _fail(where, f"choice {LIKE_INPUT!r} of {attr.name!r} needs a 'like' rule")
+
+
 def parse_spec(raw: Any, folder: str, where: str) -> OpSpec:
     """One spec document (a YAML mapping) as an :class:`OpSpec`; ``where`` prefixes every error
     (e.g. ``plugins/layer_norm/spec.yaml, document 2``)."""
@@ -238,13 +313,26 @@ def parse_spec(raw: Any, folder: str, where: str) -> OpSpec:
     _names_unique(attributes, f"{where}: attributes")
     in_names = [t.name for t in inputs]
     for i, t in enumerate(inputs):
-        if t.like is not None:
-            _fail(f"{where}: inputs[{i}].like", "only outputs take a 'like' rule")
+        for key in ("like", "dtype_from"):
+            if getattr(t, key) is not None:
+                _fail(f"{where}: inputs[{i}].{key}", f"only outputs take a {key!r} rule")
     for i, t in enumerate(outputs):
         if t.like is not None and t.like not in in_names:
             _fail(f"{where}: outputs[{i}].like", f"{t.like!r} names no input (inputs: {', '.join(in_names)})")
         if t.last_dim is not None and t.last_dim[0] not in in_names:
             _fail(f"{where}: outputs[{i}].last_dim.input", f"{t.last_dim[0]!r} names no input (inputs: {', '.join(in_names)})")
+    for i, t in enumerate(outputs):
+        if t.dtype_from is not None:
+            _check_dtype_from(t, attributes, f"{where}: outputs[{i}].dtype_from")
+        if t.with_dtypes:
+            _fail(f"{where}: outputs[{i}].with_dtypes", "only optional inputs take a 'with_dtypes' rule")
+    for i, t in enumerate(inputs):
+        for j, d in enumerate(t.with_dtypes):
+            if not t.optional or i == 0:
+                _fail(f"{where}: inputs[{i}].with_dtypes", "only optional inputs after the first take a 'with_dtypes' rule")
+            if d not in inputs[0].dtypes:
+                _fail(f"{where}: inputs[{i}].with_dtypes[{j}]", f"{d!r} is not a dtype of {inputs[0].name} "
+                                                                f"({', '.join(inputs[0].dtypes)})")
     reserved = [a.name for a in attributes if a.name in ("plugin_namespace", "plugin_version")]
     if reserved:
         _fail(f"{where}: attributes", f"{reserved[0]!r} is set by optfuse on every node, not declared")

@@ -2,17 +2,22 @@
 """Attention at the shapes real models run (H200): ours vs torch SDPA, same run, same inputs.
 
 Model-like shapes -- encoders with and without padding, vision transformers (token counts just past
-a tile boundary), speech, long-context GQA prefill, and decode over a KV cache (Sq = 1, Sk 1k..128k,
-batch 1 and 64) -- each timed in interleaved rounds (medians of ``triton.testing.do_bench``):
+a tile boundary), speech, long-context GQA prefill, and decode over a KV cache (Sq = 1..16, Sk 1k..128k,
+batch 1..256) -- each timed in interleaved rounds (medians of ``triton.testing.do_bench``):
 
-* ``ours``: what ``launch.py`` picks on sm_90, as an AOT artifact through ``optfuse.kernels.launcher``;
+* ``ours``: what ``launch.py`` picks on sm_90, as AOT artifacts through ``optfuse.kernels.launcher``:
+  one kernel, or for decode (Sq <= 16 over >= 512 keys) the split-KV plan -- split and combine
+  kernels and their workspace, timed together (``launch_plan``);
 * SDPA's default choice and each backend that runs (flash, cudnn, efficient; ``enable_gqa`` for
   grouped heads, the boolean mask for padded batches).
 
 Decode rows also give the bandwidth reading K and V once (bytes / time) against the device copy
-bandwidth measured in the same run (a 2 GiB device-to-device copy).
+bandwidth measured in the same run (a 2 GiB device-to-device copy). ``--only decode`` runs just
+the decode rows; ``--sweep-decode`` adds each of launch_decode.candidate_decode_configs as a
+contender ``ours[<config>]`` on them (split size, key block, stages, warps).
 
     PYTHONPATH=$PWD python scripts/bench_attention_shapes.py --out shapes.json
+    PYTHONPATH=$PWD python scripts/bench_attention_shapes.py --only decode --sweep-decode
 """
 
 from __future__ import annotations
@@ -52,6 +57,15 @@ SHAPES = [
     ("decode B=1 Sk=128k", 1, 32, 8, 1, 131072, 128, 1, 0.0),
     ("decode B=64 Sk=4k", 64, 32, 8, 1, 4096, 128, 1, 0.0),
     ("decode B=64 Sk=8k", 64, 32, 8, 1, 8192, 128, 1, 0.0),
+    ("decode B=1 Sk=2k", 1, 32, 8, 1, 2048, 128, 1, 0.0),
+    ("decode B=16 Sk=16k", 16, 32, 8, 1, 16384, 128, 1, 0.0),
+    ("decode B=64 Sk=4k padded", 64, 32, 8, 1, 4096, 128, 1, 0.3),
+    ("decode B=256 Sk=1k", 256, 32, 8, 1, 1024, 128, 1, 0.0),
+    ("decode B=256 Sk=4k", 256, 32, 8, 1, 4096, 128, 1, 0.0),
+    # speculative / chunked steps: Sq query rows per head; causal off, as SDPA has no
+    # bottom-right causal mask without a mask tensor (the kernel's cost is the same)
+    ("decode Sq=4 B=1 Sk=8k", 1, 32, 8, 4, 8192, 128, 0, 0.0),
+    ("decode Sq=16 B=8 Sk=8k", 8, 32, 8, 16, 8192, 128, 0, 0.0),
 ]
 
 
@@ -65,12 +79,33 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 2 / (t * 1e-3) / 1e9
 
 
-def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16"):
+def _config_tag(cfg) -> str:
+    return (f"split={cfg.split_keys},n={cfg.block_n},stages={cfg.num_stages},warps={cfg.num_warps}")
+
+
+def _ours(dtype, shapes, attrs, ins, out, stream, decode=None):
+    """(launch function, kernel names): the decode plan (both kernels and the workspace) where
+    launch.py picks it, else the one kernel; ``decode`` = a DecodeConfig instead of the default."""
+    from optfuse.kernels import build_kernel, launch
+    from optfuse.kernels.launcher import launch_plan
+
+    plan = T.case_plan(dtype, shapes, attrs, arch=90, decode=decode)
+    if plan is not None:
+        T.build_plan(plan, 90)
+        workspace = T.new_workspace(plan, "cuda")  # 0xFF: a partial read unwritten is a NaN
+        return (lambda sync=False: launch_plan(plan, ins, [out], workspace, stream, sync=sync),
+                " + ".join(step.source.name for step in plan.steps))
+    if decode is not None:
+        return None, ""
+    src, params = T.case_sources(dtype, shapes, attrs, arch=90)
+    art = build_kernel(src, 90)
+    return (lambda sync=False: launch(art, params, ins, [out], stream, sync=sync)), src.name
+
+
+def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16", sweep=()):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from optfuse.kernels import build_kernel, launch
 
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(Sq * 7 + Sk)
@@ -82,13 +117,12 @@ def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16")
         bias[..., Sk - int(Sk * pad):] = torch.finfo(tdt).min
         keep = bias > -1
     attrs = T.attrs_for(H, Hkv, D, causal)
-    src, params = T.case_sources(dtype, [q.shape, k.shape, v.shape, None if bias is None else bias.shape],
-                                 attrs, arch=90)
-    art = build_kernel(src, 90)
+    shapes = [q.shape, k.shape, v.shape, None if bias is None else bias.shape]
     out = torch.full_like(q, float("nan"))
     ins = [q, k, v] + ([bias] if bias is not None else [])
     stream = torch.cuda.current_stream().cuda_stream
-    launch(art, params, ins, [out], stream, sync=True)
+    ours, kernel = _ours(dtype, shapes, attrs, ins, out, stream)
+    ours(sync=True)
     gqa = Hkv != H
     # SDPA's causal is top-left aligned; with Sq < Sk ours is bottom-right (key j <= i + Sk - Sq),
     # which for Sq = 1 is every key: no mask there
@@ -104,9 +138,17 @@ def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16")
 
     ref = sdpa()()
     row = {"name": name, "B": B, "H": H, "Hkv": Hkv, "Sq": Sq, "Sk": Sk, "D": D, "causal": causal,
-           "padding": pad, "dtype": dtype, "kernel": src.name,
+           "padding": pad, "dtype": dtype, "kernel": kernel,
            "max_abs_vs_sdpa": float((out.float() - ref.float()).abs().max())}
-    fns = {"ours": lambda: launch(art, params, ins, [out], stream), "sdpa_default": sdpa()}
+    fns = {"ours": ours, "sdpa_default": sdpa()}
+    for cfg in sweep:
+        fn, _ = _ours(dtype, shapes, attrs, ins, out, stream, decode=cfg)
+        if fn is not None:
+            tag = f"ours[{_config_tag(cfg)}]"
+            out.fill_(float("nan"))
+            fn(sync=True)
+            row[f"{tag}_max_abs_vs_sdpa"] = float((out.float() - ref.float()).abs().max())
+            fns[tag] = fn
     for be_name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                         ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         try:
@@ -117,7 +159,7 @@ def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16")
     times = interleaved(fns, rounds)
     for k_, t in times.items():
         row[f"{k_}_ms"] = t
-    best = min(t for k_, t in times.items() if k_ != "ours")
+    best = min(t for k_, t in times.items() if not k_.startswith("ours"))
     row["vs_sdpa_default"] = times["sdpa_default"] / times["ours"]
     row["vs_sdpa_best"] = best / times["ours"]
     row["kv_gbs"] = 2 * B * Hkv * Sk * D * q.element_size() / (times["ours"] * 1e-3) / 1e9
@@ -128,7 +170,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", help="substring of the shape names to run")
+    ap.add_argument("--only", help="substring of the shape names to run (e.g. decode)")
+    ap.add_argument("--sweep-decode", action="store_true",
+                    help="time every candidate decode config too (decode rows only)")
     args = ap.parse_args(argv)
     import torch
 
@@ -140,16 +184,23 @@ def main(argv=None):
         if args.only and args.only not in shape[0]:
             continue
         try:
-            row = run_shape(*shape, rounds=args.rounds)
+            sweep = []
+            if args.sweep_decode:
+                ld = plugin_module("flash_attention", "launch_decode")
+                sweep = ld.candidate_decode_configs("bfloat16", shape[6])[1:]
+            row = run_shape(*shape, rounds=args.rounds, sweep=sweep)
         except Exception as e:
             row = {"name": shape[0], "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(row, flush=True)
             rows.append(row)
             continue
-        if row["Sq"] == 1:
+        if row["name"].startswith("decode"):
             row["kv_of_copy_bw"] = row["kv_gbs"] / bw
         rows.append(row)
-        extra = f" K/V {row['kv_gbs']:.0f} GB/s = {row['kv_of_copy_bw']:.2f} of copy" if row["Sq"] == 1 else ""
+        extra = f" K/V {row['kv_gbs']:.0f} GB/s = {row['kv_of_copy_bw']:.2f} of copy" if "kv_of_copy_bw" in row else ""
+        for k_ in row:
+            if k_.startswith("ours[") and k_.endswith("_ms"):
+                extra += f"\n    {k_[:-3]:44s} {row[k_]:.4f} ms ({row['ours_ms'] / row[k_]:.2f}x the default)"
         print(f"{row['name']:28s} ours {row['ours_ms']:.4f} ms  x SDPA default {row['vs_sdpa_default']:.2f}  "
               f"x best {row['vs_sdpa_best']:.2f}{extra}  err {row['max_abs_vs_sdpa']:.1e}", flush=True)
         torch.cuda.empty_cache()

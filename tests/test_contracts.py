@@ -16,12 +16,19 @@ Parametrized over ``load_specs()``, so a new op is covered as soon as its spec e
   (``<KERNEL>_HEAD_DIMS``, ``<KERNEL>_MAX_HIDDEN``) lies within it;
 * spec vs NumPy reference: the ONNX function on a one-node model in onnxruntime matches
   ``reference.reference`` in fp32 on ``reference.sample_inputs`` (optional inputs present and
-  absent; an absent one is what the fused node carries, ``reference.ABSENT_INPUTS``, or no input),
-  with the spec's attribute defaults.
+  absent; an absent one is what the fused node carries, ``reference.ABSENT_INPUTS`` in y's dtype,
+  or no input), with the spec's attribute defaults, and y has the spec's dtype
+  (``OpSpec.output_dtype``).
+
+Ops whose first input lists an FP8 dtype are also checked on ``sample_inputs(op, rng, dtype=<fp8>)``
+(FP8 operands, their scales, the attributes the case needs): launch builds it, and from opset 19
+(ONNX's float8 types) the function matches the reference. A reference with ``function_overload`` /
+``function_overloads`` (one function per variant, ONNX ``overload``) has every variant checked
+against the spec; an FP8 variant below opset 19 is refused with a ValueError.
 
 Each check raises :class:`ContractError`; ``test_contract_checks_catch_a_broken_spec`` shows each
 one failing on a deliberately broken copy of the spec (renamed input, output or attribute, dropped
-output, wrong default, wrong version, changed limit, dropped dtype). A spec limit with no check
+output, wrong default, wrong version, changed limit, dropped dtype, dropped output dtype rule). A spec limit with no check
 here fails the launch check: add its check to ``LIMIT_CHECKS``.
 """
 
@@ -35,12 +42,13 @@ import pytest
 from onnx import helper
 
 from optfuse.functions import PLUGIN_ATTRIBUTES
-from optfuse.spec import OpSpec, load_specs, plugin_module
+from optfuse.spec import FP8_DTYPES, OpSpec, load_specs, plugin_module
 from optfuse.trt import glue
 
 SPECS = load_specs()
 OPS = sorted(SPECS)
-OPSETS = (17, 18)  # ReduceMean's axes move from attribute to input at 18
+OPSETS = (17, 18, 19)  # ReduceMean's axes move from attribute to input at 18; float8 types from 19
+FP8_OPSET = 19
 RTOL, ATOL = 1e-5, 1e-5  # fp32 onnxruntime vs the float64 NumPy reference rounded to fp32
 
 
@@ -95,19 +103,54 @@ def check_function(spec: OpSpec, fn: onnx.FunctionProto) -> None:
 
 
 # -- spec vs launch -----------------------------------------------------------------------------
-def _sample(spec: OpSpec, seed: int = 0) -> tuple[list[np.ndarray], dict]:
+def _fp8_dtypes(spec: OpSpec) -> list[str]:
+    return [d for d in spec.inputs[0].dtypes if d in FP8_DTYPES]
+
+
+def _sample(spec: OpSpec, seed: int = 0, dtype: str = "float32") -> tuple[list, dict]:
+    """``sample_inputs`` (float32, or an FP8 case: ``dtype=``), checked: one entry per spec input
+    (None: absent); float32 sets exactly the attributes without a default, an FP8 case may add
+    others it needs (``output_dtype``)."""
     reference = plugin_module(spec.folder, "reference")
-    inputs, attrs = reference.sample_inputs(spec.op, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
+    inputs, attrs = reference.sample_inputs(spec.op, rng) if dtype == "float32" else \
+        reference.sample_inputs(spec.op, rng, dtype=dtype)
     _expect(len(inputs) == len(spec.inputs), spec,
             f"sample_inputs gives {len(inputs)} inputs, the spec has {len(spec.inputs)}")
     required = {a.name for a in spec.attributes if a.default is None}
-    _expect(set(attrs) == required, spec,
-            f"sample_inputs sets attributes {sorted(attrs)}, the spec's without a default are {sorted(required)}")
+    if dtype == "float32":
+        _expect(set(attrs) == required, spec,
+                f"sample_inputs sets attributes {sorted(attrs)}, the spec's without a default are {sorted(required)}")
+    else:
+        _expect(required <= set(attrs) <= {a.name for a in spec.attributes}, spec,
+                f"sample_inputs({dtype}) sets attributes {sorted(attrs)}: not the spec's, or missing {sorted(required)}")
     return inputs, attrs
 
 
-def _static(spec: OpSpec, inputs, dtype: str, **override) -> dict:
-    static = glue.static_shape(spec, [list(x.shape) for x in inputs], [dtype] * len(inputs))
+def _dtype_name(x) -> str | None:
+    if x is None:
+        return None
+    name = np.asarray(x).dtype.name
+    return {"float8_e4m3fn": "float8e4m3fn"}.get(name, name)
+
+
+def _cases(spec: OpSpec) -> list[tuple[str, list, dict, list]]:
+    """(A's dtype, inputs, attributes the case sets, input dtypes) per launch case: the float32
+    sample at every non-FP8 dtype of the first input (every present input of that dtype), and each
+    FP8 sample with its own dtypes."""
+    inputs, attrs = _sample(spec)
+    out = [(dt, inputs, attrs, [None if x is None else dt for x in inputs])
+           for dt in spec.inputs[0].dtypes if dt not in FP8_DTYPES]
+    for dt in _fp8_dtypes(spec):
+        ins, at = _sample(spec, dtype=dt)
+        out.append((dt, ins, at, [_dtype_name(x) for x in ins]))
+    return out
+
+
+def _static(spec: OpSpec, inputs, dtypes, **override) -> dict:
+    if isinstance(dtypes, str):
+        dtypes = [None if x is None else dtypes for x in inputs]
+    static = glue.static_shape(spec, [None if x is None else list(x.shape) for x in inputs], list(dtypes))
     static.update(override)
     return static
 
@@ -131,10 +174,10 @@ def _limit_values(launch, key: str) -> dict[str, object]:
 
 
 def _check_hidden_limit(key: str):
-    def check(spec, launch, dtype, attrs, inputs, value):
+    def check(spec, launch, dtype, attrs, inputs, value, in_dtypes):
         inside, outside = (value, value + 1) if key == "max_hidden" else (value, value - 1)
         for h, ok in ((inside, True), (outside, False)):
-            built = _builds(launch, spec, dtype, attrs, _static(spec, inputs, dtype, hidden=h))
+            built = _builds(launch, spec, dtype, attrs, _static(spec, inputs, in_dtypes, hidden=h))
             _expect(built == ok, spec, f"{key} {value}: hidden {h} {'does not build' if ok else 'builds'}")
         for name, v in _limit_values(launch, key).items():
             exact = name == key.upper()
@@ -143,10 +186,10 @@ def _check_hidden_limit(key: str):
     return check
 
 
-def _check_head_dims(spec, launch, dtype, attrs, inputs, value):
+def _check_head_dims(spec, launch, dtype, attrs, inputs, value, in_dtypes):
     value = tuple(value)
     probe = sorted(set(value) | set(range(8, 2 * max(value) + 1, 8)))
-    built = tuple(d for d in probe if _builds(launch, spec, dtype, attrs, _static(spec, inputs, dtype, head_dim=d)))
+    built = tuple(d for d in probe if _builds(launch, spec, dtype, attrs, _static(spec, inputs, in_dtypes, head_dim=d)))
     _expect(built == value, spec, f"head dims that build {built} != the spec's head_dims {value}")
     for name, v in _limit_values(launch, "head_dims").items():
         exact = name == "HEAD_DIMS"
@@ -154,11 +197,11 @@ def _check_head_dims(spec, launch, dtype, attrs, inputs, value):
         _expect(fits, spec, f"launch.{name} = {tuple(v)} {'!=' if exact else 'is not within'} the spec's head_dims {value}")
 
 
-def _check_block_sizes(spec, launch, dtype, attrs, inputs, value):
+def _check_block_sizes(spec, launch, dtype, attrs, inputs, value, in_dtypes):
     """``block_sizes``: exactly the spec's layout block sizes build (the ``block_size`` attribute)."""
     value = tuple(value)
     probe = sorted(set(value) | {16, 32, 64, 128, 256})
-    static = _static(spec, inputs, dtype)
+    static = _static(spec, inputs, in_dtypes)
     built = tuple(b for b in probe if _builds(launch, spec, dtype, {**attrs, "block_size": b}, static))
     _expect(built == value, spec, f"block sizes that build {built} != the spec's block_sizes {value}")
     for name, v in _limit_values(launch, "block_sizes").items():
@@ -173,9 +216,9 @@ def _check_multiple(key: str):
     ``<KERNEL>_K_MULTIPLE`` constants are multiples of it."""
     dim = key.split("_")[0].upper()
 
-    def check(spec, launch, dtype, attrs, inputs, value):
+    def check(spec, launch, dtype, attrs, inputs, value, in_dtypes):
         for d, ok in ((3 * value, True), (3 * value + 1, False)):
-            built = _builds(launch, spec, dtype, attrs, _static(spec, inputs, dtype, **{dim: d}))
+            built = _builds(launch, spec, dtype, attrs, _static(spec, inputs, in_dtypes, **{dim: d}))
             _expect(built == ok, spec, f"{key} {value}: {dim} = {d} {'does not build' if ok else 'builds'}")
         for name, v in _limit_values(launch, key).items():
             fits = v == value if name == key.upper() else v % value == 0
@@ -188,10 +231,10 @@ def _check_max_dim(key: str):
     """``max_k``: K = the value builds, the next allowed K (one ``k_multiple`` more) does not."""
     dim = key.split("_")[1].upper()
 
-    def check(spec, launch, dtype, attrs, inputs, value):
+    def check(spec, launch, dtype, attrs, inputs, value, in_dtypes):
         step = spec.limits.get(f"{dim.lower()}_multiple", 1)
         for d, ok in ((value, True), (value + step, False)):
-            built = _builds(launch, spec, dtype, attrs, _static(spec, inputs, dtype, **{dim: d}))
+            built = _builds(launch, spec, dtype, attrs, _static(spec, inputs, in_dtypes, **{dim: d}))
             _expect(built == ok, spec, f"{key} {value}: {dim} = {d} {'does not build' if ok else 'builds'}")
         for name, v in _limit_values(launch, key).items():
             exact = name == key.upper()
@@ -215,43 +258,85 @@ def check_launch(spec: OpSpec, launch) -> None:
     dtypes = spec.inputs[0].dtypes
     if hasattr(launch, "DTYPES"):
         _expect(tuple(launch.DTYPES) == tuple(dtypes), spec, f"launch.DTYPES {tuple(launch.DTYPES)} != spec dtypes {dtypes}")
-    inputs, required = _sample(spec)
-    attrs = {**spec.defaults(), **required}
-    for dt in dtypes:  # every spec dtype builds, and a left-out attribute takes the spec default
-        static = _static(spec, inputs, dt)
+    cases = _cases(spec)
+    for dt, inputs, required, in_dtypes in cases:  # every spec dtype builds, a left-out attribute takes the spec default
+        attrs = {**spec.defaults(), **required}
+        static = _static(spec, inputs, in_dtypes)
         _expect(_builds(launch, spec, dt, attrs, static), spec, f"dtype {dt} does not build")
         _expect(_kernel(launch, spec, dt, required, static) == _kernel(launch, spec, dt, attrs, static), spec,
                 f"{dt}: kernel without the defaulted attributes differs from the one with the spec defaults {spec.defaults()}")
-    src = launch.kernel_config(spec.op, dtypes[0], attrs, _static(spec, inputs, dtypes[0]))
-    _expect((src.n_inputs, src.n_outputs) == (len(spec.inputs), len(spec.outputs)), spec,
-            f"kernel {src.name} takes {src.n_inputs} inputs / {src.n_outputs} outputs, the spec has "
-            f"{len(spec.inputs)} / {len(spec.outputs)} (every input present)")
+        src = launch.kernel_config(spec.op, dt, attrs, static)
+        present = sum(x is not None for x in inputs)
+        _expect((src.n_inputs, src.n_outputs) == (present, len(spec.outputs)), spec,
+                f"{dt}: kernel {src.name} takes {src.n_inputs} inputs / {src.n_outputs} outputs, the case has "
+                f"{present} / the spec {len(spec.outputs)}")
+    _expect(any(all(x is not None for x in ins) for _, ins, _, _ in cases), spec,
+            "no sample has every input present (so no kernel is checked to take them all)")
+    limit_cases = [c for c in cases if c[0] not in FP8_DTYPES][-1:] + [c for c in cases if c[0] in FP8_DTYPES]
     for key, value in spec.limits.items():
         _expect(key in LIMIT_CHECKS, spec, f"limit {key!r} has no contract check (add one to LIMIT_CHECKS)")
-        LIMIT_CHECKS[key](spec, launch, dtypes[-1], attrs, inputs, value)
+        for dt, inputs, required, in_dtypes in limit_cases:
+            LIMIT_CHECKS[key](spec, launch, dt, {**spec.defaults(), **required}, inputs, value, in_dtypes)
 
 
 # -- spec vs NumPy reference --------------------------------------------------------------------
-def _run_function(spec: OpSpec, fn, inputs: list, attrs: dict, opset: int, absent: dict) -> list[np.ndarray]:
-    """One fused node (only the attributes without a default set) in onnxruntime (CPU)."""
+def _onnx_type(x: np.ndarray) -> int:
+    if _dtype_name(x) == "float8e4m3fn":
+        return onnx.TensorProto.FLOAT8E4M3FN
+    return helper.np_dtype_to_tensor_dtype(x.dtype)
+
+
+def _feed(x: np.ndarray):
+    """An onnxruntime feed: FP8 (ml_dtypes) arrays as OrtValues of their ONNX type."""
     import onnxruntime as ort
 
+    if _dtype_name(x) in FP8_DTYPES:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(x).view(np.uint8), _onnx_type(x))
+    return x
+
+
+def _output_dtypes(spec: OpSpec, inputs: list, attrs: dict) -> list[np.dtype]:
+    """y's dtypes by the spec's rule (``OpSpec.output_dtype``): a rule that gives none is a ContractError."""
+    dts = [_dtype_name(x) for x in inputs]
+    try:
+        return [np.dtype(spec.output_dtype(j, dts, attrs)) for j in range(len(spec.outputs))]
+    except ValueError as exc:
+        raise ContractError(f"{spec.op}: the spec's output dtype rule fails on the sample ({exc})") from None
+
+
+def _node_inputs(spec: OpSpec, inputs: list, absent: dict, y_dtype) -> tuple[list[str], dict, list]:
+    """The node's input names ("" for absent), feeds and value infos; an absent input the function
+    needs is fed ``absent[name]`` as a scalar of y's dtype."""
     feeds, names, vis = {}, [], []
     for t, x in zip(spec.inputs, inputs):
         if x is None and t.name not in absent:
             names.append("")
             continue
-        x = np.full((), absent[t.name], inputs[0].dtype) if x is None else x
-        feeds[t.name] = x
+        x = np.full((), absent[t.name], y_dtype) if x is None else x
+        feeds[t.name] = _feed(x)
         names.append(t.name)
-        vis.append(helper.make_tensor_value_info(t.name, helper.np_dtype_to_tensor_dtype(x.dtype), list(x.shape)))
+        vis.append(helper.make_tensor_value_info(t.name, _onnx_type(x), list(x.shape)))
     while names and names[-1] == "":
         names.pop()
+    return names, feeds, vis
+
+
+def _run_function(spec: OpSpec, reference, inputs: list, attrs: dict, opset: int, absent: dict) -> list[np.ndarray]:
+    """One fused node (the case's attributes set) in onnxruntime (CPU), with the reference's
+    function variant for it (``function_overload``) where it has variants."""
+    import onnxruntime as ort
+
+    y_dtypes = _output_dtypes(spec, inputs, attrs)
+    names, feeds, vis = _node_inputs(spec, inputs, absent, y_dtypes[0])
     node = helper.make_node(spec.op, names, [t.name for t in spec.outputs], domain=spec.domain,
                             plugin_namespace=spec.domain, plugin_version=spec.plugin_version, **attrs)
+    pick = getattr(reference, "function_overload", None)
+    overload = pick(spec.op, names, attrs) if pick else ""
+    fn = reference.onnx_function(spec.op, opset=opset, **({"overload": overload} if overload else {}))
+    node.overload = overload
     shapes = [None if x is None else list(x.shape) for x in inputs]
-    outs = [helper.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, spec.output_shape(j, shapes))
-            for j, t in enumerate(spec.outputs)]  # fp32 like the sample inputs, shaped by the spec's rule
+    outs = [helper.make_tensor_value_info(t.name, helper.np_dtype_to_tensor_dtype(y_dtypes[j]), spec.output_shape(j, shapes))
+            for j, t in enumerate(spec.outputs)]  # the spec's dtype rule (fp32 for the samples), shaped by its rule
     model = helper.make_model(helper.make_graph([node], "contract", vis, outs), functions=[fn],
                               opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(spec.domain, 1)])
     model.ir_version = min(model.ir_version, 10)
@@ -263,33 +348,73 @@ def _run_function(spec: OpSpec, fn, inputs: list, attrs: dict, opset: int, absen
 def _absent_variants(spec: OpSpec, inputs: list) -> list[tuple[str, list]]:
     out = [("all inputs", list(inputs))]
     for i, t in enumerate(spec.inputs):
-        if t.optional:
+        if t.optional and inputs[i] is not None:
             out.append((f"{t.name} absent", [None if j == i else x for j, x in enumerate(inputs)]))
     return out
 
 
-def check_numerics(spec: OpSpec, reference, opset: int) -> None:
-    fn = reference.onnx_function(spec.op, opset=opset)
+def _numeric_cases(spec: OpSpec, opset: int) -> list[tuple[str, list, dict]]:
+    """float32, and each FP8 sample from ``FP8_OPSET``."""
     inputs, required = _sample(spec)
+    out = [("float32", inputs, required)]
+    if opset >= FP8_OPSET:
+        out += [(dt, *_sample(spec, dtype=dt)) for dt in _fp8_dtypes(spec)]
+    return out
+
+
+def _refused(reference, spec: OpSpec, ins: list, attrs: dict) -> bool:
+    """The reference refuses the variant (a ValueError: GEMM's FP8 scales dropped from an FP8 case)."""
+    try:
+        reference.reference(spec.op, ins, attrs)
+        return False
+    except ValueError:
+        return True
+
+
+def check_numerics(spec: OpSpec, reference, opset: int) -> None:
     absent = getattr(reference, "ABSENT_INPUTS", {})
-    for what, ins in _absent_variants(spec, inputs):
-        got = _run_function(spec, fn, ins, required, opset, absent)
-        for attrs, whose in (({**spec.defaults(), **required}, "spec defaults"), (required, "reference's own defaults")):
-            want = reference.reference(spec.op, ins, attrs)
-            _expect(len(got) == len(want) == len(spec.outputs), spec, f"{what}: {len(got)} / {len(want)} outputs")
-            for t, g, w in zip(spec.outputs, got, want):
-                ok = g.shape == w.shape and np.allclose(g, w, rtol=RTOL, atol=ATOL)
-                err = float(np.abs(g.astype(np.float64) - w).max()) if g.shape == w.shape else float("inf")
-                _expect(ok, spec, f"{what}, opset {opset}, NumPy with the {whose}: output {t.name!r} "
-                                  f"max abs error {err:.3g} (rtol {RTOL}, atol {ATOL})")
+    for case, inputs, required in _numeric_cases(spec, opset):
+        for what, ins in _absent_variants(spec, inputs):
+            if what != "all inputs" and _refused(reference, spec, ins, required):
+                continue
+            what = f"{case}, {what}"
+            got = _run_function(spec, reference, ins, required, opset, absent)
+            dts = _output_dtypes(spec, ins, required)
+            for attrs, whose in (({**spec.defaults(), **required}, "spec defaults"), (required, "reference's own defaults")):
+                want = reference.reference(spec.op, ins, attrs)
+                _expect(len(got) == len(want) == len(spec.outputs), spec, f"{what}: {len(got)} / {len(want)} outputs")
+                for t, g, w, dt in zip(spec.outputs, got, want, dts):
+                    _expect(g.dtype == w.dtype == dt, spec, f"{what}: output {t.name!r} is {g.dtype} (function) / "
+                                                            f"{w.dtype} (NumPy), the spec's rule gives {dt}")
+                    ok = g.shape == w.shape and np.allclose(g, w, rtol=RTOL, atol=ATOL)
+                    err = float(np.abs(g.astype(np.float64) - w).max()) if g.shape == w.shape else float("inf")
+                    _expect(ok, spec, f"{what}, opset {opset}, NumPy with the {whose}: output {t.name!r} "
+                                      f"max abs error {err:.3g} (rtol {RTOL}, atol {ATOL})")
 
 
 # -- the tests ----------------------------------------------------------------------------------
+def _overloads(reference, op: str) -> tuple[str, ...]:
+    return getattr(reference, "function_overloads", lambda op: ("",))(op)
+
+
+def check_functions(spec: OpSpec, reference, opset: int) -> None:
+    """Every function variant against the spec; an FP8 one below ``FP8_OPSET`` is a ValueError."""
+    for overload in _overloads(reference, spec.op):
+        kw = {"overload": overload} if overload else {}
+        if overload.startswith("fp8") and opset < FP8_OPSET:
+            with pytest.raises(ValueError, match="opset"):
+                reference.onnx_function(spec.op, opset=opset, **kw)
+            continue
+        fn = reference.onnx_function(spec.op, opset=opset, **kw)
+        _expect(fn.overload == overload, spec, f"function variant {overload!r} has overload {fn.overload!r}")
+        check_function(spec, fn)
+
+
 @pytest.mark.parametrize("opset", OPSETS)
 @pytest.mark.parametrize("op", OPS)
 def test_spec_matches_onnx_function(op, opset):
     spec = SPECS[op]
-    check_function(spec, plugin_module(spec.folder, "reference").onnx_function(op, opset=opset))
+    check_functions(spec, plugin_module(spec.folder, "reference"), opset)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -346,10 +471,15 @@ def _dropped_dtype(spec: OpSpec) -> OpSpec:
     return dataclasses.replace(spec, inputs=tuple(map(drop, spec.inputs)), outputs=tuple(map(drop, spec.outputs)))
 
 
+def _dropped_dtype_rule(spec: OpSpec) -> OpSpec:
+    return dataclasses.replace(spec, outputs=tuple(dataclasses.replace(t, dtype_from=None) for t in spec.outputs))
+
+
 _CHECKS = {
     "function": lambda spec: check_function(spec, plugin_module(spec.folder, "reference").onnx_function(spec.op)),
     "launch": lambda spec: check_launch(spec, plugin_module(spec.folder, "launch")),
     "numerics": lambda spec: check_numerics(spec, plugin_module(spec.folder, "reference"), OPSETS[0]),
+    "numerics_fp8": lambda spec: check_numerics(spec, plugin_module(spec.folder, "reference"), FP8_OPSET),
 }
 
 
@@ -365,6 +495,8 @@ def _breakages(spec: OpSpec):
     for key in spec.limits:
         yield f"changed {key}", _changed_limit(key), ("launch",)
     yield "dropped dtype", _dropped_dtype, ("launch",)
+    if any(t.dtype_from for t in spec.outputs) and _fp8_dtypes(spec):
+        yield "dropped output dtype rule", _dropped_dtype_rule, ("numerics_fp8",)
 
 
 BROKEN = [(op, what, breaks, checks) for op in OPS for what, breaks, checks in _breakages(SPECS[op])]

@@ -130,3 +130,104 @@ def test_every_schema_dtype_maps_to_tensorrt():
 
     assert set(FLOAT_DTYPES) <= set(DTYPES)
     assert set(glue.TRT_DTYPE.values()) == set(DTYPES) and set(qdp.TRTP_DTYPE) == set(DTYPES)
+
+
+GEMM_ONE_OP = (PLUGINS_DIR / "gemm" / "spec.yaml").read_text().split("---")[0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace("dtype_from: output_dtype", "dtype_from: out_dtype"),
+         r"outputs\[0\]\.dtype_from: 'out_dtype' names no attribute"),
+        (lambda t: t.replace("dtype_from: output_dtype", "dtype_from: alpha"),
+         r"outputs\[0\]\.dtype_from: attribute 'alpha' must be a string with choices and a default"),
+        (lambda t: t.replace("default: like_input, choices: [like_input,", "choices: [like_input,"),
+         r"outputs\[0\]\.dtype_from: attribute 'output_dtype' must be a string with choices and a default"),
+        (lambda t: t.replace("choices: [like_input, float16, bfloat16, float32]",
+                             "choices: [like_input, float16, float8e4m3fn]"),
+         r"outputs\[0\]\.dtype_from: choice 'float8e4m3fn' of 'output_dtype' is neither 'like_input' nor one of "
+         r"the output's dtypes"),
+        (lambda t: t.replace("choices: [like_input, float16, bfloat16, float32]", "choices: [like_input, float64]"),
+         r"choice 'float64' of 'output_dtype' is neither"),
+        (lambda t: t.replace("like: A, last_dim: {input: W, axis: 0}, ", ""),
+         r"outputs\[0\]\.dtype_from: choice 'like_input' of 'output_dtype' needs a 'like' rule"),
+        (lambda t: t.replace('{name: W, dtypes:', '{name: W, dtype_from: output_dtype, dtypes:'),
+         r"inputs\[1\]\.dtype_from: only outputs take a 'dtype_from' rule"),
+        (lambda t: t.replace("dtype_from: output_dtype", "dtype_from: [output_dtype]"),
+         r"outputs\[0\]\.dtype_from: expected str, got list"),
+        (lambda t: t.replace("with_dtypes: [float8e4m3fn]", "with_dtypes: [float16, float64]", 1),
+         r"inputs\[4\]\.with_dtypes\[1\]: 'float64' is not a dtype of A"),
+        (lambda t: t.replace("{name: W, dtypes:", "{name: W, with_dtypes: [float8e4m3fn], dtypes:"),
+         r"inputs\[1\]\.with_dtypes: only optional inputs after the first take a 'with_dtypes' rule"),
+        (lambda t: t.replace("dtype_from: output_dtype", "dtype_from: output_dtype, with_dtypes: [float16]"),
+         r"outputs\[0\]\.with_dtypes: only optional inputs take a 'with_dtypes' rule"),
+    ],
+)
+def test_bad_output_dtype_rules_are_rejected(tmp_path, edit, message):
+    text = edit(GEMM_ONE_OP)
+    assert text != GEMM_ONE_OP
+    with pytest.raises(SpecError, match=message):
+        _read(tmp_path, text)
+
+
+def test_output_dtype_rule():
+    """y's dtype: ``output_dtype``'s value, or (``like_input``, the default) A's; a value not among
+    y's dtypes (an FP8 A with like_input) or not among the choices is a ValueError."""
+    from optfuse.spec import FP8_DTYPES, LIKE_INPUT
+
+    gemm, ln = get_spec("GemmEpilogue"), get_spec("LayerNorm")
+    assert FP8_DTYPES == ("float8e4m3fn",) and gemm.attr("output_dtype").default == LIKE_INPUT
+    assert gemm.outputs[0].dtype_from == "output_dtype" and ln.outputs[0].dtype_from is None
+    fp8 = ["float8e4m3fn", "float8e4m3fn", None, None, "float32", "float32"]
+    assert gemm.output_dtype(0, ["float16"] * 2) == "float16"
+    assert gemm.output_dtype(0, ["bfloat16"] * 2, {"output_dtype": "like_input"}) == "bfloat16"
+    assert gemm.output_dtype(0, ["float16"] * 2, {"output_dtype": "float32"}) == "float32"
+    assert gemm.output_dtype(0, fp8, {"output_dtype": b"bfloat16"}) == "bfloat16"  # ONNX strings are bytes
+    with pytest.raises(ValueError, match=r"would be float8e4m3fn \(output_dtype like_input: the dtype of A\)"):
+        gemm.output_dtype(0, fp8)
+    with pytest.raises(ValueError, match="output_dtype 'float64' is not one of"):
+        gemm.output_dtype(0, ["float16"] * 2, {"output_dtype": "float64"})
+    assert ln.output_dtype(0, ["float16"] * 3) == "float16"
+    assert get_spec("GatedGemm").output_dtype(0, ["float8e4m3fn"] * 3, {"output_dtype": "float16"}) == "float16"
+    # the scales come exactly with FP8 operands (with_dtypes)
+    assert gemm.presence_error(fp8) is None and gemm.presence_error(["float16"] * 4) is None
+    assert "'a_scale' is absent with A float8e4m3fn" in gemm.presence_error(fp8[:4])
+    assert "'w_scale' is present with A float16" in gemm.presence_error(["float16"] * 4 + [None, "float32"])
+
+
+def test_plugin_forms_follow_the_output_dtype_rule_and_fp8_combinations():
+    """Both TensorRT plugin forms, from the spec: y's dtype from output_dtype (classic
+    get_output_data_types), the accepted formats (classic supports_format_combination: FP8 A / W
+    with float32 scales and y of output_dtype; no scales without FP8) and QDP's autotune types."""
+    import types
+
+    from optfuse.trt import glue, plugins, qdp
+
+    data_type = types.SimpleNamespace(**{k: types.SimpleNamespace(name=k) for k in glue.TRT_DTYPE})
+    bases = {name: type(name, (), {"__init__": lambda self, *a, **k: None})
+             for name in ("IPluginV3", "IPluginV3OneCore", "IPluginV3OneBuild", "IPluginV3OneRuntime")}
+    fake = types.SimpleNamespace(**bases, DataType=data_type, TensorFormat=types.SimpleNamespace(LINEAR="linear"))
+    spec = get_spec("GemmEpilogue")
+    plugin = plugins._plugin_class(fake, spec)({"output_dtype": "bfloat16"})
+    fp8, f32 = data_type.FP8, data_type.FLOAT
+    assert plugin.get_output_data_types([fp8, fp8, f32, f32, f32, f32]) == [data_type.BF16]
+    with pytest.raises(ValueError, match="would be float8e4m3fn"):
+        plugins._plugin_class(fake, spec)({}).get_output_data_types([fp8, fp8])
+
+    def accepts(*names):
+        io = [types.SimpleNamespace(desc=types.SimpleNamespace(format="linear", type=getattr(data_type, n))) for n in names]
+        return all(plugins._supports_format(fake, spec, [0], p, io, len(names) - 1) for p in range(len(names)))
+
+    assert accepts("FP8", "FP8", "BF16", "BF16", "FLOAT", "FLOAT", "BF16")
+    assert accepts("HALF", "HALF", "HALF", "HALF", "HALF") and accepts("HALF", "HALF", "FLOAT", "FLOAT", "FLOAT")
+    assert not accepts("FP8", "FP8", "BF16", "BF16", "FLOAT", "FLOAT", "HALF")  # bias / residual have y's dtype
+    assert not accepts("FP8", "HALF", "HALF", "HALF", "FLOAT", "FLOAT", "HALF")  # A and W both FP8 or neither
+    assert not accepts("FP8", "FP8", "HALF", "HALF", "HALF")  # FP8 without its scales
+    assert not accepts("HALF", "HALF", "HALF", "HALF", "FLOAT", "FLOAT", "HALF")  # scales without FP8
+    assert not accepts("FP8", "FP8", "FLOAT", "FLOAT", "HALF", "FLOAT", "FLOAT")  # scales are float32
+    gated = get_spec("GatedGemm")
+    assert qdp.autotune_combinations(gated, 6, ["float16"]) == [("float8e4m3fn",) * 3 + ("float32",) * 3 + ("float16",)]
+    assert qdp.autotune_combinations(gated, 3, ["float16"]) == [
+        ("float32",) * 3 + ("float16",), ("float16",) * 4, ("bfloat16",) * 3 + ("float16",)]
+    assert qdp.TRTP_DTYPE["float8e4m3fn"] == "FP8" and glue.TRT_DTYPE["FP8"] == "float8e4m3fn"

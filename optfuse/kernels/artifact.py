@@ -4,6 +4,10 @@ to launch it (:class:`LaunchParams`).
 The argument order of every kernel is TensorRT QDP's (``aot_impl``): input pointers, then the
 int32 extra arguments, then output pointers, then -- Triton >= 3.3 only -- the trailing scratch
 pointers Triton appends (:attr:`KernelArtifact.n_scratch`).
+
+An op whose work takes more than one kernel is a :class:`LaunchPlan`: its steps in launch order,
+each naming the buffers its kernel reads and writes (:class:`Buffer`: an op input, an op output,
+or a byte offset into the op's workspace), and the workspace size in bytes.
 """
 
 from __future__ import annotations
@@ -184,3 +188,50 @@ class KernelArtifact:
         cubin = (directory / "kernel.cubin").read_bytes() if has_cubin else None
         ptx = (directory / "kernel.ptx").read_text() if has_ptx else None
         return cls(cubin=cubin, ptx=ptx, **meta)
+
+
+#: What a plan step's pointer argument is: the op's input ``index`` (spec order; an absent
+#: optional input is a null pointer), its output ``index``, or the workspace at byte ``index``.
+BUFFER_KINDS = ("input", "output", "workspace")
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One pointer argument of a plan step (see :data:`BUFFER_KINDS`)."""
+
+    kind: str
+    index: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in BUFFER_KINDS:
+            raise ValueError(f"buffer kind {self.kind!r} is not one of {BUFFER_KINDS}")
+
+
+@dataclass
+class PlanStep:
+    """One launch of a plan: what to compile, how to launch it, which buffers its pointer
+    arguments are (``inputs`` then ``outputs``, in the kernel's argument order). ``artifact`` is
+    filled in once the source is built (``optfuse.trt.glue.resolve_plan``)."""
+
+    source: KernelSource
+    params: LaunchParams
+    inputs: list[Buffer]
+    outputs: list[Buffer]
+    artifact: KernelArtifact | None = None
+
+
+@dataclass
+class LaunchPlan:
+    """The launches of one op instance, in order, on one stream, and the workspace they share:
+    ``workspace_bytes`` (an int, or an expression over the shapes) of scratch memory, 256-byte
+    aligned, that the caller provides and that no step expects to find initialized."""
+
+    steps: list[PlanStep]
+    workspace_bytes: Any = 0
+
+
+def single_step_plan(source: KernelSource, params: LaunchParams, n_outputs: int) -> LaunchPlan:
+    """The plan of an op that is one kernel: inputs 0 .. ``source.n_inputs - 1``, every output,
+    no workspace."""
+    return LaunchPlan([PlanStep(source, params, [Buffer("input", i) for i in range(source.n_inputs)],
+                                [Buffer("output", j) for j in range(n_outputs)])])

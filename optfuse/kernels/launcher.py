@@ -3,7 +3,8 @@
 Argument order (TensorRT QDP ``aot_impl``): input pointers, int32 extra args, output pointers,
 then ``artifact.n_scratch`` null scratch pointers (Triton >= 3.3). The cubin is loaded when it
 matches the device; the PTX (its ISA version lowered to what the driver accepts) only when no
-cubin fits, or when asked with ``prefer="ptx"``.
+cubin fits, or when asked with ``prefer="ptx"``. :func:`launch_plan` runs the steps of a
+:class:`LaunchPlan` (several kernels over the op's inputs, outputs and a workspace) in order.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 import threading
 from typing import Any, Sequence
 
-from .artifact import KernelArtifact, LaunchParams
+from .artifact import Buffer, KernelArtifact, LaunchPlan, LaunchParams
 
 
 class CudaError(RuntimeError):
@@ -292,3 +293,44 @@ def launch(
     )
     if sync:
         _check(driver.cuStreamSynchronize(hstream), f"cuStreamSynchronize after {artifact.name}")
+
+
+def plan_pointers(refs: Sequence[Buffer], inputs: Sequence[Any], outputs: Sequence[Any], workspace: Any) -> list[int]:
+    """Device addresses of a plan step's buffers: ``inputs[i]`` (0 for an absent or missing
+    optional input), ``outputs[j]``, ``workspace + offset``."""
+    out = []
+    for ref in refs:
+        if ref.kind == "input":
+            out.append(device_pointer(inputs[ref.index]) if ref.index < len(inputs) else 0)
+        elif ref.kind == "output":
+            out.append(device_pointer(outputs[ref.index]))
+        else:
+            base = device_pointer(workspace)
+            if not base:
+                raise ValueError(f"plan step reads workspace offset {ref.index} but no workspace was given")
+            out.append(base + ref.index)
+    return out
+
+
+def launch_plan(
+    plan: LaunchPlan,
+    inputs: Sequence[Any],
+    outputs: Sequence[Any],
+    workspace: Any = 0,
+    stream: Any = 0,
+    *,
+    prefer: str | None = None,
+    sync: bool = False,
+) -> None:
+    """Launch every step of ``plan`` on ``stream``, in order (one stream orders them: a step sees
+    what the previous ones wrote). ``inputs`` / ``outputs`` are the op's pointers in spec order
+    (None for an absent optional input); ``workspace`` points at ``plan.workspace_bytes`` bytes,
+    256-byte aligned (TensorRT's workspace is). Each step's artifact must be built."""
+    if int(plan.workspace_bytes or 0) > 0 and not device_pointer(workspace):
+        raise ValueError(f"plan needs a workspace of {int(plan.workspace_bytes)} bytes; none was given")
+    for k, step in enumerate(plan.steps):
+        if step.artifact is None:
+            raise ValueError(f"plan step {k} ({step.source.name}) has no built artifact")
+        launch(step.artifact, step.params, plan_pointers(step.inputs, inputs, outputs, workspace),
+               plan_pointers(step.outputs, inputs, outputs, workspace), stream, prefer=prefer,
+               sync=sync and k == len(plan.steps) - 1)

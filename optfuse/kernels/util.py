@@ -8,9 +8,11 @@ _DTYPES = {
     "float32": "float32", "fp32": "float32", "float": "float32", "f32": "float32",
     "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float8e4m3fn": "float8e4m3fn", "float8_e4m3fn": "float8e4m3fn", "fp8": "float8e4m3fn", "fp8e4m3": "float8e4m3fn",
 }
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-TRITON_TYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8e4m3fn": 1}
+#: Triton's pointer element names (E4M3 with NaN and no infinities: Triton's ``fp8e4nv``).
+TRITON_TYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8e4m3fn": "fp8e4nv"}
 #: ``-DOPTFUSE_DTYPE`` of the CUDA kernels (plugins/common/io_dtype.cuh, the FlashAttention kernel)
 CUDA_DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 

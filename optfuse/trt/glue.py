@@ -5,6 +5,12 @@ Both the classic Python IPluginV3 (``plugins.py``, enqueue time, concrete shapes
 these input shapes/dtypes and attributes, which kernel and which launch parameters? The answer
 comes from the plugin folder's ``launch.py`` (``kernel_config`` + ``launch_params``), so the two
 forms cannot drift apart.
+
+An op whose ``launch.py`` defines ``launch_plan`` may answer with several kernels and a workspace
+(:class:`optfuse.kernels.artifact.LaunchPlan`, e.g. FlashAttention's split-KV decode):
+:func:`resolve_plan` gives the classic plugin that plan (every other op: a plan of one step), and
+:func:`workspace_size` the workspace to ask TensorRT for over a profile. QDP AOT launches one
+kernel and no workspace, so it keeps :func:`resolve`.
 """
 
 from __future__ import annotations
@@ -12,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..spec import FLOAT_DTYPES, OpSpec, get_spec, plugin_module
+from ..spec import FLOAT_DTYPES, FP8_DTYPES, LIKE_INPUT, OpSpec, get_spec, plugin_module
 
-#: TensorRT DataType member name -> spec dtype name.
-TRT_DTYPE = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
+#: TensorRT DataType member name -> spec dtype name (FP8 is E4M3).
+TRT_DTYPE = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "FP8": "float8e4m3fn", "INT32": "int32",
+             "INT64": "int64", "BOOL": "bool"}
 
 
 def dtype_name(trt_dtype: Any) -> str:
@@ -34,7 +41,57 @@ def trt_dtype(trt: Any, name: str) -> Any:
 
 
 def is_float_tensor(t) -> bool:
-    return all(d in FLOAT_DTYPES for d in t.dtypes)
+    return all(d in FLOAT_DTYPES + FP8_DTYPES for d in t.dtypes)
+
+
+def output_dtypes(spec: OpSpec, input_dtypes: Sequence[str | None], attrs: dict | None) -> list[str]:
+    """Every output's dtype name (:meth:`OpSpec.output_dtype`: its ``like`` input's, or its
+    ``dtype_from`` attribute's value); both plugin forms call it."""
+    return [spec.output_dtype(j, list(input_dtypes) + [None] * (len(spec.inputs) - len(input_dtypes)), attrs)
+            for j in range(len(spec.outputs))]
+
+
+def io_dtype_combinations(spec: OpSpec, n_inputs: int) -> list[tuple[str, ...]]:
+    """The dtypes of (the first ``n_inputs`` inputs, then the outputs) that a node of ``spec`` may
+    have, one tuple per combination, from the spec's dtype lists and output rules: per dtype ``c``
+    of the first input and per value of an output's ``dtype_from`` attribute, the inputs listing
+    the first input's dtypes take ``c``, those listing one dtype take it (FP8 scales, int32
+    layouts), the others (GEMM bias, residual) take the first output's dtype. Combinations whose
+    output dtype is not allowed (an FP8 A with ``like_input``), or whose present inputs break a
+    ``with_dtypes`` rule (the GEMM's FP8 scales without FP8, or FP8 without them), are left out."""
+    first = spec.inputs[0]
+    rules = sorted({o.dtype_from for o in spec.outputs if o.dtype_from is not None})
+    values = [[(r, v) for v in spec.attr(r).choices] for r in rules]
+    settings: list[dict] = [{}]
+    for options in values:
+        settings = [{**s, k: v} for s in settings for k, v in options]
+    out: list[tuple[str, ...]] = []
+    for c in first.dtypes:
+        for attrs in settings:
+            combo = _combination(spec, n_inputs, c, attrs)
+            if combo is not None and combo not in out:
+                out.append(combo)
+    return out
+
+
+def _combination(spec: OpSpec, n_inputs: int, c: str, attrs: dict) -> tuple[str, ...] | None:
+    try:
+        ys = output_dtypes(spec, [c] * len(spec.inputs), attrs)
+    except ValueError:
+        return None
+    ins = []
+    for t in spec.inputs[:n_inputs]:
+        if t.dtypes == spec.inputs[0].dtypes:
+            ins.append(c)
+        elif len(t.dtypes) == 1:
+            ins.append(t.dtypes[0])
+        elif ys[0] in t.dtypes:
+            ins.append(ys[0])
+        else:
+            return None
+    if spec.presence_error(ins + [None] * (len(spec.inputs) - len(ins))) is not None:
+        return None
+    return tuple(ins) + tuple(ys)
 
 
 def complete_attrs(spec: OpSpec, attrs: dict | None) -> dict:
@@ -168,3 +225,62 @@ def resolve(
     art = build_kernel(src, arch, cache=cache)
     params = launch.launch_params(op, shapes, dtypes, attrs, cdiv=cdiv or int_cdiv, static_shape=static)
     return ResolvedKernel(src, art, params, static)
+
+
+def _plan_inputs(op: str, shapes, dtypes, attrs, arch, static):
+    spec = get_spec(op)
+    from ..kernels.target import resolve_arch
+
+    attrs = complete_attrs(spec, attrs)
+    shapes = pad_inputs(spec, shapes)
+    dtypes = pad_inputs(spec, dtypes)
+    static = dict(static) if static is not None else static_shape(spec, shapes, dtypes)
+    static.setdefault("arch", resolve_arch(arch))
+    return spec, plugin_module(spec.folder, "launch"), attrs, shapes, dtypes, static
+
+
+def resolve_plan(
+    op: str,
+    shapes: Sequence[Sequence[int] | None],
+    dtypes: Sequence[str | None],
+    attrs: dict | None,
+    *,
+    arch: int | str | None = None,
+    static: dict | None = None,
+    cache=None,
+):
+    """The :class:`LaunchPlan` of one op instance at concrete shapes, every step's artifact built:
+    ``launch.launch_plan(op, shapes, dtypes, attrs, static_shape=...)`` where the plugin defines it
+    and it returns a plan, else the one kernel of :func:`resolve` as a plan of one step."""
+    from ..kernels import build_kernel
+    from ..kernels.artifact import single_step_plan
+
+    spec, launch, attrs_c, shapes_p, dtypes_p, static_p = _plan_inputs(op, shapes, dtypes, attrs, arch, static)
+    fn = getattr(launch, "launch_plan", None)
+    plan = fn(op, shapes_p, dtypes_p, attrs_c, static_shape=static_p) if fn is not None else None
+    if plan is None:
+        rk = resolve(op, shapes, dtypes, attrs, arch=arch, static=static_p, cache=cache)
+        plan = single_step_plan(rk.source, rk.params, len(spec.outputs))
+        plan.steps[0].artifact = rk.artifact
+        return plan
+    for step in plan.steps:
+        step.artifact = build_kernel(step.source, arch, cache=cache)
+    return plan
+
+
+def workspace_size(
+    op: str,
+    min_shapes: Sequence[Sequence[int] | None],
+    max_shapes: Sequence[Sequence[int] | None],
+    dtypes: Sequence[str | None],
+    attrs: dict | None,
+) -> int:
+    """Workspace bytes for every shape of a TensorRT profile [min_shapes, max_shapes]: the
+    plugin's ``launch.workspace_bytes(op, min_shapes, max_shapes, dtypes, attrs)`` (its largest
+    plan's workspace over the profile), 0 when the plugin has none."""
+    spec = get_spec(op)
+    fn = getattr(plugin_module(spec.folder, "launch"), "workspace_bytes", None)
+    if fn is None:
+        return 0
+    return int(fn(op, pad_inputs(spec, min_shapes), pad_inputs(spec, max_shapes), pad_inputs(spec, dtypes),
+                  complete_attrs(spec, attrs)))

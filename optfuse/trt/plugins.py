@@ -8,10 +8,16 @@ QDP). One generic class per op, made by :func:`make_plugin`; nothing is written 
 * fields: the spec attributes (float -> FLOAT32, int -> INT32, string -> CHAR, floats/ints ->
   arrays) -- the parser converts ONNX attributes by *their* type (INT arrives as int32, FLOAT as
   float32), so decoding is by field type, and missing fields take the spec default;
-* output dtypes and shapes: the spec's ``like`` rule (the last dim from ``last_dim`` where given);
-* formats: linear only; every float tensor one dtype, taken from the spec's dtype list;
-* enqueue: :func:`optfuse.trt.glue.resolve` (the plugin's ``launch.py``) and
-  ``optfuse.kernels.launcher.launch`` -- so this form needs Python at run time, unlike QDP.
+* output dtypes and shapes: the spec's ``like`` rule (the last dim from ``last_dim`` where given),
+  the dtype from ``dtype_from`` where given (:func:`optfuse.trt.glue.output_dtypes`);
+* formats: linear only; the dtypes one of :func:`optfuse.trt.glue.io_dtype_combinations` (every
+  float tensor one dtype, but for FP8 operands with float32 scales and an ``output_dtype`` y);
+* workspace: :func:`optfuse.trt.glue.workspace_size` over the profile's min / max input dims (the
+  scratch memory of the largest multi-kernel plan the plugin's ``launch.py`` makes in it; 0 for
+  most ops);
+* enqueue: :func:`optfuse.trt.glue.resolve_plan` (the plugin's ``launch.py``: one kernel, or a plan
+  of several and a workspace) and ``optfuse.kernels.launcher.launch_plan`` with TensorRT's workspace
+  pointer -- so this form needs Python at run time, unlike QDP.
 """
 
 from __future__ import annotations
@@ -106,7 +112,8 @@ def _plugin_class(trt, spec: OpSpec):
             return c
 
         def get_output_data_types(self, input_types):
-            return [input_types[i] for i in like]
+            names = glue.output_dtypes(spec, [glue.dtype_name(t) for t in input_types], self.attrs)
+            return [glue.trt_dtype(trt, n) for n in names]
 
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
             shapes = [trt.DimsExprs(inputs[i]) for i in like]
@@ -123,7 +130,7 @@ def _plugin_class(trt, spec: OpSpec):
             pass
 
         def get_workspace_size(self, inp, out):
-            return 0
+            return _workspace_size(spec, self.attrs, inp)
 
         def get_valid_tactics(self):
             return []
@@ -144,7 +151,7 @@ def _plugin_class(trt, spec: OpSpec):
             )
 
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            _enqueue(spec, self.attrs, self._kernels, input_desc, inputs, outputs, stream)
+            _enqueue(spec, self.attrs, self._kernels, input_desc, inputs, outputs, workspace, stream)
 
     Plugin.__name__ = Plugin.__qualname__ = f"{spec.op}PluginV3"
     return Plugin
@@ -176,41 +183,44 @@ def _creator_class(trt, spec: OpSpec, plugin):
 
 
 def _supports_format(trt, spec: OpSpec, like: list[int], pos: int, in_out, num_inputs: int) -> bool:
-    """Linear only; a spec dtype; outputs like their input; all float inputs one dtype."""
+    """Linear only; the dtypes of positions 0..pos a prefix of one of the spec's I/O dtype
+    combinations (``glue.io_dtype_combinations``: outputs of their ``output_dtype`` or like their
+    input, float inputs one dtype, FP8 operands with float32 scales). ``like`` is kept for the
+    plugin class's call."""
     desc = in_out[pos].desc
     if desc.format != trt.TensorFormat.LINEAR:
         return False
-    t = spec.inputs[pos] if pos < num_inputs else spec.outputs[pos - num_inputs]
     try:
-        dt = glue.dtype_name(desc.type)
+        got = [glue.dtype_name(in_out[j].desc.type) for j in range(pos + 1)]
     except ValueError:
         return False
-    if dt not in t.dtypes:
-        return False
-    if pos >= num_inputs:  # an output takes the dtype of the input it is like
-        return desc.type == in_out[like[pos - num_inputs]].desc.type
-    if glue.is_float_tensor(t):  # all float inputs share the first float input's dtype
-        for j in range(pos):
-            if glue.is_float_tensor(spec.inputs[j]):
-                return desc.type == in_out[j].desc.type
-    return True
+    # a combination lists the present inputs, then the outputs: the positions' order
+    return any(list(c[:pos + 1]) == got for c in glue.io_dtype_combinations(spec, num_inputs))
 
 
-def _enqueue(spec: OpSpec, attrs: dict, kernels: dict, input_desc, inputs, outputs, stream) -> None:
-    """Resolve the kernel for these shapes/dtypes/arch (memoized in ``kernels``) and launch it."""
+def _workspace_size(spec: OpSpec, attrs: dict, inp) -> int:
+    """Bytes of workspace for every shape of the profile: ``inp`` are DynamicPluginTensorDescs
+    (``min`` / ``max`` dims, ``desc.type``)."""
+    mins = [tuple(int(d) for d in t.min) for t in inp]
+    maxs = [tuple(int(d) for d in t.max) for t in inp]
+    dtypes = [glue.dtype_name(t.desc.type) for t in inp]
+    return glue.workspace_size(spec.op, mins, maxs, dtypes, attrs)
+
+
+def _enqueue(spec: OpSpec, attrs: dict, kernels: dict, input_desc, inputs, outputs, workspace, stream) -> None:
+    """Resolve the plan for these shapes/dtypes/arch (memoized in ``kernels``) and launch its
+    steps on ``stream``, with TensorRT's ``workspace``."""
     from ..kernels import launcher
 
     shapes = [tuple(int(d) for d in desc.dims) for desc in input_desc]
     dtypes = [glue.dtype_name(desc.type) for desc in input_desc]
     arch = launcher.current_device_arch()
     key = (tuple(shapes), tuple(dtypes), arch)
-    hit = kernels.get(key)
-    if hit is None:
-        rk = glue.resolve(spec.op, shapes, dtypes, attrs, arch=arch)
-        hit = kernels[key] = (rk.artifact, rk.params)
-    art, params = hit
-    ins = glue.pad_inputs(spec, [int(p) for p in inputs])[: art.n_inputs]
-    launcher.launch(art, params, ins, [int(p) for p in outputs], int(stream))
+    plan = kernels.get(key)
+    if plan is None:
+        plan = kernels[key] = glue.resolve_plan(spec.op, shapes, dtypes, attrs, arch=arch)
+    ins = glue.pad_inputs(spec, [int(p) for p in inputs])
+    launcher.launch_plan(plan, ins, [int(p) for p in outputs], int(workspace or 0), int(stream))
 
 
 def register_all(backend, ops: list[str] | None = None) -> list[str]:

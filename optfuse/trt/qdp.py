@@ -6,9 +6,11 @@ per-op code):
 
 * ``@trtp.register("optfuse::<Op>")``: inputs as ``TensorDesc``, attributes typed from the spec
   (float, int, str, NDArray[float32|int32]); outputs ``like`` the spec says (the last dim from
-  ``last_dim`` where given: a GEMM's N);
-* ``@trtp.autotune``: one linear type combination per float dtype the spec allows (every float
-  I/O of that dtype, integer inputs such as a block layout in their own one dtype);
+  ``last_dim`` where given: a GEMM's N), of the dtype ``dtype_from`` gives where given;
+* ``@trtp.autotune``: one linear type combination per I/O dtype combination of the spec
+  (:func:`optfuse.trt.glue.io_dtype_combinations`: every float I/O of one dtype, integer inputs
+  such as a block layout in their own one dtype, FP8 operands with float32 scales and a y of
+  ``output_dtype``);
 * ``@trtp.aot_impl``: a thin adapter around :func:`aot_kernel`, the plain function that does the
   work and that tests call without TensorRT.
 
@@ -36,7 +38,8 @@ import numpy as np
 from ..spec import OpSpec, get_spec, load_specs
 from . import glue
 
-TRTP_DTYPE = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int32": "INT32", "int64": "INT64", "bool": "BOOL"}
+TRTP_DTYPE = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "float8e4m3fn": "FP8", "int32": "INT32",
+              "int64": "INT64", "bool": "BOOL"}
 
 _registered: dict[tuple[str, str], int | None] = {}  # (backend, op) -> arch
 _lock = threading.Lock()
@@ -214,17 +217,18 @@ def register_spec(be, spec: OpSpec, arch: int | None) -> str:
     out_param = P("outputs", P.POSITIONAL_OR_KEYWORD, annotation=outputs_ann)
     n_attr = len(spec.attributes)
     attr_names = [a.name for a in spec.attributes]
-    floats = float_dtypes(spec)
     cdiv = _make_cdiv(trtp)
 
     # Functions are variadic so a node without its trailing optional inputs still works; the
     # declared signature (what tensorrt.plugin validates) is the full one.
     def register_fn(*descs, **attrs):
         outs = [descs[i].like() for i in like]
+        dtypes = glue.output_dtypes(spec, [glue.dtype_name(d.dtype) for d in descs], attrs)
         for j, out in enumerate(outs):
             if last_dim[j] is not None:  # like() shares the input's shape_expr: give the output its own
                 exprs = glue.output_dims(spec, j, [d.shape_expr for d in descs], like)
                 out.shape_expr = type(descs[like[j]].shape_expr).from_tuple(tuple(exprs))
+            out.dtype = glue.trt_dtype(trt, dtypes[j])
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     ret = trtp.TensorDesc if len(spec.outputs) == 1 else typing.Tuple[tuple([trtp.TensorDesc] * len(spec.outputs))]
@@ -233,9 +237,9 @@ def register_spec(be, spec: OpSpec, arch: int | None) -> str:
 
     def autotune_fn(*args):
         descs, outputs = args[:-1], args[-1]
-        ios = list(spec.inputs[:len(descs)]) + list(spec.outputs)
-        return [trtp.AutoTuneCombination(", ".join(TRTP_DTYPE[io_dtype(t, d)] for t in ios), "LINEAR")
-                for d in floats]
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        return [trtp.AutoTuneCombination(", ".join(TRTP_DTYPE[d] for d in combo), "LINEAR")
+                for combo in autotune_combinations(spec, len(descs), [_dtype_or_none(o) for o in outputs])]
 
     autotune_fn.__signature__ = inspect.Signature(
         in_params + [out_param], return_annotation=typing.List[trtp.AutoTuneCombination]
@@ -271,20 +275,19 @@ def register_spec(be, spec: OpSpec, arch: int | None) -> str:
     return pid
 
 
-def float_dtypes(spec: OpSpec) -> list[str]:
-    """The float dtypes every float tensor of ``spec`` allows (one type combination each)."""
-    floats = [t for t in spec.inputs + spec.outputs if glue.is_float_tensor(t)]
-    return [d for d in glue.FLOAT_DTYPES if all(d in t.dtypes for t in floats)]
+def autotune_combinations(spec: OpSpec, n_inputs: int, output_dtypes: Sequence[str | None]) -> list[tuple[str, ...]]:
+    """The I/O dtype combinations (``glue.io_dtype_combinations``) whose outputs have the dtypes
+    ``register`` gave them (None: any)."""
+    combos = glue.io_dtype_combinations(spec, n_inputs)
+    return [c for c in combos
+            if all(want is None or c[n_inputs + j] == want for j, want in enumerate(output_dtypes))]
 
 
-def io_dtype(t, float_dtype: str) -> str:
-    """A tensor's dtype in the combination of ``float_dtype``: that dtype for a float tensor, its
-    own for an integer one (BlockSparseAttention's int32 layout), which must then be unique."""
-    if glue.is_float_tensor(t):
-        return float_dtype
-    if len(t.dtypes) != 1:
-        raise ValueError(f"input {t.name!r} allows {t.dtypes}: a non-float tensor needs one dtype for QDP autotune")
-    return t.dtypes[0]
+def _dtype_or_none(desc) -> str | None:
+    try:
+        return glue.dtype_name(desc.dtype)
+    except (AttributeError, ValueError):
+        return None
 
 
 def _static_of(desc) -> list[int] | None:

@@ -8,6 +8,11 @@
   ``+ - *`` and ``cdiv`` over the dynamic dims (B, H, Hkv, Sq, Sk), so TensorRT QDP ``aot_impl``
   can call it with symbolic shapes.
 
+* ``launch_plan(op, shapes, dtypes, attrs, static_shape=...)`` -> :class:`LaunchPlan` or None: the
+  split-KV decode kernels (kernel_decode.py, launch_decode.py) for Sq <= 16 over Sk >= 512 keys,
+  two launches and a workspace (``workspace_bytes`` over a TensorRT profile); None elsewhere, where
+  the one kernel above runs. QDP AOT launches one kernel, so it always takes that one.
+
 Argument order (QDP): inputs q, k, v[, bias], extra int32 (H, Hkv, Sq, Sk), output o. Tensors are
 contiguous; strides are derived from the shapes inside the kernel. H and Hkv are runtime
 arguments (one integer division per program), so one artifact serves every head count.
@@ -20,10 +25,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from optfuse.kernels.artifact import KernelSource, LaunchParams
+from optfuse.kernels.artifact import KernelSource, LaunchParams, LaunchPlan
 from optfuse.kernels.util import CUDA_DTYPE_CODE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, static_int
 from optfuse.spec import plugin_spec
 
+from .launch_decode import DecodeConfig, decode_applies, decode_takes_bias, decode_plan, decode_workspace_bound
 from .sparsity import BLOCK_SPARSE, BLOCK_SPARSE_SPEC, LAYOUT_BLOCKS, OPS, Sparsity, sm90_defines, sparsity_of  # noqa: F401
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
@@ -451,6 +457,43 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
         shared_mem=0,  # Triton's shared memory comes with the artifact (metadata.shared)
         extra_args=[H, Hkv, Sq, Sk] + nnz,
     )
+
+
+def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict, cdiv=_cdiv,
+                *, static_shape: dict | None = None, decode: DecodeConfig | None = None) -> LaunchPlan | None:
+    """The split-KV decode plan (launch_decode.decode_plan: split kernel into the workspace, then
+    the combine) where launch_decode.decode_applies, else None: the one kernel of kernel_config /
+    launch_params runs. ``shapes`` are concrete: [q, k, v(, bias)] (None for an absent bias)."""
+    name = _check_op(op)
+    st = static_shape or {}
+    shapes = list(shapes)
+    bias_shape = st.get("bias_shape", shapes[3] if len(shapes) > 3 else None)
+    pattern = bias_pattern(bias_shape)
+    if not decode_applies(name, shapes[0], shapes[1], pattern):
+        return None
+    head_dim = _head_dim(st) if st else static_int(shapes[0][3], "head_dim")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
+    causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
+    present = [[int(d) for d in s] for s in shapes[:3]]
+    return decode_plan(norm_dtype(dtypes[0]), present, attrs, head_dim, causal, pattern,
+                       sparsity_of(name, attrs, st), st.get("bias_dtype"), decode)
+
+
+def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[int] | None], max_shapes: Sequence[Sequence[int] | None],
+                    dtypes: Sequence[Any], attrs: dict) -> int:
+    """The workspace ``launch_plan`` needs at any shape of a profile [min_shapes, max_shapes]
+    (TensorRT asks once, at build time): the decode partials at the largest shape that decodes,
+    0 where no shape does (or the op / bias pattern never does)."""
+    name = _check_op(op)
+    max_shapes = list(max_shapes)
+    bias = max_shapes[3] if len(max_shapes) > 3 else None
+    pattern = bias_pattern(bias)
+    if name != OP or not decode_takes_bias(pattern):
+        return 0
+    return decode_workspace_bound([int(d) for d in min_shapes[0]], [int(d) for d in max_shapes[0]],
+                                  [int(d) for d in max_shapes[1]], static_int(max_shapes[0][3], "head_dim"),
+                                  norm_dtype(dtypes[0]))
 
 
 def check_shapes(shapes: Sequence[Sequence[int]], attrs: dict) -> None:

@@ -4,6 +4,9 @@
 * :func:`run_triton` -- run the Triton kernel of a KernelSource directly (JIT on a GPU, or the
   interpreter on CPU) with the launcher's argument order, binding by parameter name so an absent
   bias (a ``None`` constexpr in the middle of the signature) works;
+* :func:`case_plan` / :func:`build_plan` / :func:`run_plan_triton` -- the split-KV decode plan of
+  a case (launch.py's ``launch_plan``), its artifacts, its steps run as Triton functions with a
+  poisoned workspace;
 * :func:`prebuilt_artifact` / :func:`get_artifact` -- an artifact compiled elsewhere (this repo's
   CPU machine: Triton 3.9 cubins for sm_90), looked up by its spec, else compiled here.
 """
@@ -73,6 +76,72 @@ def run_triton(src: KernelSource, params: LaunchParams, inputs: Sequence[Any],
         fn[tuple(int(g) for g in params.grid)](**kwargs, **src.constexprs,
                                                 num_warps=src.num_warps,
                                                 num_stages=src.num_stages)
+
+
+def case_plan(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, arch: int | None = None,
+              bias_dtype: str | None = None, decode=None):
+    """launch.py's LaunchPlan (sources, no artifacts) for concrete shapes [q, k, v, bias-or-None];
+    None where the one-kernel path runs. ``decode`` = a DecodeConfig to use instead of the default."""
+    q = list(shapes[0])
+    bias = shapes[3] if len(shapes) > 3 else None
+    static = {"head_dim": q[3], "bias_shape": None if bias is None else tuple(bias),
+              "bias_dtype": bias_dtype, "arch": arch}
+    shp = [list(s) for s in shapes[:3]] + [None if bias is None else list(bias)]
+    return launch_mod().launch_plan(OP, shp, [dtype], attrs, static_shape=static, decode=decode)
+
+
+def forced_decode_plan(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, decode=None,
+                       bias_dtype: str | None = None):
+    """The split-KV decode plan of a case whatever its Sq and Sk (the kernels' tests run them on
+    shapes the dispatch leaves to the one-kernel path too)."""
+    L = launch_mod()
+    q = list(shapes[0])
+    bias = shapes[3] if len(shapes) > 3 else None
+    causal = bool(int(attrs.get("causal", 0)))
+    return L.decode_plan(dtype, [list(s) for s in shapes[:3]], attrs, q[3], causal, L.bias_pattern(bias),
+                         L.sparsity_of(OP, attrs), bias_dtype, decode)
+
+
+def build_plan(plan, arch: int | None = None):
+    """Every step's artifact (get_artifact); returns ``plan``."""
+    for step in plan.steps:
+        step.artifact = get_artifact(step.source, arch)
+    return plan
+
+
+_TORCH_TYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def new_workspace(plan, device="cpu"):
+    """A workspace for ``plan``: uint8, every byte 0xFF (each fp32 partial a NaN until written)."""
+    import torch
+
+    return torch.full((max(int(plan.workspace_bytes), 1),), 255, dtype=torch.uint8, device=device)
+
+
+def run_plan_triton(plan, inputs: Sequence[Any], outputs: Sequence[Any], interpret: bool = False,
+                    workspace=None) -> None:
+    """Run ``plan``'s steps in order as @triton.jit functions on torch tensors (``inputs`` in spec
+    order, None for an absent bias): each workspace buffer is a view of ``workspace`` (default
+    :func:`new_workspace`) at its offset, typed as the kernel's signature says."""
+    import torch
+
+    ws = new_workspace(plan, inputs[0].device) if workspace is None else workspace
+
+    def tensor(ref, ptr_type):
+        if ref.kind == "input":
+            return inputs[ref.index]
+        if ref.kind == "output":
+            return outputs[ref.index]
+        return ws[ref.index:].view(getattr(torch, _TORCH_TYPE[ptr_type.lstrip("*")]))
+
+    for step in plan.steps:
+        src = step.source
+        types = list(src.signature.values())
+        ptr_types = types[:src.n_inputs] + types[src.n_inputs + src.n_extra:]
+        ins = [tensor(r, t) for r, t in zip(step.inputs, ptr_types[:src.n_inputs])]
+        outs = [tensor(r, t) for r, t in zip(step.outputs, ptr_types[src.n_inputs:])]
+        run_triton(src, step.params, ins, outs, interpret=interpret)
 
 
 def _expected_key(src: KernelSource, arch: int, compiler: str) -> str:

@@ -4,12 +4,17 @@
                   y = act(ALPHA * (A @ W^T) + bias + residual)        (RESIDUAL_BEFORE = True)
     GatedGemm     y = act(A @ W^T) * (A @ W_up^T)                     (GATED; W is W_gate)
 
+With FP8 (E4M3, ``tl.float8e4nv``) A and weights, each product is first scaled by
+``a_scale * w_scale[n]`` (W_SCALE / W_UP_SCALE 1: one weight scale, 2: [N]; 0: no FP8, no scales),
+then alpha, bias, activation and residual as above; y is stored in its own dtype (Y's element
+type: the op's ``output_dtype``).
+
 A: [M, K] rows contiguous (all leading dims of the op's A flattened: no copy); W, W_up: [N, K]
 (torch.nn.Linear's layout, K contiguous); y: [M, N]. N and K are compile-time constants, M is the
 int32 runtime argument. bias is absent (BIAS_MODE 0), one value (1: shape [] or [1]) or [N] (2);
 residual is absent (RES_MODE 0), one value (1) or [M, N] (2). Absent inputs are ``None``
-constexprs, so the runtime parameters are exactly TensorRT QDP's: the present inputs in spec order,
-M, then y.
+constexprs, so the runtime parameters are exactly TensorRT QDP's: the present inputs in spec order
+(A, W, W_up, Bias, Residual, AScale, WScale, WUpScale), M, then y.
 
 One program computes one BLOCK_M x BLOCK_N tile of y: it streams BLOCK_K slices of A and W through
 shared memory (``num_stages`` deep, cp.async; the tensor cores by ``tl.dot``: mma on sm_80/sm_89,
@@ -24,7 +29,8 @@ Tile order: the 1-D grid walks GROUP_M row tiles per column tile before moving o
 grouped order), so programs running together share W's column panel and A's rows in L2.
 Tails: rows past M and columns past N read clamped (wrapped) indices, which are valid addresses, and
 are masked at the store; a K tail (K % BLOCK_K != 0) is masked at the loads (zeros).
-FP16 / BF16 operands run the tensor cores with FP32 accumulation; FP32 operands use IEEE FP32 dots
+FP16 / BF16 / FP8 operands run the tensor cores with FP32 accumulation (FP8: sm_89 mma, sm_90
+wgmma); FP32 operands use IEEE FP32 dots
 (``input_precision="ieee"``: no TF32 rounding). Row offsets are int64 (M * K may pass 2**31).
 No TMA descriptors: device-side descriptors need global scratch, which the QDP launch cannot pass.
 """
@@ -71,15 +77,29 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, acc_up, Bias, Residual, Y, rows, cols, M, N: tl.constexpr, ALPHA: tl.constexpr,
-              ACTIVATION: tl.constexpr, BIAS_MODE: tl.constexpr, RES_MODE: tl.constexpr,
-              RESIDUAL_BEFORE: tl.constexpr, GATED: tl.constexpr):
-    """alpha, bias, residual, activation (or the gate product), cast and store of the y tile at
-    (rows, cols); rows past M and columns past N are not stored."""
+def _scaled(acc, AScale, WScale, cols, N: tl.constexpr, MODE: tl.constexpr):
+    """``acc * a_scale * w_scale[cols]`` (MODE 2; MODE 1: one weight scale; 0: ``acc``)."""
+    if MODE == 1:
+        acc = acc * (tl.load(AScale) * tl.load(WScale))
+    elif MODE == 2:
+        acc = acc * (tl.load(AScale) * tl.load(WScale + cols % N))[None, :]
+    else:
+        tl.static_assert(MODE == 0, "unknown scale mode")
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, acc_up, Bias, Residual, AScale, WScale, WUpScale, Y, rows, cols, M, N: tl.constexpr,
+              ALPHA: tl.constexpr, ACTIVATION: tl.constexpr, BIAS_MODE: tl.constexpr, RES_MODE: tl.constexpr,
+              RESIDUAL_BEFORE: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
+              W_UP_SCALE: tl.constexpr):
+    """FP8 scales, alpha, bias, residual, activation (or the gate product), cast and store of the y
+    tile at (rows, cols); rows past M and columns past N are not stored."""
     ok = (rows[:, None] < M) & (cols[None, :] < N)
     y_off = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    acc = _scaled(acc, AScale, WScale, cols, N, W_SCALE)
     if GATED:
-        y = _activation(acc, ACTIVATION) * acc_up
+        y = _activation(acc, ACTIVATION) * _scaled(acc_up, AScale, WUpScale, cols, N, W_UP_SCALE)
     else:
         y = acc
         if ALPHA != 1.0:
@@ -104,10 +124,10 @@ def _epilogue(acc, acc_up, Bias, Residual, Y, rows, cols, M, N: tl.constexpr, AL
 
 @triton.jit
 def _gemm_epilogue_kernel(
-        A, W, W_up, Bias, Residual, M, Y,
+        A, W, W_up, Bias, Residual, AScale, WScale, WUpScale, M, Y,
         N: tl.constexpr, K: tl.constexpr, ALPHA: tl.constexpr, ACTIVATION: tl.constexpr,
         BIAS_MODE: tl.constexpr, RES_MODE: tl.constexpr, RESIDUAL_BEFORE: tl.constexpr,
-        GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        GATED: tl.constexpr, W_SCALE: tl.constexpr, W_UP_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
     # -- which tile: grouped order over a 1-D grid -------------------------------------------------
     pid = tl.program_id(0)
@@ -172,12 +192,12 @@ def _gemm_epilogue_kernel(
         else:
             up0, up1 = acc0, acc1  # unused
         cols0 = pid_n * BLOCK_N + tl.arange(0, HALF)
-        _epilogue(acc0, up0, Bias, Residual, Y, offs_m, cols0, M, N, ALPHA, ACTIVATION, BIAS_MODE, RES_MODE,
-                  RESIDUAL_BEFORE, GATED)
-        _epilogue(acc1, up1, Bias, Residual, Y, offs_m, cols0 + HALF, M, N, ALPHA, ACTIVATION, BIAS_MODE,
-                  RES_MODE, RESIDUAL_BEFORE, GATED)
+        _epilogue(acc0, up0, Bias, Residual, AScale, WScale, WUpScale, Y, offs_m, cols0, M, N, ALPHA, ACTIVATION,
+                  BIAS_MODE, RES_MODE, RESIDUAL_BEFORE, GATED, W_SCALE, W_UP_SCALE)
+        _epilogue(acc1, up1, Bias, Residual, AScale, WScale, WUpScale, Y, offs_m, cols0 + HALF, M, N, ALPHA,
+                  ACTIVATION, BIAS_MODE, RES_MODE, RESIDUAL_BEFORE, GATED, W_SCALE, W_UP_SCALE)
     else:
         if not GATED:
             acc_up = acc  # unused
-        _epilogue(acc, acc_up, Bias, Residual, Y, offs_m, offs_n, M, N, ALPHA, ACTIVATION, BIAS_MODE, RES_MODE,
-                  RESIDUAL_BEFORE, GATED)
+        _epilogue(acc, acc_up, Bias, Residual, AScale, WScale, WUpScale, Y, offs_m, offs_n, M, N, ALPHA, ACTIVATION,
+                  BIAS_MODE, RES_MODE, RESIDUAL_BEFORE, GATED, W_SCALE, W_UP_SCALE)

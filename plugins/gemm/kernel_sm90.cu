@@ -79,6 +79,12 @@ typedef unsigned short u16;
 #if PINGPONG && GATED
 #error "GatedGemm runs the cooperative schedule"
 #endif
+#ifndef EPILOGUE_WG
+#define EPILOGUE_WG 0
+#endif
+#if EPILOGUE_WG && PINGPONG
+#error "the epilogue warps serve the cooperative schedule"
+#endif
 #define BLOCK_M 128                      // rows of A per tile (cooperative: 64 per consumer warpgroup)
 #define BLOCK_N (PINGPONG ? 128 : 256)   // rows of W per tile
 #define BLOCK_K 64                       // one 128-byte swizzle row of 16-bit values
@@ -94,18 +100,26 @@ typedef unsigned short u16;
 // A full residual arrives in the epilogue stage while the mainloop runs (its loads would
 // otherwise stall the epilogue): by TMA (cooperative; the stage then holds a warpgroup's whole
 // 64 x 256 tile) or by the warpgroup's own cp.async (pingpong).
-#define RESIDUAL_TMA (RESIDUAL_MODE == 2 && !PINGPONG)
-#define RESIDUAL_STAGED (RESIDUAL_MODE == 2)
+#define RESIDUAL_TMA (RESIDUAL_MODE == 2 && !PINGPONG && !EPILOGUE_WG)
+#define RESIDUAL_STAGED (RESIDUAL_MODE == 2 && !EPILOGUE_WG)
 #define EPI_ROWS (64 * SLABS)                   // rows of a warpgroup's tile
 #define EPI_COLS (RESIDUAL_TMA ? 256 : 128)     // output columns per epilogue pass
 #define EPI_BYTES (EPI_ROWS * EPI_COLS * 2)
+#if EPILOGUE_WG
+#define PRODUCER_REGS 72                 // the producer's warpgroup also runs the epilogue warps
+#define CONSUMER_REGS 216                // 128 * 72 + 256 * 216 = 384 * 168, what the launch allocates
+#define EPI_REGION (BLOCK_M * 256 * 2)   // the 64 KB hand-over tile (sm90/epilogue_wg.cuh)
+#else
 #define PRODUCER_REGS 40
-#define CONSUMER_REGS 232                // 128 * 40 + 256 * 232 <= 64K registers
+#define CONSUMER_REGS 232                // 128 * 40 + 256 * 232 = 384 * 168, what the launch allocates
+#define EPI_REGION (2 * EPI_BYTES)       // each consumer warpgroup's epilogue stage
+#endif
 
 #include "../common/sm90.cuh"  // WG_TY, mbarriers, proxy fence, tensor-map publishing, wgmma fences, descriptors
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 #include "sm90/epilogue.cuh"
+#include "sm90/epilogue_wg.cuh"
 
 // Shared memory (1024-byte aligned for the swizzle): STAGES x [A box | W box], each consumer
 // warpgroup's epilogue stage, then the full and empty barriers of each ring stage and of each
@@ -113,11 +127,13 @@ typedef unsigned short u16;
 #define SLOT_A(s) (base + (s) * STAGE_BYTES)
 #define SLOT_W(s) (base + (s) * STAGE_BYTES + A_BYTES)
 #define SLOT_EPI(c) (base + STAGES * STAGE_BYTES + (c) * EPI_BYTES)
-#define BARS (base + STAGES * STAGE_BYTES + 2 * EPI_BYTES)
+#define BARS (base + STAGES * STAGE_BYTES + EPI_REGION)
 #define BAR_FULL(s) (BARS + 8 * (s))
 #define BAR_EMPTY(s) (BARS + 8 * (STAGES + (s)))
 #define BAR_RES_FULL(c) (BARS + 8 * (2 * STAGES + (c)))
 #define BAR_RES_EMPTY(c) (BARS + 8 * (2 * STAGES + 2 + (c)))
+#define BAR_HANDED (BARS + 8 * (2 * STAGES + 4))  // the hand-over tile is written (EPILOGUE_WG)
+#define BAR_TAKEN (BARS + 8 * (2 * STAGES + 5))   // ... and read: free for the next tile
 
 // Tile t -> (row block, column block) in GROUP_M-row groups.
 __device__ __forceinline__ void tile_coords(int t, int tiles_m, int& mb, int& nb) {
@@ -167,6 +183,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             mbar_init(BAR_RES_FULL(c), 1);   // expect_tx arrival + the residual's bytes
             mbar_init(BAR_RES_EMPTY(c), 4);  // one arrival per warp of the warpgroup
         }
+#if EPILOGUE_WG
+        mbar_init(BAR_HANDED, 8);  // one arrival per consumer warp
+        mbar_init(BAR_TAKEN, 3);   // one arrival per epilogue warp
+#endif
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -174,7 +194,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
     if (wg == 0) {
         // ================= producer warpgroup: one thread issues every copy =================
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+#if EPILOGUE_WG
+        if (threadIdx.x >= 32) {
+            // ========== warps 1-3: the epilogue of each tile once the consumers hand it over ==========
+            int tc = 0;
+            for (int t = blockIdx.x; t + G < num_tiles; t += G, ++tc) {  // all but the last tile
+                int mb, nb;
+                tile_coords(t, tiles_m, mb, nb);
+                mbar_wait(BAR_HANDED, tc & 1);
+                epilogue_tile(SLOT_EPI(0), Y, bias, residual, M, mb * BLOCK_M, nb * OUT_N);
+                mbar_arrive_warp(BAR_TAKEN);
+            }
+            return;
+        }
+#else
         if (threadIdx.x >= 32) return;
+#endif
         // Tensor maps (A, W and the residual: 3 x 128 bytes) live in the first row of the output tile this CTA
         // writes last: no other CTA writes there, and that tile's epilogue runs only after every
         // TMA transfer of this CTA has landed (its consumers waited for all of them). launch_sm90.py
@@ -314,6 +349,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             wgmma_wait<0>();
             fence_regs(acc);
             mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
+#if EPILOGUE_WG
+            mbar_wait(BAR_TAKEN, (tc & 1) ^ 1);  // the epilogue warps have read the previous tile
+            if (t + G < num_tiles) {
+                handover_store(acc, SLOT_EPI(0), c);
+                mbar_arrive_warp(BAR_HANDED);
+                continue;
+            }
+            // The CTA's last tile has no mainloop left to hide an epilogue behind: its consumers
+            // write it themselves (bias and residual from global memory), as the maps require.
+#endif
 #if RESIDUAL_TMA
             // The last tile's first row holds the maps that warpgroup 1's residual load reads:
             // warpgroup 0 overwrites it only once that load has landed too.

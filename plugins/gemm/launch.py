@@ -2,17 +2,22 @@
 
 * ``static_shape(op, shapes, dtypes)`` -> the compile-time facts: ``N`` (W's rows), ``K`` (A's last
   dim), ``bias_mode`` (``none`` / ``scalar`` / ``vector``), ``residual_mode`` (``none`` / ``scalar`` /
-  ``full``) and the dtypes of bias and residual; ``optfuse.trt.glue`` adds ``arch``.
+  ``full``), the dtypes of bias and residual, and with FP8 A and weights the weight scales' modes
+  (``w_scale_mode``, GatedGemm's ``w_up_scale_mode``: ``scalar`` / ``vector``; left out without
+  FP8); ``optfuse.trt.glue`` adds ``arch``.
 * ``kernel_config(op, dtype, attrs, static_shape, config=None)`` -> :class:`KernelSource`: N, K,
-  the activation, alpha, the residual position and the bias / residual modes are compiled in.
+  the activation, alpha, the residual position, the bias / residual / scale modes and y's dtype
+  (``output_dtype``) are compiled in. FP8 (float8e4m3fn) runs the Triton kernel on sm_89 and later
+  (FP8 tensor cores), never the sm_90 CUDA kernel; a known target below sm_89 is refused.
 * ``launch_params(op, shapes, dtypes, attrs, cdiv=..., static_shape=..., config=...)`` ->
   :class:`LaunchParams`: a 1-D grid of ``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)`` tiles, written with
   ``*`` and ``cdiv`` over M only (M = the product of A's leading dims, the one dynamic size), so
   TensorRT QDP ``aot_impl`` can call it with symbolic shapes.
 * ``choose_config`` / ``candidate_configs``: tiles, warps and pipeline depth per arch and shape class.
 
-Argument order (QDP): the present inputs in spec order (GemmEpilogue: A, W[, bias][, residual];
-GatedGemm: A, W_gate, W_up), the int32 M, the output y.
+Argument order (QDP): the present inputs in spec order (GemmEpilogue: A, W[, bias][, residual]
+[, a_scale, w_scale]; GatedGemm: A, W_gate, W_up[, a_scale, w_gate_scale, w_up_scale]), the int32 M,
+the output y.
 
 Kernel sources: ``impl`` of a :class:`GemmConfig` names the kernel; ``choose_config`` is where an
 arch picks one and ``_SOURCES`` is where each impl's source is made: on sm_90 the CUDA C++ wgmma
@@ -29,7 +34,7 @@ from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
 from optfuse.kernels.util import ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, rows_of, static_int
-from optfuse.spec import plugin_specs, shared
+from optfuse.spec import FP8_DTYPES, plugin_specs, shared
 
 from . import launch_sm90
 
@@ -47,8 +52,16 @@ RESIDUAL_POSITIONS = tuple(SPECS["GemmEpilogue"].attr("residual_position").choic
 #: ``bias_mode`` / ``residual_mode`` of the static shape, and the kernel's BIAS_MODE / RES_MODE code.
 BIAS_MODES = {"none": 0, "scalar": 1, "vector": 2}
 RESIDUAL_MODES = {"none": 0, "scalar": 1, "full": 2}
+#: ``w_scale_mode`` / ``w_up_scale_mode`` and the kernel's W_SCALE / W_UP_SCALE code (none: no FP8).
+SCALE_MODES = {"none": 0, "scalar": 1, "vector": 2}
+#: FP8 needs the FP8 tensor cores: sm_89 (Ada) and later.
+FP8_MIN_ARCH = 89
+#: Per op: the operands that are FP8 together, and the scales that come with them (spec order).
+FP8_OPERANDS = {"GemmEpilogue": ("A", "W"), "GatedGemm": ("A", "W_gate", "W_up")}
+FP8_SCALES = {"GemmEpilogue": ("a_scale", "w_scale"), "GatedGemm": ("a_scale", "w_gate_scale", "w_up_scale")}
 #: Kernel parameter of each spec input (the Triton kernel's names).
-_KERNEL_PARAM = {"A": "A", "W": "W", "W_gate": "W", "W_up": "W_up", "bias": "Bias", "residual": "Residual"}
+_KERNEL_PARAM = {"A": "A", "W": "W", "W_gate": "W", "W_up": "W_up", "bias": "Bias", "residual": "Residual",
+                 "a_scale": "AScale", "w_scale": "WScale", "w_gate_scale": "WScale", "w_up_scale": "WUpScale"}
 _INPUTS = {op: tuple(t.name for t in s.inputs) for op, s in SPECS.items()}
 _N_OUTPUTS = {op: len(s.outputs) for op, s in SPECS.items()}
 #: Dynamic shared memory per block (bytes): sm_80 / sm_87 163 KiB, sm_86 / sm_89 99 KiB, sm_90 227 KiB.
@@ -86,10 +99,12 @@ def _smem_limit(arch: int | None) -> int:
     return PORTABLE_SMEM if arch is None else SMEM_LIMIT.get(int(arch), PORTABLE_SMEM)
 
 
-def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
-    """Tiles no wider than the problem needs (N, K rounded up to a power of two, >= 16: tl.dot's minimum)."""
+def _fit(cfg: GemmConfig, n: int, k: int, dtype: str = "float16") -> GemmConfig:
+    """Tiles no wider than the problem needs (N, K rounded up to a power of two, >= 16: tl.dot's
+    minimum; K >= 32 for FP8, the FP8 MMA's K)."""
+    min_k = 32 if dtype in FP8_DTYPES else 16
     return _split_epilogue(replace(cfg, block_n=min(cfg.block_n, max(16, next_pow2(n))),
-                                   block_k=min(cfg.block_k, max(16, next_pow2(k)))))
+                                   block_k=min(cfg.block_k, max(min_k, next_pow2(k)))))
 
 
 # Defaults from the Triton tutorials until measured on the GPUs (README "Configs"):
@@ -105,6 +120,16 @@ _HALF_DEFAULT = {  # (arch class, gated) -> config for fp16 / bf16
     ("sm80", True): _C(128, 64, 32, 8, 4, 4),
     ("small_smem", False): _C(128, 128, 32, 8, 8, 4),
     ("small_smem", True): _C(128, 64, 32, 8, 4, 4),
+}
+#: FP8 (E4M3 operands, FP8 tensor cores: mma on sm_89, wgmma on sm_90): BLOCK_K 128 (128 bytes of a
+#: row, as 64 is at 16 bits); the same tiles as fp16 where the ring fits, 3 stages within sm_89's 99 KiB.
+_FP8_DEFAULT = {
+    ("sm90", False): _C(128, 256, 128, 8, 8, 3),
+    ("sm90", True): _C(128, 128, 128, 8, 8, 3),
+    ("sm80", False): _C(128, 128, 128, 8, 8, 3),
+    ("sm80", True): _C(128, 64, 128, 8, 4, 3),
+    ("small_smem", False): _C(128, 128, 128, 8, 8, 3),
+    ("small_smem", True): _C(128, 64, 128, 8, 4, 3),
 }
 #: FP32 (IEEE FMA dots, no tensor cores): small tiles, few registers.
 _FP32_DEFAULT = {False: _C(64, 64, 32, 8, 4, 3), True: _C(64, 64, 32, 8, 8, 2)}
@@ -126,7 +151,16 @@ _CANDIDATES = {
                       _C(32, 64, 32, 8, 2, 4), _C(64, 64, 16, 8, 4, 4), _C(64, 64, 32, 8, 8, 2)],
     ("fp32", True): [_C(64, 64, 32, 8, 8, 2), _C(64, 32, 32, 8, 4, 3), _C(32, 64, 32, 8, 4, 3),
                      _C(64, 64, 16, 8, 4, 3)],
+    ("fp8", False): [_C(128, 256, 128, 8, 8, 3), _C(128, 128, 128, 8, 8, 3), _C(128, 128, 128, 8, 4, 4),
+                     _C(64, 128, 128, 8, 4, 4), _C(128, 64, 128, 8, 4, 4), _C(128, 256, 64, 8, 8, 4),
+                     _C(64, 64, 128, 8, 4, 3)],
+    ("fp8", True): [_C(128, 128, 128, 8, 8, 3), _C(128, 64, 128, 8, 4, 3), _C(64, 128, 128, 8, 4, 3),
+                    _C(64, 64, 128, 8, 4, 4)],
 }
+
+
+def _dtype_class(dtype: str) -> str:
+    return "fp32" if dtype == "float32" else ("fp8" if dtype in FP8_DTYPES else "half")
 
 
 def _split_epilogue(cfg: GemmConfig) -> GemmConfig:
@@ -150,15 +184,18 @@ def sm90_schedules(op: str, k: int, static: dict, activation: str | None) -> tup
     wins wherever the epilogue has math or a residual to read, and at long K."""
     plain = (activation in (None, "none") and static.get("residual_mode", "none") == "none"
              and op == "GemmEpilogue" and k <= 2048)
-    return ("cuda_sm90_pingpong", "cuda_sm90") if plain else ("cuda_sm90", "cuda_sm90_pingpong")
+    order = ("cuda_sm90_pingpong", "cuda_sm90") if plain else ("cuda_sm90", "cuda_sm90_pingpong")
+    return order + (launch_sm90.EPILOGUE_WG,)
 
 
 def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None,
-                  activation: str | None = None) -> list[GemmConfig]:
-    """The CUDA sm_90 kernel's configs for this instance (none where it does not take it): per
-    schedule (sm90_schedules' order) its ring depths, deepest first, with 8- and 16-row-block
-    raster groups."""
+                  activation: str | None = None, out_dtype: str | None = None) -> list[GemmConfig]:
+    """The CUDA sm_90 kernel's configs for this instance (none where it does not take it, or y's
+    dtype ``out_dtype`` is not A's): per schedule (sm90_schedules' order) its ring depths, deepest
+    first, with 8- and 16-row-block raster groups."""
     static = static or {}
+    if out_dtype not in (None, dtype):
+        return []
     residual = static.get("residual_mode", "none")
     out = []
     for impl in sm90_schedules(op, k, static, activation):
@@ -172,34 +209,39 @@ def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch
 def _triton_choice(op: str, dtype: str, n: int, k: int, arch: int | None) -> GemmConfig:
     """The Triton kernel's config on ``arch``."""
     gated = op == "GatedGemm"
-    cfg = _FP32_DEFAULT[gated] if dtype == "float32" else _HALF_DEFAULT[(_arch_class(arch), gated)]
-    return _fit(cfg, n, k)
+    if dtype == "float32":
+        cfg = _FP32_DEFAULT[gated]
+    else:
+        cfg = (_FP8_DEFAULT if dtype in FP8_DTYPES else _HALF_DEFAULT)[(_arch_class(arch), gated)]
+    return _fit(cfg, n, k, dtype)
 
 
 def choose_config(op: str, dtype: Any, n: int, k: int, arch: int | None = None,
-                  static: dict | None = None, activation: str | None = None) -> GemmConfig:
+                  static: dict | None = None, activation: str | None = None,
+                  out_dtype: str | None = None) -> GemmConfig:
     """The config for a specialization. ``arch`` is the build target (None: unknown, so one that
     fits every target's shared memory); ``static`` the instance's static shape (bias / residual
-    modes and dtypes), ``activation`` its activation. On sm_90 the CUDA kernel where it takes the
-    instance (README, the H200 table), else the Triton kernel."""
+    modes and dtypes), ``activation`` its activation, ``out_dtype`` y's dtype (None: A's). On sm_90
+    the CUDA kernel where it takes the instance (README, the H200 table), else the Triton kernel."""
     _check_op(op)
     dtype = norm_dtype(dtype)
-    sm90 = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch, activation)
+    sm90 = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch, activation, out_dtype)
     return sm90[0] if sm90 else _triton_choice(op, dtype, n, k, arch)
 
 
 def candidate_configs(op: str, dtype: Any, n: int, k: int, arch: int | None = None,
-                      static: dict | None = None, activation: str | None = None) -> list[GemmConfig]:
+                      static: dict | None = None, activation: str | None = None,
+                      out_dtype: str | None = None) -> list[GemmConfig]:
     """Configs a tuning sweep tries (the current choice first; on sm_90 the CUDA kernel's, then the
     Triton kernel's), fitted to N and K; those whose operand ring exceeds ``arch``'s shared memory
     are left out. The GPU tests run every one."""
     _check_op(op)
     dtype = norm_dtype(dtype)
-    out = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch, activation)
+    out = _sm90_configs(op, dtype, static_int(n, "N"), static_int(k, "K"), static, arch, activation, out_dtype)
     out.append(_triton_choice(op, dtype, n, k, arch))
     limit = _smem_limit(arch)
-    for c in _CANDIDATES[("fp32" if dtype == "float32" else "half", op == "GatedGemm")]:
-        c = _fit(c, n, k)
+    for c in _CANDIDATES[(_dtype_class(dtype), op == "GatedGemm")]:
+        c = _fit(c, n, k, dtype)
         if c not in out and shared_mem_estimate(op, dtype, c) <= limit:
             out.append(c)
     return out
@@ -253,10 +295,45 @@ def _same_dim(d: Any, n: Any) -> bool:
         return False
 
 
+def scale_mode(shape: Sequence[Any] | None, n: Any, what: str) -> str:
+    """A weight scale's mode: ``none`` (absent), ``scalar`` (one value) or ``vector`` ([N])."""
+    if shape is None:
+        return "none"
+    dims = list(shape)
+    if all(_is_one(d) for d in dims):
+        return "scalar"
+    if len(dims) == 1 and _same_dim(dims[0], n):
+        return "vector"
+    raise ValueError(f"GEMM: {what} of shape {dims} is neither one value nor [N = {n}]")
+
+
+def _fp8_facts(op: str, by_shape: dict, by_dtype: dict, n: Any) -> dict:
+    """FP8 operands together or not at all, their scales present exactly with them; the weight
+    scales' modes (no entry without FP8: ``none``). FP8-ness is read from the dtypes where given, else from
+    a_scale's presence."""
+    operands, scales = FP8_OPERANDS[op], FP8_SCALES[op]
+    known = [by_dtype[x] for x in operands if by_dtype.get(x) is not None]
+    fp8 = [norm_dtype(d) in FP8_DTYPES for d in known]
+    if any(fp8) and not all(fp8):
+        raise ValueError(f"{op}: {', '.join(operands)} must all be FP8 or none (got {', '.join(map(str, known))})")
+    is_fp8 = fp8[0] if fp8 else by_shape.get("a_scale") is not None
+    for name in scales:
+        if (by_shape.get(name) is not None) != is_fp8:
+            raise ValueError(f"{op}: {name} must be {'present with FP8' if is_fp8 else 'absent without FP8'} operands")
+    if not is_fp8:
+        return {}  # no scale modes: "none"
+    if scale_mode(by_shape["a_scale"], 1, "a_scale") != "scalar":
+        raise ValueError(f"{op}: a_scale of shape {list(by_shape['a_scale'])} is not one value (per-tensor)")
+    out = {"w_scale_mode": scale_mode(by_shape[scales[1]], n, scales[1])}
+    if op == "GatedGemm":
+        out["w_up_scale_mode"] = scale_mode(by_shape[scales[2]], n, scales[2])
+    return out
+
+
 def static_shape(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any] | None = None) -> dict:
     """The compile-time facts of one op instance (``shapes`` / ``dtypes`` per spec input, None for
-    an absent one): N, K, the bias / residual modes and their dtypes. N and K are left as given
-    (``kernel_config`` checks that they are static and within the limits)."""
+    an absent one): N, K, the bias / residual modes and their dtypes, the FP8 weight scales' modes.
+    N and K are left as given (``kernel_config`` checks that they are static and within the limits)."""
     op = _check_op(op)
     names = _INPUTS[op]
     shapes = list(shapes) + [None] * (len(names) - len(shapes))
@@ -270,6 +347,7 @@ def static_shape(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequen
     if op == "GemmEpilogue":
         out["bias_mode"] = bias_mode(by_name["bias"], w[0])
         out["residual_mode"] = residual_mode(by_name["residual"], a)
+    out.update(_fp8_facts(op, by_name, dict(zip(names, dtypes)), w[0]))
     for name, dt in zip(names, dtypes):
         if name in ("bias", "residual") and dt is not None and by_name[name] is not None:
             out[f"{name}_dtype"] = norm_dtype(dt)
@@ -299,18 +377,33 @@ class Epilogue:
     residual_before: bool
     bias_mode: str
     residual_mode: str
+    out_dtype: str = ""  # y's dtype ("": A's)
+    w_scale_mode: str = "none"  # FP8: the (gate) weight scale's mode; none without FP8
+    w_up_scale_mode: str = "none"  # FP8 GatedGemm: the up weight scale's mode
 
 
-def epilogue_of(op: str, attrs: dict | None, static: dict) -> Epilogue:
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def epilogue_of(op: str, attrs: dict | None, static: dict, dtype: str | None = None) -> Epilogue:
+    """The epilogue of an instance; ``dtype`` (A's) gives y's dtype with ``output_dtype``
+    (ValueError for an FP8 A with ``like_input``)."""
     attrs = {**DEFAULTS[op], **{k: v for k, v in (attrs or {}).items() if v is not None}}
-    act = attrs["activation"]
-    act = act.decode() if isinstance(act, bytes) else str(act)
+    act = _text(attrs["activation"])
     if act not in ACTIVATIONS[op]:
         raise ValueError(f"{op}: activation {act!r} not in {ACTIVATIONS[op]}")
+    out = "" if dtype is None else SPECS[op].output_dtype(0, [dtype] * len(_INPUTS[op]), attrs)
+    scales = {"w_scale_mode": static.get("w_scale_mode", "none"), "w_up_scale_mode": static.get("w_up_scale_mode", "none")}
+    if any(m not in SCALE_MODES for m in scales.values()):
+        raise ValueError(f"{op}: scale modes {scales} unknown")
+    fp8 = dtype is not None and dtype in FP8_DTYPES
+    if dtype is not None and fp8 != (scales["w_scale_mode"] != "none"):
+        raise ValueError(f"{op}: A is {dtype} but the static shape's w_scale_mode is {scales['w_scale_mode']!r} "
+                         "(scales come exactly with FP8 operands)")
     if op == "GatedGemm":
-        return Epilogue(act, 1.0, False, "none", "none")
-    pos = attrs["residual_position"]
-    pos = pos.decode() if isinstance(pos, bytes) else str(pos)
+        return Epilogue(act, 1.0, False, "none", "none", out, **scales)
+    pos = _text(attrs["residual_position"])
     if pos not in RESIDUAL_POSITIONS:
         raise ValueError(f"{op}: residual_position {pos!r} not in {RESIDUAL_POSITIONS}")
     bmode, rmode = static.get("bias_mode", "none"), static.get("residual_mode", "none")
@@ -318,21 +411,26 @@ def epilogue_of(op: str, attrs: dict | None, static: dict) -> Epilogue:
         raise ValueError(f"{op}: bias_mode {bmode!r} / residual_mode {rmode!r} unknown")
     # the position only matters with a residual: one kernel for both without one
     before = rmode != "none" and pos == "before_activation"
-    return Epilogue(act, float(attrs["alpha"]), before, bmode, rmode)
+    return Epilogue(act, float(attrs["alpha"]), before, bmode, rmode, out, scales["w_scale_mode"])
 
 
 # -- kernel sources -------------------------------------------------------------------------------
 def _source_name(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: GemmConfig) -> str:
-    """``gemm/<op>/<dtype>/n<N>_k<K>/<activation>[_alpha<a>]_bias-<mode>_res-<mode>[-before]/<config>``."""
+    """``gemm/<op>/<dtype>[-to-<y dtype>]/n<N>_k<K>/<activation>[_alpha<a>]_bias-<mode>_res-<mode>[-before]
+    [_wscale-<mode>[-<up mode>]]/<config>`` (y's dtype where it is not A's; the FP8 weight scales' modes)."""
     tail = f"{epi.activation}" + ("" if epi.alpha == 1.0 else f"_alpha{epi.alpha:.9g}")
     if op == "GemmEpilogue":
         tail += f"_bias-{epi.bias_mode}_res-{epi.residual_mode}" + ("-before" if epi.residual_before else "")
-    return f"gemm/{op}/{dtype}/n{n}_k{k}/{tail}/{config_name(cfg)}"
+    if epi.w_scale_mode != "none":
+        tail += f"_wscale-{epi.w_scale_mode}" + (f"-{epi.w_up_scale_mode}" if op == "GatedGemm" else "")
+    io = dtype if epi.out_dtype in ("", dtype) else f"{dtype}-to-{epi.out_dtype}"
+    return f"gemm/{op}/{io}/n{n}_k{k}/{tail}/{config_name(cfg)}"
 
 
 def _triton_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: GemmConfig,
                    static: dict) -> KernelSource:
     ty = "*" + TRITON_TYPE[dtype]
+    out_dtype = epi.out_dtype or dtype
     present = {"A": ty}
     constexprs: dict[str, Any] = {}
     if op == "GatedGemm":
@@ -345,14 +443,24 @@ def _triton_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: Gemm
             if mode == "none":
                 constexprs[_KERNEL_PARAM[name]] = None
             else:
-                present[_KERNEL_PARAM[name]] = "*" + TRITON_TYPE[norm_dtype(static.get(f"{name}_dtype") or dtype)]
-    order = ("A", "W", "W_up", "Bias", "Residual")  # the kernel's parameter order = spec order
+                present[_KERNEL_PARAM[name]] = "*" + TRITON_TYPE[norm_dtype(static.get(f"{name}_dtype") or out_dtype)]
+    if epi.w_scale_mode == "none":
+        constexprs.update({"AScale": None, "WScale": None, "WUpScale": None})
+    else:
+        present.update({"AScale": "*fp32", "WScale": "*fp32"})
+        if op == "GatedGemm":
+            present["WUpScale"] = "*fp32"
+        else:
+            constexprs["WUpScale"] = None
+    # the kernel's parameter order = spec order
+    order = ("A", "W", "W_up", "Bias", "Residual", "AScale", "WScale", "WUpScale")
     signature = {p: present[p] for p in order if p in present}
-    signature.update({"M": "i32", "Y": ty})
+    signature.update({"M": "i32", "Y": "*" + TRITON_TYPE[out_dtype]})
     constexprs.update({
         "N": n, "K": k, "ALPHA": epi.alpha, "ACTIVATION": epi.activation,
         "BIAS_MODE": BIAS_MODES[epi.bias_mode], "RES_MODE": RESIDUAL_MODES[epi.residual_mode],
         "RESIDUAL_BEFORE": epi.residual_before, "GATED": op == "GatedGemm",
+        "W_SCALE": SCALE_MODES[epi.w_scale_mode], "W_UP_SCALE": SCALE_MODES[epi.w_up_scale_mode],
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
         "EPILOGUE_SPLIT": cfg.epilogue_split,
     })
@@ -383,7 +491,7 @@ def _sm90_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: GemmCo
 
 
 #: The CUDA sm_90 kernel's schedules, the one chosen first where both take an instance.
-SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90")
+SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90", launch_sm90.EPILOGUE_WG)
 #: impl -> the function making its KernelSource (one entry per kernel source).
 _SOURCES = {"triton": _triton_source, **{impl: _sm90_source for impl in SM90_SCHEDULES}}
 
@@ -395,19 +503,25 @@ def _config_for(op: str, dtype: str, n: int, k: int, static: dict, config: GemmC
             raise ValueError(f"GEMM: no kernel source {config.impl!r} (have {sorted(_SOURCES)})")
         return config
     arch = static.get("arch")
-    return choose_config(op, dtype, n, k, None if arch is None else int(arch), static, epi.activation)
+    return choose_config(op, dtype, n, k, None if arch is None else int(arch), static, epi.activation,
+                         epi.out_dtype or None)
 
 
 def kernel_config(op: Any, dtype: Any, attrs: dict | None, static_shape: dict,
                   config: GemmConfig | None = None) -> KernelSource:
-    """What to compile: ``dtype`` is A's (W, W_up and y share it; bias and residual may have their
-    own, ``static_shape['bias_dtype']`` / ``['residual_dtype']``)."""
+    """What to compile: ``dtype`` is A's (W, W_up share it; y's is ``output_dtype``'s, A's by
+    default; bias and residual default to y's, or have their own, ``static_shape['bias_dtype']`` /
+    ``['residual_dtype']``). FP8 needs sm_89 or later where the target is known."""
     op = _check_op(op)
     dtype = norm_dtype(dtype)
     if dtype not in DTYPES:
         raise ValueError(f"{op}: dtype {dtype} not in {DTYPES}")
+    arch = static_shape.get("arch")
+    if dtype in FP8_DTYPES and arch is not None and int(arch) < FP8_MIN_ARCH:
+        raise ValueError(f"{op}: FP8 ({dtype}) needs FP8 tensor cores, sm_{FP8_MIN_ARCH} or later "
+                         f"(target sm_{arch})")
     n, k = _dims(static_shape)
-    epi = epilogue_of(op, attrs, static_shape)
+    epi = epilogue_of(op, attrs, static_shape, dtype)
     cfg = _config_for(op, dtype, n, k, static_shape, config, epi)
     return _SOURCES[cfg.impl](op, dtype, n, k, epi, cfg, static_shape)
 
@@ -421,7 +535,7 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     dtype = norm_dtype(dtypes[0])
     static = static_shape if static_shape is not None else _static_shape_of(op, shapes, dtypes)
     n, k = _dims(static)
-    cfg = _config_for(op, dtype, n, k, static, config, epilogue_of(op, attrs, static))
+    cfg = _config_for(op, dtype, n, k, static, config, epilogue_of(op, attrs, static, dtype))
     m = rows_of(shapes[0])
     if cfg.impl in SM90_SCHEDULES:  # persistent: one CTA per SM
         return launch_sm90.launch(cfg.impl, op, m, cfg.num_stages,
@@ -453,12 +567,23 @@ PREBUILD_SHAPES = (
 )
 
 
+#: y's dtypes of the prebuilt FP8 kernels (per-channel weight scales).
+PREBUILD_FP8_OUTPUTS = ("float16", "bfloat16")
+
+
 def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
-    """Every PREBUILD_SHAPES entry at every dtype, with the config ``arch`` picks."""
+    """Every PREBUILD_SHAPES entry at every dtype, with the config ``arch`` picks; FP8 (per-channel
+    weight scales, y in each PREBUILD_FP8_OUTPUTS dtype) where ``arch`` has FP8 tensor cores or is unknown."""
     out = []
+    fp8_ok = arch is None or int(arch) >= FP8_MIN_ARCH
     for op, n, k, bmode, rmode, acts in PREBUILD_SHAPES:
         for dt in DTYPES:
+            if dt in FP8_DTYPES and not fp8_ok:
+                continue
+            outputs = PREBUILD_FP8_OUTPUTS if dt in FP8_DTYPES else ("like_input",)
+            scales = {"w_scale_mode": "vector", "w_up_scale_mode": "vector"} if dt in FP8_DTYPES else {}
             for act in acts:
-                static = {"N": n, "K": k, "bias_mode": bmode, "residual_mode": rmode, "arch": arch}
-                out.append(kernel_config(op, dt, {"activation": act}, static))
+                for y in outputs:
+                    static = {"N": n, "K": k, "bias_mode": bmode, "residual_mode": rmode, "arch": arch, **scales}
+                    out.append(kernel_config(op, dt, {"activation": act, "output_dtype": y}, static))
     return out

@@ -23,8 +23,11 @@ SM90_GRID = 132
 THREADS = 384  # a producer and two consumer warpgroups
 BLOCK_M, BLOCK_K = 128, 64
 PINGPONG = "cuda_sm90_pingpong"
+#: the cooperative schedule with its epilogue in the producer's warpgroup (sm90/epilogue_wg.cuh)
+EPILOGUE_WG = "cuda_sm90_epilogue_wg"
 #: output columns per tile (kernel_sm90.cu, "Tiles"), by impl and op
-OUT_N = {("cuda_sm90", "GemmEpilogue"): 256, ("cuda_sm90", "GatedGemm"): 128, (PINGPONG, "GemmEpilogue"): 128}
+OUT_N = {("cuda_sm90", "GemmEpilogue"): 256, ("cuda_sm90", "GatedGemm"): 128, (PINGPONG, "GemmEpilogue"): 128,
+         (EPILOGUE_WG, "GemmEpilogue"): 256, (EPILOGUE_WG, "GatedGemm"): 128}
 MAX_SMEM = 227 * 1024
 
 
@@ -42,13 +45,17 @@ def residual_by_tma(impl: str, op: str, residual_mode: str) -> bool:
     return impl == "cuda_sm90" and op == "GemmEpilogue" and residual_mode == "full"
 
 
+
 def shared_mem(impl: str, op: str, stages: int, residual_mode: str) -> int:
     """The ring, the two epilogue stages, the barriers, and slack to align to 1024 bytes."""
     if impl == PINGPONG:
         epi = 128 * 128 * 2
+    elif impl == EPILOGUE_WG:
+        epi = BLOCK_M * 256  # half the 64 KB hand-over tile (2 * epi below)
     else:
         epi = 64 * (256 if residual_by_tma(impl, op, residual_mode) else 128) * 2
-    return stages * _stage_bytes(impl) + 2 * epi + 16 * stages + 32 + 1024
+    barriers = 8 * (2 * stages + (6 if impl == EPILOGUE_WG else 4))
+    return stages * _stage_bytes(impl) + 2 * epi + barriers + 1024
 
 
 def stage_options(impl: str, op: str, residual_mode: str) -> list[int]:
@@ -104,6 +111,7 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
         "STAGES": str(stages),
         "GROUP_M": str(group_m),
         "PINGPONG": str(int(impl == PINGPONG)),
+        "EPILOGUE_WG": str(int(impl == EPILOGUE_WG)),
     }
     n_inputs = 3 if gated else 2 + (epi.bias_mode != "none") + (epi.residual_mode != "none")
     return KernelSource(

@@ -26,7 +26,7 @@ L = plugin_module("gemm", "launch")
 pytestmark = pytest.mark.gpu
 
 #: The kernel sources under test (GemmConfig.impl values).
-KERNEL_SOURCES = ["cuda_sm90_pingpong", "cuda_sm90", "triton"]
+KERNEL_SOURCES = ["cuda_sm90_pingpong", "cuda_sm90", "cuda_sm90_epilogue_wg", "triton"]
 
 C = T.Case
 _ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh")
@@ -43,6 +43,9 @@ CASES = [
     C("GemmEpilogue", (7,), 4096, 1024, "bfloat16", "none", "vector", "full"),
     C("GemmEpilogue", (2, 1050), 3072, 768, "float16", "gelu_erf", "vector", "none"),  # BERT-base FFN up
     C("GemmEpilogue", (4, 129), 768, 3072, "bfloat16", "none", "vector", "full"),      # FFN down + residual
+    # several tiles per CTA, an odd number of row blocks (a cluster's second tile past M)
+    C("GemmEpilogue", (8000,), 2048, 512, "float16", "gelu_erf", "vector", "full"),
+    C("GemmEpilogue", (2, 4000), 1024, 520, "bfloat16", "none", "none", "none"),
     C("GemmEpilogue", (301,), 264, 136, "float32", "tanh", "scalar", "full", "before_activation", 0.5),
     C("GemmEpilogue", (301,), 264, 136, "float16", "quick_gelu", "vector", "none", alpha=0.125),
     C("GatedGemm", (3, 201), 1000, 776, "float16", "silu"),

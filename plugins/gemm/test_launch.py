@@ -143,7 +143,13 @@ def test_unknown_impl_is_rejected():
 def test_prebuild_sources():
     srcs = L.prebuild_sources()
     n_acts = sum(len(acts) for *_, acts in L.PREBUILD_SHAPES)
-    assert len(srcs) == n_acts * len(L.DTYPES)
+    # one per dtype; FP8 once per y dtype of PREBUILD_FP8_OUTPUTS
+    assert len(srcs) == n_acts * (len(L.DTYPES) - 1 + len(L.PREBUILD_FP8_OUTPUTS))
+    fp8 = [s for s in srcs if s.meta["dtype"] == "float8e4m3fn"]
+    assert {s.meta["out_dtype"] for s in fp8} == set(L.PREBUILD_FP8_OUTPUTS)
+    assert all(s.signature["A"] == "*fp8e4nv" and "AScale" in s.signature for s in fp8)
+    assert not any("float8" in s.name for s in L.prebuild_sources(arch=80))  # no FP8 tensor cores
+    assert any("float8e4m3fn-to-bfloat16" in s.name for s in L.prebuild_sources(arch=89))
     assert len({s.name for s in srcs}) == len(srcs)
     assert {s.meta["op"] for s in srcs} == set(L.OPS)
     assert {s.meta["activation"] for s in srcs} >= {"none", "gelu_erf", "gelu_tanh", "silu"}

@@ -39,7 +39,8 @@ a residual that broadcasts, Gemm transA=1, a non-constant Gemm C.
 
 The family's summary (``summary``) gives the GEMM count before and after the pass.
 
-Targets: ``optfuse::GemmEpilogue`` v1, ``optfuse::GatedGemm`` v1 (plugins/gemm).
+Targets: ``optfuse::GemmEpilogue`` v2, ``optfuse::GatedGemm`` v2 (plugins/gemm; the rules write FP16 / BF16 / FP32
+nodes with the v2 defaults, which compute what v1 did).
 
 Modules, by role: ``patterns`` (what the rules match), ``common`` (spec facts, weight and bias),
 ``epilogue`` (one GEMM and its epilogue; the residual decision), ``gated``, ``siblings``,

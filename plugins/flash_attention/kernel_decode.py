@@ -1,0 +1,235 @@
+"""FlashAttention for short query blocks over a long KV cache (decode): split-KV in Triton.
+
+    o[b, h, i] = softmax_j(cap(scale * q[b, h, i] . k[b, h // G, j]) + bias[b, 0, 0, j] (+ masks)) v[b, h // G, j]
+
+the op of kernel.py (q [B, H, Sq, D], k / v [B, Hkv, Sk, D], G = H / Hkv, causal and windows with
+the offset off = Sk - Sq, soft-cap) for Sq = 1..16, in two kernels (flash-decoding):
+
+1. ``_decode_split_kernel``: one program per (b, kv head, key split of SPLIT_KEYS keys, block of
+   BLOCK_M packed rows). The G query heads that share a kv head and their Sq rows are one
+   contiguous block of M = G * Sq rows of q (heads h = kv * G + g are adjacent, rows r = g * Sq + i),
+   so they are packed into the MMA's M dimension and the split's K / V are read once for all of
+   them. The program streams its split in BLOCK_N-key blocks (online softmax, log2 domain) and
+   writes, per row, the unnormalized accumulator acc = sum_j 2^(s_j - m) v_j (fp32), the row max m
+   and the row sum l = sum_j 2^(s_j - m). A split with no visible key writes acc = 0, m = -inf,
+   l = 0.
+2. ``_decode_combine_kernel``: one program per output row (b, h, i): with M* = max_s m_s,
+   o = sum_s 2^(m_s - M*) acc_s / sum_s 2^(m_s - M*) l_s (the log-sum-exp combine), 0 when no split
+   saw a key.
+
+Partials (the workspace, fp32, row R = (b * H + h) * Sq + i, n = cdiv(Sk, SPLIT_KEYS) splits):
+``Part[R, s, 0:D]``, ``RowMax[R, s]``, ``RowSum[R, s]`` -- one row's splits are contiguous, so the
+combine reads them in one sweep.
+
+Bias: none, one value for everything, or a key-padding row ([B|1, 1, 1, Sk] and [B|1, 1, 1, 1]):
+added to the scores as a number (finfo.min rows give the uniform average, as in the unfused
+graph; values below -2e38 are not multiplied by log2(e)). Masked scores are -inf; a row with no
+visible key gives 0. Every other bias pattern stays on kernel.py (launch.py decides).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scores_log2(qk, SCALE_LOG2: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Scores in log2 units: scale * qk, or softcap * tanh(scale * qk / softcap) (tanh from one exp2)."""
+    if SOFTCAP > 0:
+        x = qk * (SCALE_LOG2 / (SOFTCAP * 1.4426950408889634))
+        t = 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+        return t * (SOFTCAP * 1.4426950408889634)
+    return qk * SCALE_LOG2
+
+
+@triton.jit
+def _key_block(acc, l_i, m_i, q, k_base, v_base, b_base, start_n, key_end, diag, offs_n, offs_d,
+               SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_N: tl.constexpr,
+               IEEE: tl.constexpr):
+    """Keys [start_n, start_n + BLOCK_N) into (acc, l_i, m_i). MASKED blocks mask keys >= key_end
+    (the split's or the cache's end) and each row's causal / window limits (``diag`` = i + off
+    per packed row); the other blocks are visible to every row."""
+    cols = start_n + offs_n
+    kv_off = cols[:, None] * HEAD_DIM + offs_d[None, :]
+    if MASKED or HEAD_DIM != HEAD_DIM_PAD:  # D padded to a power of two (80, 96): mask the tail
+        kv_mask = (cols[:, None] < key_end) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+    else:  # the hot loop: whole blocks, unmasked (widest vector loads)
+        k = tl.load(k_base + kv_off)
+        v = tl.load(v_base + kv_off)
+    # -- scores: q @ k^T in fp32 on the tensor cores --------------------------------------------
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    s = _scores_log2(qk, SCALE_LOG2, SOFTCAP)
+    if HAS_BIAS:
+        if BIAS_N:
+            b = tl.load(b_base + cols, mask=cols < key_end, other=0.0).to(tl.float32)[None, :]
+        else:
+            b = tl.load(b_base).to(tl.float32)
+        s += tl.where(b < -2.0e38, b, b * 1.4426950408889634)  # finfo.min stays finite
+    if MASKED:
+        ok = cols[None, :] < key_end
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= diag[:, None])
+        if WINDOW_RIGHT >= 0:
+            ok = ok & (cols[None, :] <= diag[:, None] + WINDOW_RIGHT)
+        if WINDOW_LEFT >= 0:
+            ok = ok & (cols[None, :] >= diag[:, None] - WINDOW_LEFT)
+        s = tl.where(ok, s, float("-inf"))
+    m_ij = tl.maximum(m_i, tl.max(s, 1))
+    # a row with no finite score so far: subtract 0, so exp2(-inf - 0) = 0, not NaN
+    m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    # -- acc += p @ v (p rounded to the input dtype, as every FlashAttention does) ---------------
+    if IEEE:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_ij
+
+
+@triton.jit
+def _key_blocks(acc, l_i, m_i, q, k_base, v_base, b_base, lo, hi, key_end, diag, offs_n, offs_d,
+                SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+                WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BIAS_N: tl.constexpr, IEEE: tl.constexpr):
+    """Stream the key blocks [lo, hi) (lo a multiple of BLOCK_N) into (acc, l_i, m_i)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = _key_block(
+            acc, l_i, m_i, q, k_base, v_base, b_base, start_n, key_end, diag, offs_n, offs_d,
+            SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, MASKED, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+            HAS_BIAS, BIAS_N, IEEE)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _visible_keys(start, end, Sq, causal_off, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+    """The split [start, end)'s key blocks as (lo, full_lo, full_hi, hi): masked left edge
+    [lo, full_lo), blocks every query row sees whole [full_lo, full_hi), masked right edge
+    [full_hi, hi). Bounds over all Sq query rows (row i sees keys up to i + off): with Sq <= 16 the
+    masked edges are a block or two."""
+    lo = start
+    hi = end
+    full_lo = start  # from here on, no row's left window limit cuts a block
+    full_end = end   # below this, no row's right limit (causal, window, the split's end) cuts one
+    if WINDOW_LEFT >= 0:
+        lo = tl.maximum(lo, causal_off - WINDOW_LEFT)
+        full_lo = tl.maximum(full_lo, causal_off + Sq - 1 - WINDOW_LEFT)
+    if CAUSAL:
+        hi = tl.minimum(hi, causal_off + Sq)
+        full_end = tl.minimum(full_end, causal_off + 1)
+    if WINDOW_RIGHT >= 0:
+        hi = tl.minimum(hi, causal_off + Sq + WINDOW_RIGHT)
+        full_end = tl.minimum(full_end, causal_off + 1 + WINDOW_RIGHT)
+    lo = start + (tl.maximum(lo - start, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(start + tl.cdiv(tl.maximum(full_lo - start, 0), BLOCK_N) * BLOCK_N, lo), hi)
+    full_hi = tl.minimum(tl.maximum(start + (tl.maximum(full_end - start, 0) // BLOCK_N) * BLOCK_N, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _decode_split_kernel(
+        Q, K, V, Bias, H, Hkv, Sq, Sk, Part, RowMax, RowSum,
+        SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_N: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr):
+    # -- which program: the row block fastest (the programs of one split share its K/V in L2),
+    #    then the split, then (b, kv head) --------------------------------------------------------
+    n_split = tl.cdiv(Sk, SPLIT_KEYS)
+    rows_per_kv = (H // Hkv) * Sq  # M: the packed rows (g, i) of one kv head
+    num_mb = tl.cdiv(rows_per_kv, BLOCK_M)
+    pid = tl.program_id(0)
+    mb = pid % num_mb
+    split = (pid // num_mb) % n_split
+    bk = pid // (num_mb * n_split)  # b * Hkv + kv head
+    off_b = bk // Hkv
+    # int64 bases (B * H * S * D and the partials may pass 2**31); offsets inside stay int32
+    q_base = Q + bk.to(tl.int64) * rows_per_kv * HEAD_DIM
+    k_base = K + bk.to(tl.int64) * Sk * HEAD_DIM
+    v_base = V + bk.to(tl.int64) * Sk * HEAD_DIM
+    b_base = Bias
+    if HAS_BIAS:
+        b_base = Bias + off_b.to(tl.int64) * BIAS_B * (Sk if BIAS_N else 1)
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < rows_per_kv
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_base + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0)
+    causal_off = Sk - Sq
+    diag = rows % Sq + causal_off  # the last key query row i may see (causal)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    SCALE_LOG2: tl.constexpr = SCALE * 1.4426950408889634
+    IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
+
+    start = split * SPLIT_KEYS
+    end = tl.minimum(start + SPLIT_KEYS, Sk)
+    lo, full_lo, full_hi, hi = _visible_keys(start, end, Sq, causal_off, BLOCK_N, CAUSAL,
+                                             WINDOW_LEFT, WINDOW_RIGHT)
+    acc, l_i, m_i = _key_blocks(
+        acc, l_i, m_i, q, k_base, v_base, b_base, lo, full_lo, end, diag, offs_n, offs_d,
+        SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+        HAS_BIAS, BIAS_N, IEEE)
+    acc, l_i, m_i = _key_blocks(
+        acc, l_i, m_i, q, k_base, v_base, b_base, full_lo, full_hi, end, diag, offs_n, offs_d,
+        SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+        HAS_BIAS, BIAS_N, IEEE)
+    acc, l_i, m_i = _key_blocks(
+        acc, l_i, m_i, q, k_base, v_base, b_base, full_hi, hi, end, diag, offs_n, offs_d,
+        SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+        HAS_BIAS, BIAS_N, IEEE)
+
+    # -- this split's partials: row R = bk * M + r, split s at R * n_split + s --------------------
+    slot = (bk.to(tl.int64) * rows_per_kv + rows) * n_split + split
+    tl.store(Part + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+    tl.store(RowMax + slot, m_i, mask=row_ok)
+    tl.store(RowSum + slot, l_i, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+        Part, RowMax, RowSum, Sk, Out,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+        BLOCK_S: tl.constexpr):
+    """One output row: o = sum_s 2^(m_s - M*) acc_s / sum_s 2^(m_s - M*) l_s, M* = max_s m_s."""
+    n_split = tl.cdiv(Sk, SPLIT_KEYS)
+    row = tl.program_id(0).to(tl.int64)
+    base = row * n_split
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    m_all = tl.zeros([BLOCK_S], dtype=tl.float32) - float("inf")
+    for s0 in range(0, n_split, BLOCK_S):
+        s_ok = s0 + offs_s < n_split
+        m_all = tl.maximum(m_all, tl.load(RowMax + base + s0 + offs_s, mask=s_ok, other=float("-inf")))
+    m_max = tl.max(m_all, 0)
+    m_sub = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split saw a key: weights 0, o = 0
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, n_split, BLOCK_S):
+        s_ok = s0 + offs_s < n_split
+        m = tl.load(RowMax + base + s0 + offs_s, mask=s_ok, other=float("-inf"))
+        w = tl.math.exp2(m - m_sub)
+        l_sum += w * tl.load(RowSum + base + s0 + offs_s, mask=s_ok, other=0.0)
+        part = tl.load(Part + (base + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+    l_tot = tl.sum(l_sum, 0)
+    o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)
+    tl.store(Out + row * HEAD_DIM + offs_d, o.to(Out.dtype.element_ty), mask=d_ok)

@@ -1,0 +1,236 @@
+"""FlashAttention's split-KV decode (kernel_decode.py): when it runs, its configs, its two kernels'
+sources and launch parameters, the launch plan and its workspace. launch.py dispatches to it.
+
+* :func:`decode_applies`: FlashAttention (not the block-sparse op) with Sq <= DECODE_MAX_QUERIES
+  and Sk >= DECODE_MIN_KEYS, concrete, and no bias / one broadcast value / a key-padding row;
+* :func:`decode_plan`: a :class:`LaunchPlan` of two steps -- the split kernel (inputs q, k, v[,
+  bias] -> the partials in the workspace) and the combine kernel (partials -> o);
+* :func:`workspace_layout`: the partials' byte offsets and the workspace size, + - * cdiv of the
+  shapes (monotone in B, Sq and Sk, so a profile's largest plan is at its max shapes).
+
+Split kernel arguments: ``q, k, v[, bias], H, Hkv, Sq, Sk (int32), Part, RowMax, RowSum``; grid
+``cdiv(G * Sq, BLOCK_M) * cdiv(Sk, SPLIT_KEYS) * (B * Hkv)``. Combine kernel: ``Part, RowMax,
+RowSum, Sk (int32), o``; grid ``B * H * Sq``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from optfuse.kernels.artifact import Buffer, KernelSource, LaunchParams, LaunchPlan, PlanStep
+from optfuse.kernels.util import TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype
+
+from .sparsity import OP, Sparsity
+
+KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel_decode.py")
+SPLIT_ENTRY = "_decode_split_kernel"
+COMBINE_ENTRY = "_decode_combine_kernel"
+#: Query rows per head up to which the split-KV kernels run (decode, speculative and chunked steps).
+DECODE_MAX_QUERIES = 16
+#: Keys from which they run: two splits or more. Below, one split would leave the combine launch
+#: as pure overhead; those caches stay on the one-kernel path (kernel.py / kernel_sm90.cu).
+DECODE_MIN_KEYS = 512
+#: Keys per split. B = 1, Hkv = 8, Sk = 8k gives 256 programs: two per SM of an H200 (132 SMs),
+#: all resident at once with the default config's 96 KB of K/V stages (two CTAs per SM), each
+#: streaming 128 KB of K/V in four 64-key blocks; the partials a split writes (G * Sq rows of
+#: D + 2 floats) are G * Sq / 256 of the K/V it reads (1.6 % at GQA 32/8, Sq = 1), read once more
+#: by the combine. Fixed (not chosen per batch) so that the workspace grows monotonically with
+#: the shapes and the grid stays a + - * cdiv expression.
+SPLIT_KEYS = 256
+#: Most packed rows (G * Sq) per program: M beyond it takes cdiv(M, 64) row blocks per split,
+#: which read the split's K/V from L2 after the first.
+MAX_BLOCK_M = 64
+#: TensorRT's workspace is 256-byte aligned; so is every partial array in it.
+WORKSPACE_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the two decode kernels. ``block_m`` None: from the packed rows (packed_block_m)."""
+
+    split_keys: int = SPLIT_KEYS
+    block_n: int = 64  # keys per step of a split (divides split_keys)
+    num_warps: int = 4
+    num_stages: int = 3  # depth of the K/V load pipeline
+    block_m: int | None = None
+    combine_splits: int = 32  # splits per step of the combine kernel
+    combine_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.split_keys % self.block_n:
+            raise ValueError(f"DecodeConfig: block_n {self.block_n} does not divide split_keys {self.split_keys}")
+
+
+def decode_config(dtype: Any, head_dim: int) -> DecodeConfig:
+    """fp16/bf16: 64-key blocks, 3 stages (D <= 128: 2 x 3 x 16 KB of K/V); D = 256: 32-key blocks
+    (the same bytes per stage); fp32 (IEEE dots): 32-key blocks, 2 stages."""
+    if norm_dtype(dtype) == "float32":
+        return DecodeConfig(block_n=32, num_stages=2)
+    if next_pow2(head_dim) > 128:
+        return DecodeConfig(block_n=32)
+    return DecodeConfig()
+
+
+def candidate_decode_configs(dtype: Any, head_dim: int) -> list[DecodeConfig]:
+    """What a benchmark sweep tries (the default first): split sizes 128 / 512, 32- and 128-key
+    blocks, pipeline depths 2 / 4, 8 warps."""
+    base = decode_config(dtype, head_dim)
+    out = [base]
+    for change in (dict(split_keys=128), dict(split_keys=512), dict(num_stages=2), dict(num_stages=4),
+                   dict(block_n=32), dict(block_n=128, num_stages=2), dict(num_warps=8)):
+        cfg = DecodeConfig(**{**asdict(base), **change})
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def packed_block_m(rows: int, cfg: DecodeConfig) -> int:
+    """BLOCK_M of the split kernel: the packed rows G * Sq rounded up to a power of two, at least 16
+    (the MMA's M), at most MAX_BLOCK_M."""
+    if cfg.block_m is not None:
+        return cfg.block_m
+    return min(MAX_BLOCK_M, max(16, next_pow2(rows)))
+
+
+def decode_takes_bias(pattern) -> bool:
+    """No bias, or one whose head and query dims broadcast (a key-padding row, one value)."""
+    return pattern is None or tuple(pattern[1:3]) == (0, 0)
+
+
+def decode_applies(op: str, q_shape: Sequence[Any], k_shape: Sequence[Any], pattern) -> bool:
+    """The split-KV kernels take FlashAttention with Sq <= DECODE_MAX_QUERIES, Sk >=
+    DECODE_MIN_KEYS (both concrete ints: the plan is made at run time) and no bias, one value
+    broadcast everywhere or a key-padding row ([B|1, 1, 1, Sk|1]); a per-head or per-query bias
+    stays on the one-kernel path."""
+    sq, sk = q_shape[2], k_shape[2]
+    if op != OP or not isinstance(sq, numbers.Integral) or not isinstance(sk, numbers.Integral):
+        return False
+    return sq <= DECODE_MAX_QUERIES and sk >= DECODE_MIN_KEYS and decode_takes_bias(pattern)
+
+
+def _align(n: Any, cdiv=_cdiv) -> Any:
+    return cdiv(n, WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+
+def workspace_layout(B: Any, H: Any, Sq: Any, Sk: Any, head_dim: int, cfg: DecodeConfig = DecodeConfig(),
+                     cdiv=_cdiv) -> tuple[Any, Any, Any, Any]:
+    """(Part offset, RowMax offset, RowSum offset, total bytes) of the partials, fp32: Part
+    [B * H * Sq, n_split, D], RowMax and RowSum [B * H * Sq, n_split], n_split = cdiv(Sk,
+    split_keys), each 256-byte aligned."""
+    slots = (B * H) * Sq * cdiv(Sk, cfg.split_keys)
+    part = _align(slots * (head_dim * 4), cdiv)
+    row = _align(slots * 4, cdiv)
+    return 0, part, part + row, part + row + row
+
+
+def _bias_flags(pattern) -> tuple[bool, int, int]:
+    """(has a bias, its batch dim full, its key dim full)."""
+    if pattern is None:
+        return False, 0, 0
+    return True, int(pattern[0]), int(pattern[3])
+
+
+def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float, sparsity: Sparsity,
+                 block_m: int, cfg: DecodeConfig, bias_dtype: Any = None) -> KernelSource:
+    """The split kernel of one specialization (dtype, D, causal, bias pattern and dtype, scale,
+    windows, soft-cap, BLOCK_M and the tiles)."""
+    dtype = norm_dtype(dtype)
+    has_bias, bias_b, bias_n = _bias_flags(pattern)
+    ty = "*" + TRITON_TYPE[dtype]
+    signature = {"Q": ty, "K": ty, "V": ty}
+    constexprs: dict[str, Any] = {}
+    if has_bias:
+        signature["Bias"] = "*" + TRITON_TYPE[norm_dtype(bias_dtype or dtype)]
+    else:
+        constexprs["Bias"] = None
+    signature.update({"H": "i32", "Hkv": "i32", "Sq": "i32", "Sk": "i32",
+                      "Part": "*fp32", "RowMax": "*fp32", "RowSum": "*fp32"})
+    constexprs.update({
+        "SCALE": scale, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
+        "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "SPLIT_KEYS": cfg.split_keys, "CAUSAL": bool(causal),
+        "HAS_BIAS": has_bias, "BIAS_B": bias_b, "BIAS_N": bias_n,
+        "WINDOW_LEFT": sparsity.window_left, "WINDOW_RIGHT": sparsity.window_right,
+        "SOFTCAP": sparsity.softcap,
+    })
+    bias_tag = "nobias" if not has_bias else f"bias_{'B' if bias_b else '1'}_1_1_{'Sk' if bias_n else '1'}"
+    name = (f"flash_attention/{OP}/{dtype}/scale{scale:.6g}/fa_decode_split_d{head_dim}_"
+            f"{'causal' if causal else 'full'}_{bias_tag}{sparsity.tag()}_m{block_m}_split{cfg.split_keys}_"
+            f"n{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages")
+    return KernelSource(
+        name=name, lang="triton", path=KERNEL_PATH, entry=SPLIT_ENTRY,
+        n_inputs=3 + has_bias, n_extra=4, n_outputs=3,
+        signature=signature, constexprs=constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, pointer_align=16,
+        meta={"op": OP, "kernel": "decode_split", "dtype": dtype, "head_dim": head_dim, "causal": bool(causal),
+              "scale": scale, "bias_pattern": pattern, "block_m": block_m, "config": asdict(cfg),
+              "sparsity": asdict(sparsity)},
+    )
+
+
+def combine_source(dtype: Any, head_dim: int, cfg: DecodeConfig) -> KernelSource:
+    """The combine kernel: fp32 partials -> o in ``dtype``."""
+    dtype = norm_dtype(dtype)
+    return KernelSource(
+        name=(f"flash_attention/{OP}/{dtype}/fa_decode_combine_d{head_dim}_split{cfg.split_keys}_"
+              f"s{cfg.combine_splits}_{cfg.combine_warps}warps"),
+        lang="triton", path=KERNEL_PATH, entry=COMBINE_ENTRY,
+        n_inputs=3, n_extra=1, n_outputs=1,
+        signature={"Part": "*fp32", "RowMax": "*fp32", "RowSum": "*fp32", "Sk": "i32",
+                   "Out": "*" + TRITON_TYPE[dtype]},
+        constexprs={"HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
+                    "SPLIT_KEYS": cfg.split_keys, "BLOCK_S": cfg.combine_splits},
+        num_warps=cfg.combine_warps, num_stages=1, pointer_align=16,
+        meta={"op": OP, "kernel": "decode_combine", "dtype": dtype, "head_dim": head_dim, "config": asdict(cfg)},
+    )
+
+
+def split_params(B: Any, H: Any, Hkv: Any, Sq: Any, Sk: Any, group: int, block_m: int, cfg: DecodeConfig,
+                 cdiv=_cdiv) -> LaunchParams:
+    """One program per (row block, split, b * Hkv + kv head); ``group`` = H / Hkv (static: the
+    num_heads / num_kv_heads attributes)."""
+    return LaunchParams(grid=(cdiv(group * Sq, block_m) * cdiv(Sk, cfg.split_keys) * (B * Hkv), 1, 1),
+                        block=(32 * cfg.num_warps, 1, 1), shared_mem=0, extra_args=[H, Hkv, Sq, Sk])
+
+
+def combine_params(B: Any, H: Any, Sq: Any, Sk: Any, cfg: DecodeConfig) -> LaunchParams:
+    """One program per output row (b, h, i)."""
+    return LaunchParams(grid=((B * H) * Sq, 1, 1), block=(32 * cfg.combine_warps, 1, 1), shared_mem=0,
+                        extra_args=[Sk])
+
+
+def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_dim: int, causal: bool, pattern,
+                sparsity: Sparsity, bias_dtype: Any = None, cfg: DecodeConfig | None = None) -> LaunchPlan:
+    """The two-kernel plan at concrete shapes [q, k, v]: split (op inputs q, k, v[, bias] ->
+    workspace), then combine (workspace -> op output 0)."""
+    q, k = shapes[0], shapes[1]
+    B, H, Sq = q[0], q[1], q[2]
+    Hkv, Sk = k[1], k[2]
+    if H % Hkv:
+        raise ValueError(f"{OP}: {H} query heads do not share {Hkv} kv heads evenly")
+    cfg = cfg or decode_config(dtype, head_dim)
+    group = H // Hkv
+    block_m = packed_block_m(group * Sq, cfg)
+    part, row_max, row_sum, total = workspace_layout(B, H, Sq, Sk, head_dim, cfg)
+    partials = [Buffer("workspace", part), Buffer("workspace", row_max), Buffer("workspace", row_sum)]
+    n_in = 3 + (pattern is not None)
+    split = PlanStep(split_source(dtype, head_dim, causal, pattern, float(attrs["scale"]), sparsity, block_m, cfg,
+                                  bias_dtype),
+                     split_params(B, H, Hkv, Sq, Sk, group, block_m, cfg),
+                     [Buffer("input", i) for i in range(n_in)], partials)
+    combine = PlanStep(combine_source(dtype, head_dim, cfg), combine_params(B, H, Sq, Sk, cfg),
+                       partials, [Buffer("output", 0)])
+    return LaunchPlan([split, combine], total)
+
+
+def decode_workspace_bound(min_q: Sequence[int], max_q: Sequence[int], max_k: Sequence[int], head_dim: int,
+                           dtype: Any, cfg: DecodeConfig | None = None) -> int:
+    """The largest decode workspace over a profile whose q runs from ``min_q`` to ``max_q`` and k
+    up to ``max_k``: 0 when no shape of it decodes (Sq_min > DECODE_MAX_QUERIES or Sk_max <
+    DECODE_MIN_KEYS), else the workspace at (B_max, min(Sq_max, DECODE_MAX_QUERIES), Sk_max)."""
+    if min_q[2] > DECODE_MAX_QUERIES or max_k[2] < DECODE_MIN_KEYS:
+        return 0
+    cfg = cfg or decode_config(dtype, head_dim)
+    return int(workspace_layout(max_q[0], max_q[1], min(max_q[2], DECODE_MAX_QUERIES), max_k[2], head_dim, cfg)[3])

@@ -1,0 +1,242 @@
+"""The split-KV decode plan on CPU: launch.py's dispatch, the plan's buffers and workspace (its
+bound over a TensorRT profile), symbolic launch parameters, the glue's plans, the launcher's
+plan steps and the classic plugin's workspace size and two-launch enqueue (CUDA stubbed out)."""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+
+from optfuse.kernels.artifact import Buffer, KernelArtifact, LaunchPlan
+from optfuse.kernels.registry import plugin_module
+from optfuse.kernels.testing import SymDim, sym_cdiv
+
+T = plugin_module("flash_attention", "testing")
+L = plugin_module("flash_attention", "launch")
+LD = plugin_module("flash_attention", "launch_decode")
+
+
+def _plan(B, H, Hkv, Sq, Sk, D=128, causal=1, bias=None, dtype="bfloat16", **kw):
+    return T.case_plan(dtype, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D), bias],
+                       T.attrs_for(H, Hkv, D, causal), **kw)
+
+
+@pytest.mark.parametrize("Sq,Sk", [(1, 512), (1, 131072), (4, 1025), (16, 8192), (16, 600)])
+@pytest.mark.parametrize("bias", ["none", "scalar", "keypad", "keypad_shared"])
+def test_decode_shapes_take_the_plan(Sq, Sk, bias):
+    B = 3
+    shape = {"none": None, "scalar": (), "keypad": (B, 1, 1, Sk), "keypad_shared": (1, 1, 1, Sk)}[bias]
+    plan = _plan(B, 32, 8, Sq, Sk, bias=shape)
+    assert plan is not None
+    split, combine = plan.steps
+    assert (split.source.entry, combine.source.entry) == (LD.SPLIT_ENTRY, LD.COMBINE_ENTRY)
+    assert split.inputs == [Buffer("input", i) for i in range(3 + (shape is not None))]
+    assert split.outputs == combine.inputs and all(b.kind == "workspace" for b in split.outputs)
+    assert combine.outputs == [Buffer("output", 0)]
+    n_split = -(-Sk // LD.SPLIT_KEYS)
+    rows = 4 * Sq  # G = 32 / 8 query heads per kv head, Sq rows each
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    assert split.source.constexprs["BLOCK_M"] == block_m
+    assert split.params.grid == (-(-rows // block_m) * n_split * B * 8, 1, 1)
+    assert split.params.extra_args == [32, 8, Sq, Sk]
+    assert combine.params.grid == (B * 32 * Sq, 1, 1) and combine.params.extra_args == [Sk]
+
+
+def test_workspace_holds_the_partials_without_overlap():
+    B, H, Hkv, Sq, Sk, D = 2, 32, 8, 3, 1000, 80
+    plan = _plan(B, H, Hkv, Sq, Sk, D=D)
+    part, row_max, row_sum = (b.index for b in plan.steps[0].outputs)
+    slots = B * H * Sq * -(-Sk // LD.SPLIT_KEYS)
+    assert part == 0 and row_max >= slots * D * 4 and row_sum >= row_max + slots * 4
+    assert plan.workspace_bytes >= row_sum + slots * 4
+    assert all(x % LD.WORKSPACE_ALIGN == 0 for x in (row_max, row_sum, plan.workspace_bytes))
+
+
+@pytest.mark.parametrize("op,Sq,Sk,bias", [
+    ("FlashAttention", 17, 4096, None),             # prefill: the one-kernel path, unchanged
+    ("FlashAttention", 1, 511, None),               # a short cache: one split would be all
+    ("FlashAttention", 1, 4096, (2, 32, 1, 4096)),  # a per-head bias
+    ("FlashAttention", 4, 4096, (2, 1, 4, 4096)),   # a per-query bias
+    ("FlashAttention", 4, 4096, (2, 32, 4, 4096)),  # a full bias
+    ("BlockSparseAttention", 1, 4096, None),        # the block-sparse op
+])
+def test_other_shapes_keep_one_kernel(op, Sq, Sk, bias):
+    attrs = T.attrs_for(32, 8, 128, 1)
+    shapes = [[2, 32, Sq, 128], [2, 8, Sk, 128], [2, 8, Sk, 128], None if bias is None else list(bias)]
+    static = {"head_dim": 128, "bias_shape": bias, "arch": 90}
+    assert L.launch_plan(op, shapes, ["bfloat16"], attrs, static_shape=static) is None
+
+
+def test_symbolic_shapes_keep_one_kernel_and_qdp_params():
+    """QDP's symbolic shapes never decode (the plan is made at run time, at concrete shapes), and
+    launch_params of a decode shape is still the one kernel's (what QDP AOT embeds)."""
+    B, Sq, Sk = SymDim("B"), SymDim("Sq"), SymDim("Sk")
+    attrs = T.attrs_for(32, 8, 128, 1)
+    assert L.launch_plan(L.OP, [[B, 32, Sq, 128], [B, 8, Sk, 128], [B, 8, Sk, 128], None], ["bfloat16"], attrs,
+                         static_shape={"head_dim": 128, "bias_shape": None}) is None
+    src, params = T.case_sources("bfloat16", [(1, 32, 1, 128), (1, 8, 8192, 128), (1, 8, 8192, 128), None], attrs,
+                                 arch=90)
+    assert src.entry == L.SM90_ENTRY and len(params.extra_args) == 5
+
+
+def test_decode_launch_params_are_shape_expressions():
+    """The split count, both grids and the workspace layout use only + - * and cdiv."""
+    B, H, Hkv, Sq, Sk = (SymDim(n) for n in ("B", "H", "Hkv", "Sq", "Sk"))
+    cfg = LD.DecodeConfig()
+    sp = LD.split_params(B, H, Hkv, Sq, Sk, 4, 16, cfg, cdiv=sym_cdiv)
+    assert repr(sp.grid[0]) == "((cdiv((4*Sq),16)*cdiv(Sk,256))*(B*Hkv))"
+    cp = LD.combine_params(B, H, Sq, Sk, cfg)
+    assert repr(cp.grid[0]) == "((B*H)*Sq)"
+    layout = LD.workspace_layout(B, H, Sq, Sk, 128, cfg, cdiv=sym_cdiv)
+    assert "cdiv(Sk,256)" in repr(layout[3])
+
+
+def test_workspace_bound_covers_every_shape_of_the_profile():
+    """TensorRT asks for the workspace once, for the profile: it must hold the plan of every
+    shape in it (Sq from 1 up to past the decode limit, Sk across the threshold)."""
+    attrs = T.attrs_for(8, 2, 64, 1)
+    lo_q, hi_q, lo_k, hi_k = [1, 8, 1, 64], [3, 8, 40, 64], [1, 2, 100, 64], [3, 2, 1300, 64]
+    for bias in (None, (3, 1, 1, 1300)):
+        mins = [lo_q, lo_k, lo_k] + ([[1, 1, 1, 100]] if bias else [None])
+        maxs = [hi_q, hi_k, hi_k] + ([list(bias)] if bias else [None])
+        bound = L.workspace_bytes(L.OP, mins, maxs, ["float16"], attrs)
+        biggest = 0
+        for B, Sq, Sk in itertools.product((1, 2, 3), (1, 7, 16, 17, 40), (100, 511, 512, 777, 1300)):
+            plan = T.case_plan("float16", [(B, 8, Sq, 64), (B, 2, Sk, 64), (B, 2, Sk, 64),
+                                           None if bias is None else (B, 1, 1, Sk)], attrs)
+            if plan is not None:
+                biggest = max(biggest, plan.workspace_bytes)
+        assert 0 < biggest == bound
+
+
+def test_workspace_is_zero_where_nothing_decodes():
+    attrs = T.attrs_for(8, 2, 64, 1)
+    q, k = [2, 8, 64, 64], [2, 2, 4096, 64]
+    assert L.workspace_bytes(L.OP, [[1, 8, 17, 64], k, k, None], [q, k, k, None], ["float16"], attrs) == 0
+    short = [2, 2, 511, 64]
+    assert L.workspace_bytes(L.OP, [[1, 8, 1, 64], short, short, None], [q, short, short, None], ["float16"],
+                             attrs) == 0
+    full = [2, 8, 64, 4096]
+    assert L.workspace_bytes(L.OP, [[1, 8, 1, 64], k, k, full], [q, k, k, full], ["float16"], attrs) == 0
+    assert L.workspace_bytes(L.BLOCK_SPARSE, [[1, 8, 1, 64], k, k, None, [1, 2], [1, 4]],
+                             [q, k, k, None, [1, 2], [1, 4]], ["float16"], {**attrs, "block_size": 128}) == 0
+
+
+def test_decode_config_checks_its_tiles():
+    with pytest.raises(ValueError, match="does not divide"):
+        LD.DecodeConfig(split_keys=256, block_n=96)
+    assert LD.decode_config("float32", 64).block_n == 32 and LD.decode_config("bfloat16", 256).block_n == 32
+    assert LD.SPLIT_KEYS % LD.decode_config("float16", 128).block_n == 0
+
+
+# -- glue, launcher and the classic plugin, with the compile and CUDA stubbed out ---------------
+def _fake_artifact(src, arch=None, cache=None):
+    return KernelArtifact(name=src.entry, arch=90, cubin=None, ptx=None, threads=32 * src.num_warps,
+                          shared_mem=0, n_inputs=src.n_inputs, n_extra=src.n_extra, n_outputs=src.n_outputs)
+
+
+@pytest.fixture
+def stub_cuda(monkeypatch):
+    """build_kernel -> a fake artifact; launcher.launch records (kernel, params, inputs, outputs)."""
+    import optfuse.kernels as kernels
+    from optfuse.kernels import launcher
+
+    calls = []
+    monkeypatch.setattr(kernels, "build_kernel", _fake_artifact)
+    monkeypatch.setattr(launcher, "launch", lambda art, params, ins, outs, stream=0, **kw:
+                        calls.append((art.name, params, list(ins), list(outs))))
+    monkeypatch.setattr(launcher, "current_device_arch", lambda: 90)
+    return calls
+
+
+def test_glue_resolve_plan_one_kernel_or_two(stub_cuda):
+    from optfuse.trt import glue
+
+    attrs = T.attrs_for(32, 8, 128, 1)
+    q, kv = [2, 32, 1, 128], [2, 8, 4096, 128]
+    plan = glue.resolve_plan(L.OP, [q, kv, kv, [2, 1, 1, 4096]], ["bfloat16"] * 4, attrs, arch=90)
+    assert [s.artifact.name for s in plan.steps] == [LD.SPLIT_ENTRY, LD.COMBINE_ENTRY]
+    assert plan.workspace_bytes > 0
+    prefill = glue.resolve_plan(L.OP, [[2, 32, 300, 128], kv, kv, None], ["bfloat16"] * 3, attrs, arch=90)
+    (step,) = prefill.steps
+    assert step.artifact.name == L.SM90_ENTRY and prefill.workspace_bytes == 0
+    assert step.inputs == [Buffer("input", i) for i in range(3)] and step.outputs == [Buffer("output", 0)]
+    ln = glue.resolve_plan("LayerNorm", [[4, 64], [64], [64]], ["float16"] * 3, {}, arch=90)
+    assert len(ln.steps) == 1 and ln.workspace_bytes == 0
+    assert glue.workspace_size("LayerNorm", [[1, 64], [64], [64]], [[4, 64], [64], [64]], ["float16"] * 3, {}) == 0
+
+
+def test_launch_plan_resolves_buffers_in_order(stub_cuda):
+    from optfuse.kernels import launcher
+
+    plan = _plan(1, 8, 2, 1, 1024, D=64, bias=(1, 1, 1, 1024), dtype="float16")
+    for step in plan.steps:
+        step.artifact = _fake_artifact(step.source)
+    launcher.launch_plan(plan, [0x1000, 0x2000, 0x3000, 0x4000], [0x9000], workspace=0x100000, stream=7)
+    (n1, _, ins1, outs1), (n2, _, ins2, outs2) = stub_cuda
+    offsets = [b.index for b in plan.steps[0].outputs]
+    assert (n1, n2) == (LD.SPLIT_ENTRY, LD.COMBINE_ENTRY)
+    assert ins1 == [0x1000, 0x2000, 0x3000, 0x4000] and outs1 == [0x100000 + o for o in offsets]
+    assert ins2 == outs1 and outs2 == [0x9000]
+    with pytest.raises(ValueError, match="workspace"):
+        launcher.launch_plan(plan, [0x1000, 0x2000, 0x3000, 0x4000], [0x9000], workspace=0)
+    unbuilt = LaunchPlan([plan.steps[0].__class__(plan.steps[0].source, plan.steps[0].params, [], [])])
+    with pytest.raises(ValueError, match="no built artifact"):
+        launcher.launch_plan(unbuilt, [], [])
+
+
+def _classic_plugin():
+    from optfuse.spec import get_spec
+    from optfuse.trt import plugins
+
+    bases = {name: type(name, (), {"__init__": lambda self, *a, **k: None})
+             for name in ("IPluginV3", "IPluginV3OneCore", "IPluginV3OneBuild", "IPluginV3OneRuntime")}
+    fake = types.SimpleNamespace(**bases, DimsExprs=list)
+    return plugins._plugin_class(fake, get_spec(L.OP))(T.attrs_for(32, 8, 128, 1))
+
+
+def _dyn(lo, hi, dtype="BF16"):
+    return types.SimpleNamespace(min=lo, max=hi, desc=types.SimpleNamespace(type=types.SimpleNamespace(name=dtype)))
+
+
+def test_classic_plugin_workspace_size_from_the_profile():
+    """get_workspace_size: the decode partials at the profile's largest decoding shape (Sq capped
+    at 16, B and Sk at their max), 0 for a prefill-only profile."""
+    plugin = _classic_plugin()
+    kv_lo, kv_hi = [1, 8, 1, 128], [4, 8, 32768, 128]
+    decode = [_dyn([1, 32, 1, 128], [4, 32, 64, 128]), _dyn(kv_lo, kv_hi), _dyn(kv_lo, kv_hi)]
+    want = LD.workspace_layout(4, 32, 16, 32768, 128)[3]
+    assert plugin.get_workspace_size(decode, []) == want > 0
+    prefill = [_dyn([1, 32, 64, 128], [4, 32, 4096, 128]), _dyn(kv_lo, kv_hi), _dyn(kv_lo, kv_hi)]
+    assert plugin.get_workspace_size(prefill, []) == 0
+
+
+def test_classic_plugin_enqueue_runs_both_kernels(stub_cuda):
+    plugin = _classic_plugin()
+    bf16 = types.SimpleNamespace(name="BF16")
+    descs = [types.SimpleNamespace(dims=d, type=bf16) for d in ([2, 32, 1, 128], [2, 8, 5000, 128], [2, 8, 5000, 128])]
+    plugin.enqueue(descs, [], [0x1000, 0x2000, 0x3000], [0x9000], 0x200000, 5)
+    assert [c[0] for c in stub_cuda] == [LD.SPLIT_ENTRY, LD.COMBINE_ENTRY]
+    assert stub_cuda[0][2] == [0x1000, 0x2000, 0x3000] and stub_cuda[1][3] == [0x9000]
+    assert all(p >= 0x200000 for p in stub_cuda[0][3]) and stub_cuda[1][2] == stub_cuda[0][3]
+    stub_cuda.clear()
+    descs[0] = types.SimpleNamespace(dims=[2, 32, 300, 128], type=bf16)
+    plugin.enqueue(descs, [], [0x1000, 0x2000, 0x3000], [0x9000], 0, 5)
+    assert [c[0] for c in stub_cuda] == [L.SM90_ENTRY]  # prefill: one launch, no workspace
+    assert stub_cuda[0][2] == [0x1000, 0x2000, 0x3000] and stub_cuda[0][3] == [0x9000]
+
+
+def test_benchmark_decode_rows_run_the_plan():
+    """scripts/bench_attention_shapes.py's decode rows all go through the split-KV plan, with the
+    default config and every config of its --sweep-decode."""
+    from optfuse.plugin_dirs import script_module
+
+    bench = script_module("bench_attention_shapes")
+    rows = [s for s in bench.SHAPES if s[0].startswith("decode")]
+    assert len(rows) >= 10 and {r[1] for r in rows} >= {1, 64, 256}
+    for name, B, H, Hkv, Sq, Sk, D, causal, pad in rows:
+        bias = (B, 1, 1, Sk) if pad else None
+        for cfg in [None] + LD.candidate_decode_configs("bfloat16", D):
+            assert _plan(B, H, Hkv, Sq, Sk, D=D, causal=causal, bias=bias, decode=cfg) is not None, name
