@@ -71,13 +71,14 @@ def test_npz_calibration_is_used(tmp_path):
 
 
 @pytest.mark.slow
-def test_fp8_convert_on_the_demo(tmp_path):
-    """The demo's BERT (its recipe, the GEMM fusions off so its GEMMs are unfused Q/DQ ones, plus
-    the fused form's) through ``convert --fp8``: reports name the FP8 GEMMs and the FP16 side-by-side."""
+@pytest.mark.parametrize("gemm, form", [(False, "qdq"), (True, "plugin")])
+def test_fp8_convert_on_the_demo(tmp_path, gemm, form):
+    """The demo's BERT through ``convert --fp8`` (its recipe; the GEMM fusions off: TensorRT's Q/DQ form,
+    on: the optfuse GEMM nodes take FP8): reports name the FP8 GEMMs and the FP16 side-by-side."""
     from optfuse.pipeline import DEMO_RECIPE
 
     r = tmp_path / "demo.yaml"
-    r.write_text(yaml.safe_dump({**DEMO_RECIPE, "fusions": {"gemm": False}}))
+    r.write_text(yaml.safe_dump({**DEMO_RECIPE, "fusions": {"gemm": gemm}}))
     out = tmp_path / "out"
     res = invoke("convert", "-r", r, "-o", out, "--fp8", "--skip-build")
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -89,7 +90,9 @@ def test_fp8_convert_on_the_demo(tmp_path):
     assert o16["min_cosine"] is None and o16["max_abs"] < o8["max_abs"]  # FP16 is closer: the baseline is real
     assert (out / "bert.fp16.onnx").is_file() and (out / "bert.fp8.onnx").is_file()
     prec = json.loads((out / "precision_report.json").read_text())
-    assert prec["mode"] == "fp8" and len(prec["fp8"]["gemms"]) == 12
+    gemms = prec["fp8"]["gemms"]
+    assert prec["mode"] == "fp8" and gemms and {g["form"] for g in gemms} == {form}
+    assert len(gemms) == (12 if form == "qdq" else 8)  # Q/K/V packed into one GEMM per layer when fused
     md = (out / "report.md").read_text()
     assert "### FP8 (E4M3)" in md and "base-precision model, same inputs" in md and "cosine" in md
     if (out / "report.html").exists():
