@@ -56,6 +56,19 @@ def test_fp8_qdq_builds_with_rtx(family, exporter, exported_model, tmp_path):
 @pytest.mark.slow
 @pytest.mark.trt
 @pytest.mark.parametrize("family, exporter", CASES)
+def test_fp8_mha_builds_with_rtx(family, exporter, exported_model, tmp_path):
+    """Attention unfused, in TensorRT's FP8 MHA pattern: both batched GEMMs of every block run FP8."""
+    model, res, report = _build(exported_model, tmp_path, family, exporter,
+                                [f for f in available_families() if f != "attention"])
+    matmuls = {m for a in res.fp8["attention"] for m in a["matmuls"]}
+    assert matmuls
+    fp8 = {entry.rsplit(" (", 1)[0]: entry.rsplit(" (", 1)[1].rstrip(")") for entry in report.fp8_layers}
+    assert all(fp8.get(m) == "MATRIX_MULTIPLY" for m in matmuls), sorted(matmuls - set(fp8))
+
+
+@pytest.mark.slow
+@pytest.mark.trt
+@pytest.mark.parametrize("family, exporter", CASES)
 def test_fp8_plugins_build_with_rtx(family, exporter, exported_model, tmp_path):
     if not all(fp8_ready(op) for op in PLUGIN_GEMMS):
         pytest.skip("the GEMM spec has no FP8 form yet")

@@ -23,6 +23,7 @@ from optfuse.fusions import available_families, fuse_model  # noqa: E402
 from optfuse.pipeline.fp8 import calibration_feeds  # noqa: E402
 from optfuse.precision import PrecisionOptions, apply_precision  # noqa: E402
 from optfuse.precision.fp8 import FP8_OPSET, KEPT_BY_POLICY, PLUGIN_GEMMS, fp8_ready  # noqa: E402
+from optfuse.report import precision_markdown  # noqa: E402
 from optfuse.verify import verify  # noqa: E402
 
 CASES = [(f, e) for f in ("bert", "gpt2", "vit", "llama") for e in ("dynamo", "torchscript")]
@@ -131,5 +132,30 @@ def test_optfuse_gemms_take_fp8_directly(family, exporter, exported_model, tmp_p
         q_scale = onnx.numpy_helper.to_array(inits[prod[n.input[0]].input[1]]).astype(np.float32)
         assert q_scale == onnx.numpy_helper.to_array(inits[a_scale])[0]  # the Q and the plugin agree
     assert not any(n.op_type == "DequantizeLinear" for n in out.graph.node)
+    _check_policy(fused, out, res)
+    _check_accuracy(em, out, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, exporter", CASES)
+def test_mha_pattern_on_unfused_attention(family, exporter, exported_model, tmp_path):
+    """Attention left unfused: TensorRT's FP8 MHA pattern, Q -> DQ on Q and K (the first MatMul's
+    inputs) and on the softmax output and V (the second's), one block per layer."""
+    em, fused, out, res = _quantized(exported_model, family, exporter,
+                                     [f for f in available_families() if f != "attention"])
+    blocks = res.fp8["attention"]
+    assert len(blocks) == em.counts["attention"] == sum(n.op_type == "Softmax" for n in fused.graph.node)
+    assert not [s for s in res.fp8["skipped"] if s["op"] == "MatMul"]
+    prod = _producers(out)
+    by_name = {n.name: n for n in out.graph.node}
+    for a in blocks:
+        assert [t["role"] for t in a["tensors"]] == list("QKPV")
+        assert 0 < a["tensors"][2]["amax"] <= 1.0 + 1e-6  # softmax probabilities
+        for name in a["matmuls"]:
+            for i in by_name[name].input:
+                dq = prod[i]
+                assert dq.op_type == "DequantizeLinear" and prod[dq.input[0]].op_type == "QuantizeLinear"
+    assert f"TensorRT's FP8 MHA pattern (Q/DQ on Q, K, softmax output P, V): {len(blocks)} block(s)" in \
+        precision_markdown(res)
     _check_policy(fused, out, res)
     _check_accuracy(em, out, tmp_path)

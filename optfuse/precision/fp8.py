@@ -8,8 +8,7 @@
    has the FP8 inputs, and every unfused ``MatMul``/``Gemm`` with a constant 2-D weight, except what
    ``fp8_exclude`` names (node names or globs, matched against the fused node's name, the names of
    the nodes it replaced and the op type). Everything else stays in the base precision: norms and
-   softmax statistics, attention (its MatMuls multiply two activations; optfuse's FlashAttention
-   has no FP8 contract here), the excluded GEMMs;
+   softmax statistics, optfuse's FlashAttention (no FP8 contract here), the excluded GEMMs;
 3. calibrates each quantized GEMM's activation input on the FP32 model
    (:mod:`optfuse.precision.calibrate`): a per-tensor scale amax / 448; weights get per-output-
    channel scales max |W| / 448 from their FP32 values;
@@ -24,11 +23,16 @@
    - unfused MatMul/Gemm get TensorRT's explicit-quantization pattern: ``Q -> DQ`` on the
      activation, ``DQ`` (per channel, ``axis`` the output channel) of an FP8 weight initializer.
 
+   - unfused attention (``MatMul -> Softmax -> MatMul`` of activations) gets TensorRT's FP8 MHA
+     pattern: Q -> DQ on Q, K, the softmax output and V (:mod:`.fp8_mha`).
+
    One Q per quantized tensor, shared by every GEMM reading it (packed Q/K/V siblings, a gated
    FFN's two weights). Q/DQ scales have the activation's type (opset 19 ties Q's scale to its
    input); every scale is rounded to the base type first, so the plugin's float32 ``a_scale`` and
    the Q in front of it hold the same value and weights are quantized with the scale they are
    dequantized with.
+
+One module over ~500 lines: the placement's steps share its node builder and the plan they fill.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from .. import DOMAIN
 from ..errors import InputError
 from .calibrate import E4M3_MAX, TensorCalibration, calibrate, check_calibrator, quantize_e4m3, weight_scales
 from .fp16 import PrecisionOptions, PrecisionResult, convert_precision
+from .fp8_mha import AttentionTarget, find_attention
 
 FP8_OPSET = 19
 PLUGIN_GEMMS = ("GemmEpilogue", "GatedGemm")
@@ -88,6 +93,16 @@ class Fp8Skip:
 
 
 @dataclass
+class Fp8Attention:
+    """An unfused attention block in TensorRT's FP8 MHA pattern: Q/DQ on Q, K, the softmax output
+    and V; each tensor's amax and scale with their source."""
+
+    softmax: str
+    matmuls: list[str]
+    tensors: list[dict]  # {"role": Q|K|P|V, "tensor", "amax", "scale", "source"}
+
+
+@dataclass
 class Fp8Plan:
     base: str
     calibrator: str
@@ -95,6 +110,7 @@ class Fp8Plan:
     batches: int
     opset: list[int]  # [the model's, the result's]
     gemms: list[Fp8Gemm] = field(default_factory=list)
+    attention: list[Fp8Attention] = field(default_factory=list)
     skipped: list[Fp8Skip] = field(default_factory=list)
     #: op type -> (node count, why it stays in the base precision)
     kept: dict[str, list] = field(default_factory=dict)
@@ -126,18 +142,23 @@ def quantize_fp8(model: onnx.ModelProto, options: PrecisionOptions,
     opset_before = default_opset(model)
     fp32 = raise_opset(model, FP8_OPSET)
     targets, skipped = plan_targets(fp32, options.fp8_exclude)
-    cal = calibrate(fp32, [t.activation for t in targets], calibration, options.calibrator, options.percentile)
+    attention, skipped = _attention_targets(fp32, options.fp8_exclude, skipped)
+    tensors = [t.activation for t in targets] + [x for a in attention for x, _, _ in a.tensors]
+    cal = calibrate(fp32, tensors, calibration, options.calibrator, options.percentile)
     base, result = convert_precision(fp32, options.fp8_base, keep_fp32=options.keep_fp32, io_dtype=options.io_dtype)
     plan = Fp8Plan(options.fp8_base, options.calibrator,
                    options.percentile if options.calibrator == "percentile" else None, len(calibration),
                    [opset_before, default_opset(base)], skipped=skipped, kept=_kept_by_policy(fp32))
     out = _place(base, fp32, targets, cal, plan)
+    _place_attention(out, attention, cal, plan, BASE_TYPES[options.fp8_base])
     check_fp8_io(out)
     result.mode = "fp8"
     result.fp8 = plan.to_dict()
     result.notes.append(f"FP8 (E4M3): {len(plan.gemms)} GEMM node(s) quantized "
                         f"({sum(g.form == 'plugin' for g in plan.gemms)} optfuse, "
-                        f"{sum(g.form == 'qdq' for g in plan.gemms)} Q/DQ); the rest in {options.fp8_base}")
+                        f"{sum(g.form == 'qdq' for g in plan.gemms)} Q/DQ)"
+                        + (f" and {len(plan.attention)} unfused attention block(s) in TensorRT's FP8 MHA pattern"
+                           if plan.attention else "") + f"; the rest in {options.fp8_base}")
     if opset_before < FP8_OPSET:
         result.notes.append(f"default-domain opset raised from {opset_before} to {FP8_OPSET} for FP8 Q/DQ "
                             f"(onnx version converter)")
@@ -246,7 +267,7 @@ def _target(n: onnx.NodeProto, inits: Mapping[str, TensorProto], plugin: bool) -
         return _Target(n.name, n.op_type, "plugin", a, weights, (0,) * len(weights)), ""
     b = n.input[1] if len(n.input) > 1 else ""
     if b not in inits:
-        return None, "both inputs are activations (attention's Q.K^T / P.V): not quantized (no FP8 MHA pattern placed)"
+        return None, "both inputs are activations, outside an attention block TensorRT's FP8 MHA pattern covers"
     if len(inits[b].dims) != 2 or inits[b].data_type != TensorProto.FLOAT:
         return None, "its weight is not a 2-D FP32 constant"
     attrs = {x.name: helper.get_attribute_value(x) for x in n.attribute}
@@ -254,6 +275,30 @@ def _target(n: onnx.NodeProto, inits: Mapping[str, TensorProto], plugin: bool) -
         return None, "Gemm with transA=1"
     axis = 0 if n.op_type == "Gemm" and attrs.get("transB", 0) else 1  # the output channel N of B
     return _Target(n.name, n.op_type, "qdq", a, (b,), (axis,)), ""
+
+
+def _attention_targets(model: onnx.ModelProto, exclude: Sequence[str],
+                       skipped: list[Fp8Skip]) -> tuple[list[AttentionTarget], list[Fp8Skip]]:
+    """The unfused attention blocks to put in TensorRT's FP8 MHA pattern (neither MatMul excluded),
+    and `skipped` without their MatMuls (or with the exclusion as the reason)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = {n.name: n for n in model.graph.node if n.name}
+    chosen, why = [], {}
+    for a in find_attention(model, inits):
+        if not all(a.matmuls) or any(m not in nodes for m in a.matmuls):
+            continue
+        pattern = next((p for m in a.matmuls if (p := excluded_by(nodes[m], exclude)) is not None), None)
+        if pattern is None:
+            chosen.append(a)
+            why.update({m: None for m in a.matmuls})
+        else:
+            why.update({m: f"excluded by precision.fp8_exclude ({pattern!r}), with its attention block" for m in a.matmuls})
+    kept = []
+    for s in skipped:
+        if s.name in why and why[s.name] is None:
+            continue
+        kept.append(Fp8Skip(s.name, s.op, why[s.name]) if s.name in why else s)
+    return chosen, kept
 
 
 def _kept_by_policy(model: onnx.ModelProto) -> dict[str, list]:
@@ -276,6 +321,9 @@ class _Builder:
         self.names |= {n.name for n in model.graph.node}
         self.inits: list[TensorProto] = []
         self.value_info: list[onnx.ValueInfoProto] = []
+        self.new_nodes: dict[str, list[onnx.NodeProto]] = {}  # node name -> nodes to insert before it
+        self.quantized: dict[str, tuple[str, str]] = {}  # activation -> (its Q output, the Q's scale)
+        self.dequantized: dict[str, str] = {}  # activation -> its Q -> DQ output
 
     def unique(self, base: str) -> str:
         name, i = base, 1
@@ -288,6 +336,33 @@ class _Builder:
         name = self.unique(base)
         self.inits.append(_tensor(name, array, data_type))
         return name
+
+    def add_node(self, before: str, node: onnx.NodeProto, output_type: int) -> None:
+        self.new_nodes.setdefault(before, []).append(node)
+        self.value_info.append(helper.make_tensor_value_info(node.output[0], output_type, None))
+
+    def quantize(self, act: str, scale: float, dtype: int, before: str) -> tuple[str, str]:
+        """``QuantizeLinear(act)`` to E4M3 (one per tensor, placed before node `before` the first
+        time): its output and its scale initializer (of type `dtype`, the activation's)."""
+        if act not in self.quantized:
+            s = self.constant(f"{act}/fp8_scale", np.array(scale, np.float32), dtype)
+            zp = self.constant(f"{act}/fp8_zero_point", np.zeros((), np.float32), TensorProto.FLOAT8E4M3FN)
+            q = self.unique(f"{act}/fp8")
+            self.add_node(before, helper.make_node("QuantizeLinear", [act, s, zp], [q],
+                                                   name=self.unique(f"{act}/QuantizeLinear")), TensorProto.FLOAT8E4M3FN)
+            self.quantized[act] = (q, s)
+        return self.quantized[act]
+
+    def qdq(self, act: str, scale: float, dtype: int, before: str) -> str:
+        """``DequantizeLinear(QuantizeLinear(act))`` (TensorRT's activation pattern), one per tensor."""
+        q, s = self.quantize(act, scale, dtype, before)
+        if act not in self.dequantized:
+            dq = self.unique(f"{act}/fp8_dq")
+            zp = self.constant(f"{act}/fp8_dq_zero_point", np.zeros((), np.float32), TensorProto.FLOAT8E4M3FN)
+            self.add_node(before, helper.make_node("DequantizeLinear", [q, s, zp], [dq],
+                                                   name=self.unique(f"{act}/DequantizeLinear")), dtype)
+            self.dequantized[act] = dq
+        return self.dequantized[act]
 
 
 def _tensor(name: str, array: np.ndarray, data_type: int) -> TensorProto:
@@ -325,24 +400,12 @@ def _place(base: onnx.ModelProto, fp32: onnx.ModelProto, targets: Sequence[_Targ
     by_name = {n.name: n for n in g.node}
     base_inits = {t.name: t for t in g.initializer}
     fp32_inits = {t.name: t for t in fp32.graph.initializer}
-    quantized: dict[str, tuple[str, str, int]] = {}  # base activation -> (Q output, scale name, type)
-    dequantized: dict[str, str] = {}  # base activation -> its DQ output
-    new_nodes: dict[str, list[onnx.NodeProto]] = {}  # node name -> nodes to insert before it
     for t in targets:
         node = by_name[t.node]
         dtype = base_inits[node.input[1]].data_type
         c = cal[t.activation]
         a_scale = float(round_to(np.array([c.scale]), dtype)[0])
         act = node.input[0]
-        if act not in quantized:
-            s = b.constant(f"{act}/fp8_scale", np.array(a_scale, np.float32), dtype)
-            zp = b.constant(f"{act}/fp8_zero_point", np.zeros((), np.float32), TensorProto.FLOAT8E4M3FN)
-            q = b.unique(f"{act}/fp8")
-            new_nodes.setdefault(t.node, []).append(
-                helper.make_node("QuantizeLinear", [act, s, zp], [q], name=b.unique(f"{act}/QuantizeLinear")))
-            b.value_info.append(helper.make_tensor_value_info(q, TensorProto.FLOAT8E4M3FN, None))
-            quantized[act] = (q, s, dtype)
-        q, s, _ = quantized[act]
         scales, channels = [], []
         fp8_weights = []
         for w, axis in zip(t.weights, t.axes):
@@ -354,29 +417,45 @@ def _place(base: onnx.ModelProto, fp32: onnx.ModelProto, targets: Sequence[_Targ
             scales.append(ws)
             channels.append(int(ws.size))
         if t.form == "plugin":
-            _to_plugin(node, b, q, a_scale, fp8_weights, dtype)
+            _to_plugin(node, b, b.quantize(act, a_scale, dtype, t.node)[0], a_scale, fp8_weights, dtype)
         else:
-            if act not in dequantized:
-                dq = b.unique(f"{act}/fp8_dq")
-                zp = b.constant(f"{act}/fp8_dq_zero_point", np.zeros((), np.float32), TensorProto.FLOAT8E4M3FN)
-                new_nodes.setdefault(t.node, []).append(
-                    helper.make_node("DequantizeLinear", [q, s, zp], [dq], name=b.unique(f"{act}/DequantizeLinear")))
-                b.value_info.append(helper.make_tensor_value_info(dq, dtype, None))
-                dequantized[act] = dq
-            node.input[0] = dequantized[act]
+            node.input[0] = b.qdq(act, a_scale, dtype, t.node)
             (w, w8, ws, axis), = fp8_weights
             scale = b.constant(f"{w}/fp8_scale", ws, dtype)
             wzp = b.constant(f"{w}/fp8_zero_point", np.zeros(ws.shape, np.float32), TensorProto.FLOAT8E4M3FN)
             wdq = b.unique(f"{w}/fp8_dq")
-            new_nodes.setdefault(t.node, []).append(
-                helper.make_node("DequantizeLinear", [w8, scale, wzp], [wdq], name=b.unique(f"{w}/DequantizeLinear"),
-                                 axis=axis))
+            b.add_node(t.node, helper.make_node("DequantizeLinear", [w8, scale, wzp], [wdq],
+                                                name=b.unique(f"{w}/DequantizeLinear"), axis=axis), dtype)
             node.input[1] = wdq
         all_scales = np.concatenate(scales)
         plan.gemms.append(Fp8Gemm(t.node, t.op, t.form, t.activation, c.amax, a_scale, _source(c), list(t.weights),
                                   channels, [float(all_scales.min()), float(all_scales.max())]))
-    _rebuild(out, b, new_nodes)
+    _rebuild(out, b)
     return out
+
+
+def _place_attention(out: onnx.ModelProto, attention: Sequence[AttentionTarget],
+                     cal: Mapping[str, TensorCalibration], plan: Fp8Plan, base_type: int) -> None:
+    """Q -> DQ on the four inputs of each attention block's two MatMuls, in the base model."""
+    if not attention:
+        return
+    from .fp16 import _tensor_types
+
+    b = _Builder(out)
+    types = _tensor_types(out)
+    by_name = {n.name: n for n in out.graph.node}
+    for a in attention:
+        entries = []
+        for role, (tensor, consumer, idx) in zip("QKPV", a.tensors):
+            node = by_name[consumer]
+            act = node.input[idx]
+            dtype = types.get(act, base_type)
+            c = cal[tensor]
+            scale = float(round_to(np.array([c.scale]), dtype)[0])
+            node.input[idx] = b.qdq(act, scale, dtype, consumer)
+            entries.append({"role": role, "tensor": tensor, "amax": c.amax, "scale": scale, "source": _source(c)})
+        plan.attention.append(Fp8Attention(a.softmax, list(a.matmuls), entries))
+    _insert(out, b)
 
 
 def _source(c: TensorCalibration) -> str:
@@ -416,20 +495,26 @@ def _to_plugin(node: onnx.NodeProto, b: _Builder, q: str, a_scale: float,
                            helper.make_attribute("output_dtype", OUTPUT_DTYPE[dtype])])
 
 
-def _rebuild(model: onnx.ModelProto, b: _Builder, new_nodes: Mapping[str, list[onnx.NodeProto]]) -> None:
-    """Insert the Q/DQ nodes before their GEMMs, add the new tensors, drop the weights no node reads
-    any more, and re-embed the reference functions of the optfuse GEMMs (their FP8 form)."""
-    from ..rewrite import add_functions
-
+def _insert(model: onnx.ModelProto, b: _Builder) -> None:
+    """The builder's nodes (each before the node it names), initializers and value_info, into `model`."""
     g = model.graph
     nodes = []
     for n in g.node:
-        nodes.extend(new_nodes.get(n.name, ()))
+        nodes.extend(b.new_nodes.get(n.name, ()))
         nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
     g.initializer.extend(b.inits)
     g.value_info.extend(b.value_info)
+
+
+def _rebuild(model: onnx.ModelProto, b: _Builder) -> None:
+    """Insert the Q/DQ nodes before their GEMMs, add the new tensors, drop the weights no node reads
+    any more, and re-embed the reference functions of the optfuse GEMMs (their FP8 form)."""
+    from ..rewrite import add_functions
+
+    g = model.graph
+    _insert(model, b)
     read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
     read |= {i for n in g.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH for m in a.g.node
              for i in m.input}

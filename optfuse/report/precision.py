@@ -51,6 +51,14 @@ def fp8_markdown(fp8: dict) -> list[str]:
                      f"{g['w_scale_range'][0]:.3g} .. {g['w_scale_range'][1]:.3g} |")
     if not fp8["gemms"]:
         lines.append("| (none) | | | | | | | |")
+    if fp8.get("attention"):
+        lines += ["", f"Unfused attention in TensorRT's FP8 MHA pattern (Q/DQ on Q, K, softmax output P, V): "
+                  f"{len(fp8['attention'])} block(s)", "",
+                  "| softmax | MatMuls | Q amax | K amax | P amax | V amax |", "|---|---|---|---|---|---|"]
+        for a in fp8["attention"]:
+            amax = {t["role"]: t["amax"] for t in a["tensors"]}
+            lines.append(f"| {a['softmax']} | {', '.join(a['matmuls'])} | "
+                         + " | ".join(f"{amax[r]:.4g}" for r in "QKPV") + " |")
     lines += ["", f"GEMM-like nodes kept in {fp8['base']}: {len(fp8['skipped'])}", ""]
     if fp8["skipped"]:
         lines += ["| node | op | why |", "|---|---|---|"]
