@@ -16,7 +16,8 @@ Each candidate is compared with the FP32 original in onnxruntime (CPU) on the sa
 (seed 0): max / mean |diff| and cosine similarity per output; and its Q/DQ nodes are counted with
 where they sit (the op types a DequantizeLinear feeds, the optfuse nodes a QuantizeLinear feeds).
 Rows per model: optfuse FP16 (the base precision alone), optfuse FP8 with the GEMM fusions off
-(TensorRT's Q/DQ pattern on the unfused GEMMs), optfuse FP8 fused (the optfuse GEMM nodes take FP8
+(TensorRT's Q/DQ pattern on the unfused GEMMs), the same with the attention fusion off too (plus
+TensorRT's FP8 MHA pattern: ModelOpt's placement), optfuse FP8 fused (the optfuse GEMM nodes take FP8
 directly once the GEMM spec has its FP8 form), ModelOpt FP8 with ``--calibration_method max`` (its
 default op types, and only MatMul/Gemm: optfuse's placement) and with its default calibrator
 (entropy). Prints a Markdown table; ``--json`` writes every number.
@@ -119,6 +120,9 @@ def compare(family: str, exporter: str, workdir: Path, python: str, batches: int
     unfused, _ = fuse_model(original, dims=DIMS, families=[f for f in available_families() if f != "gemm"])
     qdq, _ = apply_precision(unfused, options, feeds)
     row(f"optfuse FP8 Q/DQ ({method})", qdq, workdir / f"{family}.fp8-qdq.onnx")
+    bare, _ = fuse_model(original, dims=DIMS, families=[f for f in available_families() if f not in ("gemm", "attention")])
+    mha, _ = apply_precision(bare, options, feeds)
+    row(f"optfuse FP8 Q/DQ + MHA ({method})", mha, workdir / f"{family}.fp8-mha.onnx")
     plugin, res = apply_precision(fused, options, feeds)
     ready = all(fp8_ready(op) for op in PLUGIN_GEMMS)
     row(f"optfuse FP8 fused ({method})", plugin, workdir / f"{family}.fp8-fused.onnx",
