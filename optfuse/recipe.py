@@ -27,7 +27,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .defaults import DEFAULT_TOLERANCES
+from .defaults import DEFAULT_FP8_MIN_COSINE, DEFAULT_FP8_MIN_TOP1, DEFAULT_TOLERANCES
 from .errors import InputError
 from .model_families import EXPORT_FAMILIES
 from .target import arch_name, parse_arch
@@ -174,13 +174,39 @@ class Tolerances(_Strict):
     outputs: dict[str, OutputTolerance] = {}
 
 
+class Calibration(_Strict):
+    """FP8 calibration: how many batches, from where, and how each activation's amax is chosen."""
+
+    # batches of the verify input generator (seeded by `seed`), or the first `batches` of `npz`
+    batches: int = Field(8, ge=1)
+    seed: int = Field(1, ge=0)
+    # inputs as ``--load-inputs`` reads them (one key per input, or ``<batch>/<input>``); relative to the recipe
+    npz: Optional[Path] = None
+    # max (amax = max |x|) | percentile (of |x|) | mse (E4M3 fake-quant error); see optfuse.precision.calibrate
+    method: Literal["max", "percentile", "mse"] = "max"
+    percentile: float = Field(99.99, gt=0, le=100)
+
+
 class Precision(_Strict):
-    mode: Literal["fp32", "fp16", "bf16"] = "fp32"
+    mode: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     keep_fp32: list[str] = []
     io_dtype: Literal["keep", "fp16"] = "keep"
+    # fp8: what is not quantized runs in this precision
+    fp8_base: Literal["fp16", "bf16"] = "fp16"
+    # fp8: GEMM node names or globs (fused node names, the original names they replaced, op types) kept in fp8_base
+    fp8_exclude: list[str] = []
+    calibration: Calibration = Calibration()
     # how close the reduced-precision model must stay to the FP32 original (defaults by mode);
     # the top-level `tolerances` are for FP32 candidates (the fused model)
     tolerances: Tolerances = Tolerances()
+
+
+class Fp8Accuracy(_Strict):
+    """Scale-free bars of an FP8 candidate: cosine similarity per output, top-1 agreement on heads."""
+
+    min_cosine: float = Field(DEFAULT_FP8_MIN_COSINE, ge=-1, le=1)
+    # None: top-1 agreement is reported, not required
+    min_top1: Optional[float] = Field(DEFAULT_FP8_MIN_TOP1, ge=0, le=1)
 
 
 class VerifySettings(_Strict):
@@ -191,6 +217,8 @@ class VerifySettings(_Strict):
     per_node: bool = False
     # intermediate tensors exposed per onnxruntime run of the per-node comparison (bounds memory)
     chunk_size: int = Field(64, ge=1)
+    # what an fp8 candidate must also meet per output, besides precision.tolerances (see optfuse.defaults)
+    fp8: Fp8Accuracy = Fp8Accuracy()
 
 
 class Target(_Strict):

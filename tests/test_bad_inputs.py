@@ -192,7 +192,7 @@ def test_bad_command_line_option(tmp_path, inp, command, extra, fragment):
     assert leftovers(out) == [] and leftovers(inp) == before
 
 
-@pytest.mark.parametrize("flags, fragment", [(["--fp8"], "--fp8: FP8 is not available yet"),
+@pytest.mark.parametrize("flags, fragment", [(["--fp8", "--fp16"], "--fp16 and --fp8 exclude each other"),
                                              (["--fp16", "--bf16"], "exclude each other")])
 def test_precision_flags(tmp_path, inp, flags, fragment):
     out = tmp_path / "out"

@@ -107,7 +107,7 @@ def test_recipe_check(tmp_path):
     res = invoke("recipe", "check", good)
     assert res.exit_code == 0 and "ok:" in res.stdout
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({**RECIPE, "precision": {"mode": "fp8"}, "target": {"arch": "x"}}))
+    bad.write_text(yaml.safe_dump({**RECIPE, "precision": {"mode": "int4"}, "target": {"arch": "x"}}))
     res = invoke("recipe", "check", good, bad)
     assert res.exit_code == 2
     lines = res.stderr.strip().splitlines()

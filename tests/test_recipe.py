@@ -121,7 +121,7 @@ def test_defaults_fp32():
         ({"dims__seq__max": _DELETE}, "field 'dims.seq.max': missing (required)"),
         ({"fusions__flash": True}, "field 'fusions.flash': unknown key; expected one of: layer_norm, rms_norm"),
         ({"fusions__layer_norm": "maybe"}, "field 'fusions.layer_norm': expected a valid boolean"),
-        ({"precision__mode": "fp8"}, "field 'precision.mode': expected 'fp32', 'fp16' or 'bf16' (got 'fp8')"),
+        ({"precision__mode": "int4"}, "field 'precision.mode': expected 'fp32', 'fp16', 'bf16' or 'fp8' (got 'int4')"),
         ({"precision__io_dtype": "fp32"}, "field 'precision.io_dtype': expected 'keep' or 'fp16'"),
         ({"tolerances__atol": -1}, "field 'tolerances.atol': expected greater than or equal to 0"),
         ({"tolerances__outputs__logits__btol": 1}, "field 'tolerances.outputs.logits.btol': unknown key"),
@@ -143,7 +143,7 @@ def test_errors_name_field_and_expectation(tmp_path, changes, expected):
 
 
 def test_several_errors_one_line_each(tmp_path):
-    lines = _errors(tmp_path, _with(precision__mode="fp8", target__arch="x", inputs__input_ids__dtype="str"))
+    lines = _errors(tmp_path, _with(precision__mode="int4", target__arch="x", inputs__input_ids__dtype="str"))
     assert len(lines) == 3
     assert all(ln.startswith("recipe ") and "field '" in ln for ln in lines)
 

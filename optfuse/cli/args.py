@@ -37,7 +37,8 @@ RTOL = typer.Option(None, "--rtol", help="Relative tolerance: VALUE for every ou
                     metavar="[OUT:]X", show_default=False)
 FP16 = typer.Option(False, "--fp16", help="Precision fp16 (over the recipe's precision.mode).")
 BF16 = typer.Option(False, "--bf16", help="Precision bf16 (over the recipe's precision.mode).")
-FP8 = typer.Option(False, "--fp8", help="Precision fp8 (not available yet).")
+FP8 = typer.Option(False, "--fp8", help="Precision fp8: E4M3 GEMMs, calibrated; the rest in the recipe's "
+                   "precision.fp8_base (default fp16).")
 KEEP_FP32 = typer.Option(None, "--keep-fp32", help="Op type, node name or glob kept in FP32 (repeatable; "
                          "replaces the recipe's precision.keep_fp32).", metavar="PATTERN", show_default=False)
 SAVE_INPUTS = typer.Option(None, "--save-inputs", help="Write the verify inputs (.npz, or .json: polygraphy's format).",
@@ -115,11 +116,10 @@ def parse_tolerances(option: str, values: Optional[list[str]]) -> tuple[float | 
 
 
 def precision_flag(fp16: bool, bf16: bool, fp8: bool) -> str | None:
-    if fp8:
-        raise InputError("--fp8: FP8 is not available yet (use --fp16 or --bf16)")
-    if fp16 and bf16:
-        raise InputError("--fp16 and --bf16 exclude each other; give one")
-    return "fp16" if fp16 else "bf16" if bf16 else None
+    given = [flag for flag, on in (("--fp16", fp16), ("--bf16", bf16), ("--fp8", fp8)) if on]
+    if len(given) > 1:
+        raise InputError(f"{' and '.join(given)} exclude each other; give one")
+    return "fp16" if fp16 else "bf16" if bf16 else "fp8" if fp8 else None
 
 
 def overrides(*, shapes=None, min_shapes=None, opt_shapes=None, max_shapes=None, atol=None, rtol=None,

@@ -91,10 +91,17 @@ def verification(out: Console, result: VerifyResult, show_inputs: bool = False) 
             t.add_row(i.name, i.dtype, str(i.shape), i.source)
         out.print(t)
     t = Table(title=f"Verification: {result.iterations} iteration(s), seed {result.seed}", title_justify="left")
-    for col in ("output", "max abs", "max rel", "mean abs", "atol", "rtol", "result"):
+    # an FP8 candidate (held to cosine similarity) or a head output also shows cosine and top-1
+    agreement = any(o.min_cosine is not None or o.top1 is not None for o in result.outputs)
+    cols = ("output", "max abs", "max rel", "mean abs", *(("cosine", "top-1") if agreement else ()), "atol", "rtol",
+            "result")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("output", "result") else "right")
     for o in result.outputs:
         res = "[green]pass[/]" if o.passed else "[red]FAIL[/]" + (f" ({o.note})" if o.note else "")
-        t.add_row(o.name, f"{o.max_abs:.3g}", f"{o.max_rel:.3g}", f"{o.mean_abs:.3g}", f"{o.atol:g}", f"{o.rtol:g}", res)
+        extra = (("-" if o.cosine is None else f"{o.cosine:.5f}", "-" if o.top1 is None else f"{100 * o.top1:.1f}%")
+                 if agreement else ())
+        t.add_row(o.name, f"{o.max_abs:.3g}", f"{o.max_rel:.3g}", f"{o.mean_abs:.3g}", *extra, f"{o.atol:g}",
+                  f"{o.rtol:g}", res)
     out.print(t)
     out.print("[green]verification passed[/]" if result.passed else "[red]verification failed[/]")

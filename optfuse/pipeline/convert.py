@@ -38,6 +38,10 @@ from .options import (NO_OVERRIDES, Overrides, PerNodeSettings, Progress, Status
                       options_record, per_node_settings, precision_options, resolve_dims, verify_options)
 
 
+#: the step of an fp8 run that verifies its base-precision model (the FP8 candidate's side-by-side)
+BASELINE_STEP = "verify (onnxruntime, base precision)"
+
+
 @dataclass
 class Step:
     name: str
@@ -62,6 +66,8 @@ class ConvertOutcome:
     #: the per-node comparison's facts (report.per_node.per_node_facts: per_node, attribution, overflow,
     #: how it ran), None when it did not run
     per_node: dict | None = None
+    #: an fp8 run's base-precision model (verified on the same inputs as the FP8 candidate), else None
+    baseline: Path | None = None
 
     @property
     def passed(self) -> bool:
@@ -225,7 +231,8 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
         step.detail = res.steps[-1].detail
     with progress.step("verify") as step:
         _verify_step(res, path, prec_path, recipe, iterations, seed, progress, overrides, arrays)
-        step.detail = res.steps[-1].detail.splitlines()[0] if res.steps[-1].detail else res.steps[-1].state
+        checked = res.step("verify (onnxruntime)")
+        step.detail = checked.detail.splitlines()[0] if checked.detail else checked.state
     if per_node.enabled:
         _per_node_step(res, path, prec_path, recipe, iterations, seed, progress, overrides, arrays, per_node)
     engine_path = outdir / f"{path.stem}.plan"
@@ -264,6 +271,10 @@ def _check_run_inputs(header: onnx.ModelProto, recipe: Recipe | None, overrides:
     options = verify_options(recipe, overrides, header)
     if arrays.load_inputs:
         load_feeds(arrays.load_inputs, plan_inputs(header, options), header)
+    if precision_options(recipe, overrides).mode == "fp8":
+        from .fp8 import check_calibration
+
+        check_calibration(header, recipe, overrides)
 
 
 def _fuse_step(res: ConvertOutcome, path: Path, recipe: Recipe | None, status: Status,
@@ -285,15 +296,33 @@ def _precision_step(res: ConvertOutcome, name: str, fused_path: Path, recipe: Re
     options = precision_options(recipe, overrides)
     mode = options.mode
     status(f"precision: {mode}")
-    prec_model, prec = apply_precision(load_model(fused_path), options)
+    fused_model = load_model(fused_path)
+    calibration, baseline = None, []
+    if mode == "fp8":
+        from .fp8 import baseline_model, baseline_path, calibration_feeds, calibration_source
+
+        calibration = calibration_feeds(fused_model, recipe, overrides)
+        status(f"precision: {options.fp8_base} baseline")
+        base_model, _ = baseline_model(fused_model, options)
+        res.baseline = baseline_path(res.outdir, name, options)
+        save_model(base_model, res.baseline)
+        baseline = [str(res.baseline)]
+        del base_model
+        status(f"precision: fp8, calibrating on {calibration_source(recipe, len(calibration))}")
+    prec_model, prec = apply_precision(fused_model, options, calibration)
+    if prec.fp8 is not None:
+        prec.fp8["calibration_source"] = calibration_source(recipe, len(calibration))
     prec_path = res.outdir / f"{name}.{mode}.onnx"
     if mode == "fp32":
         shutil.copyfile(fused_path, prec_path)
     else:
         save_model(prec_model, prec_path)
     report_path = write_precision_report(prec, res.outdir)
-    res.steps.append(Step("precision", "ok", f"{mode}; {prec.casts_added} Cast(s) added; kept FP32: "
-                          f"{', '.join(prec.keep_fp32_ops) or 'none'}", [str(prec_path), str(report_path)]))
+    detail = f"{mode}; {prec.casts_added} Cast(s) added; kept FP32: {', '.join(prec.keep_fp32_ops) or 'none'}"
+    if prec.fp8 is not None:
+        detail = (f"fp8: {len(prec.fp8['gemms'])} GEMM(s) in E4M3, {len(prec.fp8['skipped'])} kept in "
+                  f"{prec.fp8['base']}; {detail.split('; ', 1)[1]}")
+    res.steps.append(Step("precision", "ok", detail, [str(prec_path), *baseline, str(report_path)]))
     return prec_path, prec
 
 
@@ -313,6 +342,27 @@ def _verify_step(res: ConvertOutcome, path: Path, prec_path: Path, recipe: Recip
     res.accuracy["onnxruntime"] = v
     res.steps.append(Step("verify (onnxruntime)", "ok" if v.passed else "failed", verify_line(v),
                           [str(res.outdir / ACCURACY_MD)]))
+    if res.baseline is not None:
+        _baseline_step(res, path, recipe, iterations, seed, status, overrides, arrays)
+
+
+def _baseline_step(res: ConvertOutcome, path: Path, recipe: Recipe | None, iterations: int | None, seed: int,
+                   status: Status, overrides: Overrides, arrays: RunArrays) -> None:
+    """An fp8 run's base-precision model on the same inputs: what the FP8 candidate is reported next to
+    (informational: its tolerances are its own precision's; the step fails only when it cannot run)."""
+    from ..report import verify_line
+
+    status(f"verifying the {res.baseline.suffixes[-2].lstrip('.')} baseline in onnxruntime")
+    try:
+        v = verify(path, res.baseline, recipe, iterations=iterations, seed=seed, status=status, overrides=overrides,
+                   load_inputs=arrays.load_inputs)
+    except VerificationError as exc:
+        res.accuracy["baseline"] = CheckError(str(exc))
+        res.steps.append(Step(BASELINE_STEP, "failed", str(exc)))
+        return
+    res.accuracy["baseline"] = v
+    res.steps.append(Step(BASELINE_STEP, "ok", f"{verify_line(v)} (the FP8 candidate's side-by-side)",
+                          [str(res.baseline)]))
 
 
 def _per_node_step(res: ConvertOutcome, path: Path, prec_path: Path, recipe: Recipe | None, iterations: int | None,

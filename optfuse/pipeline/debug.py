@@ -117,6 +117,11 @@ class _Trials:
         self.families = enabled_families(recipe)
         self.fusion = fusion_options(recipe)
         self.precision = precision_options(recipe, overrides)
+        self.calibration = None
+        if self.precision.mode == "fp8":  # one set of calibration batches for every trial
+            from .fp8 import calibration_feeds
+
+            self.calibration = calibration_feeds(self.proto, recipe, overrides)
         self.cache: dict[Change, Trial] = {}
         self.steps: list[DebugStep] = []
         self.prefix = "trial"  # of the candidate files in `workdir`
@@ -162,7 +167,7 @@ class _Trials:
         cand_path = fused_path
         if self.precision.mode != "fp32":
             precision = replace(self.precision, keep_fp32=self.precision.keep_fp32 + change.keep_fp32)
-            cand, _ = apply_precision(load_model(fused_path), precision)
+            cand, _ = apply_precision(load_model(fused_path), precision, self.calibration)
             cand_path = save_model(cand, self.workdir / f"{self.prefix}{k}.{precision.mode}.onnx")
         try:
             result = verify(self.path, cand_path, self.options, iterations=self.iterations, seed=self.seed)

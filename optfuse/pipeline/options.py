@@ -29,7 +29,7 @@ from ..pattern import FusionOptions
 from ..precision import PrecisionOptions
 from ..recipe import Recipe, load_recipe
 from ..trt.build import BuildProfile
-from ..verify import FeedSpec, Tolerances, VerifyOptions
+from ..verify import Agreement, FeedSpec, Tolerances, VerifyOptions
 
 #: (min, opt, max) shapes of one input, as the command line gives them
 ShapeRange = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -305,6 +305,11 @@ def options_record(recipe: Recipe | None, overrides: Overrides, dims: DimPlan | 
     rec["precision"] = {"mode": p.mode, "source": src(overrides.precision is not None, recipe is not None),
                         "keep_fp32": list(p.keep_fp32),
                         "keep_fp32_source": src(bool(overrides.keep_fp32), bool(recipe and recipe.precision.keep_fp32))}
+    if p.mode == "fp8":
+        c = calibration_settings(recipe)
+        rec["precision"].update({"fp8_base": p.fp8_base, "fp8_exclude": list(p.fp8_exclude), "calibration": {
+            "method": p.calibrator, "percentile": p.percentile if p.calibrator == "percentile" else None,
+            "batches": c.batches, "seed": None if c.npz is not None else c.seed, "npz": c.npz_label or None}})
     given = overrides.tolerances_given()
     rec["tolerances"] = {"atol": overrides.atol, "rtol": overrides.rtol, "outputs_atol": dict(overrides.output_atol),
                          "outputs_rtol": dict(overrides.output_rtol),
@@ -407,7 +412,11 @@ def verify_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES,
             table = Tolerances(*recipe.tolerance(None, mode),
                                outputs={o: recipe.tolerance(o, mode) for o in section.outputs})
         tolerances[mode] = _override_tolerances(table, overrides)
-    return VerifyOptions(inputs=inputs, dims=opt, tolerances=tolerances)
+    if recipe is None:
+        return VerifyOptions(inputs=inputs, dims=opt, tolerances=tolerances)
+    fp8 = recipe.verify.fp8
+    return VerifyOptions(inputs=inputs, dims=opt, tolerances=tolerances,
+                         agreement={"fp8": Agreement(fp8.min_cosine, fp8.min_top1)})
 
 
 def _shaped_inputs(model: onnx.ModelProto, overrides: Overrides, exclude: set[str]) -> dict[str, FeedSpec]:
@@ -442,11 +451,35 @@ def _override_tolerances(table: Tolerances, overrides: Overrides) -> Tolerances:
 
 
 def precision_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES) -> PrecisionOptions:
-    """The recipe's precision section; ``--fp16``/``--bf16`` and ``--keep-fp32`` replace its mode and patterns."""
+    """The recipe's precision section; ``--fp16``/``--bf16``/``--fp8`` and ``--keep-fp32`` replace its mode
+    and patterns."""
     p = recipe.precision if recipe is not None else None
     mode = overrides.precision or (p.mode if p is not None else "fp32")
     keep = overrides.keep_fp32 or (tuple(p.keep_fp32) if p is not None else ())
-    return PrecisionOptions(mode=mode, keep_fp32=tuple(keep), io_dtype=p.io_dtype if p is not None else "keep")
+    if p is None:
+        return PrecisionOptions(mode=mode, keep_fp32=tuple(keep))
+    c = p.calibration
+    return PrecisionOptions(mode=mode, keep_fp32=tuple(keep), io_dtype=p.io_dtype, fp8_base=p.fp8_base,
+                            calibrator=c.method, percentile=c.percentile, fp8_exclude=tuple(p.fp8_exclude))
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """Where an fp8 run's calibration batches come from: `batches` generated with `seed` (verify's
+    input generator), or the first `batches` of `npz` (resolved path; None: generated)."""
+
+    batches: int = 8
+    seed: int = 1
+    npz: Path | None = None
+    npz_label: str = ""
+
+
+def calibration_settings(recipe: Recipe | None) -> CalibrationSettings:
+    if recipe is None:
+        return CalibrationSettings()
+    c = recipe.precision.calibration
+    return CalibrationSettings(c.batches, c.seed, recipe.resolve_path(c.npz) if c.npz is not None else None,
+                               str(c.npz) if c.npz is not None else "")
 
 
 def build_profile(recipe: Recipe | None, model_path: Path | None = None,

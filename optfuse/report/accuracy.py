@@ -17,6 +17,7 @@ ACCURACY_MD = "accuracy_report.md"
 Check = Union[VerifyResult, CheckError, NotExecuted]
 #: The checks, in report order, with their section titles.
 CHECKS = (("onnxruntime", "FP32 original vs fused + precision model (onnxruntime CPU)"),
+          ("baseline", "FP32 original vs the fp8 run's base-precision model, same inputs (onnxruntime CPU)"),
           ("engine", "FP32 original (onnxruntime) vs TensorRT engine (polygraphy TrtRunner)"))
 
 
@@ -47,14 +48,24 @@ def accuracy_markdown(checks: Mapping[str, Check], title: str = "# Accuracy") ->
         lines += [f"{d['iterations']} iteration(s), seed {d['seed']}: **{'pass' if d['passed'] else 'FAIL'}**", ""]
         if d.get("method"):
             lines += [f"Candidate run as: {d['method']}.", ""]
-        lines += ["| output | max abs | max rel | mean abs | p99 abs | atol | rtol | result |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| output | max abs | max rel | mean abs | p99 abs | cosine | top-1 | atol | rtol | result |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for o in d["outputs"]:
             lines.append(f"| {o['name']} | {o['max_abs']:.3g} | {o['max_rel']:.3g} | {o['mean_abs']:.3g} | "
-                         f"{p99_text(o)} | "
+                         f"{p99_text(o)} | {agreement_text(o, 'cosine')} | {agreement_text(o, 'top1')} | "
                          f"{o['atol']:g} | {o['rtol']:g} | {'pass' if o['passed'] else 'FAIL ' + o.get('note', '')} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def agreement_text(output: Mapping[str, Any], key: str) -> str:
+    """An output's cosine similarity / top-1 agreement, with the bar it was held to (``-``: none computed)."""
+    value = output.get(key)
+    if value is None:
+        return "-"
+    bar = output.get("min_cosine" if key == "cosine" else "min_top1")
+    text = f"{value:.5f}" if key == "cosine" else f"{100 * value:.1f}%"
+    return text + (f" (>= {bar:g})" if bar is not None else "")
 
 
 def p99_text(output: Mapping[str, Any]) -> str:

@@ -38,6 +38,9 @@ def build_markdown(report: BuildReport) -> str:
         lines += ["", "| plugin layer | op | version | form |", "|---|---|---|---|"]
         for p in report.plugin_layers:
             lines.append(f"| {p.name} | {p.namespace}::{p.op} | {p.version} | {p.form} |")
+    fp8 = getattr(report, "fp8_layers", None) or []
+    if fp8:
+        lines += ["", f"Layers that run FP8 ({len(fp8)}): " + ", ".join(fp8)]
     if report.layer_types:
         lines += ["", "| layer type | count |", "|---|---|"]
         for t, c in sorted(report.layer_types.items(), key=lambda kv: (-kv[1], kv[0])):

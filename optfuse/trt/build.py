@@ -79,6 +79,10 @@ class BuildReport:
     warnings: list[str] = field(default_factory=list)
     runnable_here: bool = False
     not_runnable_reason: str = ""
+    #: layers that run FP8: "<name> (<type>)" for each layer with an FP8 input or output tensor in the
+    #: network (Q/DQ, plugins taking E4M3) and each matrix multiply fed by FP8 dequantization (TensorRT
+    #: runs it in FP8 after fusing the Q/DQ pattern)
+    fp8_layers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -349,6 +353,7 @@ def _inspect_layers(trt, network, nodes: list[onnx.NodeProto], report: BuildRepo
             plugin_names.add(layer.name)
     n_plugin = sum(types[t] for t in PLUGIN_LAYER_TYPES)
     report.layer_types = dict(types)
+    report.fp8_layers = _fp8_layers(trt, network)
     report.layers_by_kind = {"plugin": n_plugin, "native": sum(types.values()) - n_plugin}
     missing = []
     for n in nodes:
@@ -368,6 +373,41 @@ def _inspect_layers(trt, network, nodes: list[onnx.NodeProto], report: BuildRepo
         raise BuildError(
             f"{len(missing)} of {len(nodes)} optfuse node(s) did not become plugin layers:\n  " + "\n  ".join(missing)
         )
+
+
+def _fp8_layers(trt, network) -> list[str]:
+    """The layers that run FP8 (see :attr:`BuildReport.fp8_layers`), from the network's tensor types."""
+    fp8 = getattr(trt.DataType, "FP8", None)
+    if fp8 is None:
+        return []
+    producer: dict[str, Any] = {}
+    layers = [network.get_layer(i) for i in range(network.num_layers)]
+    for layer in layers:
+        for j in range(layer.num_outputs):
+            producer[layer.get_output(j).name] = layer
+
+    def tensors(layer):
+        ins = [layer.get_input(j) for j in range(layer.num_inputs)]
+        return [t for t in ins + [layer.get_output(j) for j in range(layer.num_outputs)] if t is not None]
+
+    def fp8_dq(t, depth: int = 0) -> bool:
+        """`t` dequantizes FP8 (through the parser's reshapes / broadcasts of a weight)."""
+        p = producer.get(t.name)
+        if p is not None and p.type.name == "SHUFFLE" and depth < 3:
+            return fp8_dq(p.get_input(0), depth + 1)
+        return p is not None and p.type.name == "DEQUANTIZE" and p.get_input(0).dtype == fp8
+
+    out = []
+    for layer in layers:
+        if layer.type.name == "CONSTANT":  # the FP8 weights themselves: their DQ layers are listed
+            continue
+        runs_fp8 = any(t.dtype == fp8 for t in tensors(layer))
+        if not runs_fp8 and layer.type.name == "MATRIX_MULTIPLY":
+            ins = [layer.get_input(j) for j in range(layer.num_inputs)]
+            runs_fp8 = bool(ins) and all(t is not None and fp8_dq(t) for t in ins)
+        if runs_fp8:
+            out.append(f"{layer.name} ({layer.type.name})")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,14 +30,14 @@ planning and feeds), :mod:`.compare` (running and comparing), :mod:`.per_node` (
 tensor compared, per-node error growth and its attribution).
 """
 
-from .compare import CandidateRunner, Feeds, compare_arrays, precision_of, verify, verify_against
+from .compare import CandidateRunner, Feeds, compare_arrays, head_outputs, precision_of, verify, verify_against
 from .inputs import DEFAULT_INT_HIGH, InputPlan, gather_table_rows, make_feed, plan_inputs, right_padded_mask
-from .options import (DEFAULT_ITERATIONS, CheckError, FeedSpec, InputInfo, NotExecuted, OutputResult, Tolerances,
+from .options import (DEFAULT_ITERATIONS, Agreement, CheckError, FeedSpec, InputInfo, NotExecuted, OutputResult, Tolerances,
                       VerifyOptions, VerifyResult, default_tolerances, tolerance)
 
 __all__ = [
-    "DEFAULT_INT_HIGH", "DEFAULT_ITERATIONS", "CandidateRunner", "CheckError", "FeedSpec", "Feeds", "InputInfo",
+    "DEFAULT_INT_HIGH", "DEFAULT_ITERATIONS", "Agreement", "CandidateRunner", "CheckError", "FeedSpec", "Feeds", "InputInfo",
     "InputPlan", "NotExecuted", "OutputResult", "Tolerances", "VerifyOptions", "VerifyResult", "compare_arrays",
-    "default_tolerances", "gather_table_rows", "make_feed", "plan_inputs", "precision_of", "right_padded_mask",
+    "default_tolerances", "head_outputs", "gather_table_rows", "make_feed", "plan_inputs", "precision_of", "right_padded_mask",
     "tolerance", "verify", "verify_against",
 ]

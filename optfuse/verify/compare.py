@@ -11,8 +11,8 @@ import onnx
 
 from ..errors import InputError, VerificationError
 from .inputs import InputPlan, make_feed, plan_inputs
-from .options import (DEFAULT_ITERATIONS, QUANTILE_LEVELS, QUANTILE_SAMPLE, InputInfo, OutputResult, VerifyOptions,
-                      VerifyResult, tolerance)
+from .options import (DEFAULT_ITERATIONS, QUANTILE_LEVELS, QUANTILE_SAMPLE, Agreement, InputInfo, OutputResult,
+                      VerifyOptions, VerifyResult, default_agreement, tolerance)
 
 # ------------------------------------------------------------------------------------------------
 # Running and comparing
@@ -38,8 +38,75 @@ def _prepare_polygraphy() -> None:
         parray.is_torch = is_torch
 
 
-def compare_arrays(name: str, ref: list[np.ndarray], got: list[np.ndarray], atol: float, rtol: float) -> OutputResult:
-    """Elementwise isclose over every iteration, plus max abs / max rel / mean abs error."""
+def compare_arrays(name: str, ref: list[np.ndarray], got: list[np.ndarray], atol: float, rtol: float,
+                   agreement: Agreement | None = None, head: bool = False) -> OutputResult:
+    """Elementwise isclose over every iteration, plus max abs / max rel / mean abs error, the cosine
+    similarity and (a `head`: logits over the last axis) the top-1 agreement. With `agreement`, the
+    output also fails below its ``min_cosine`` / ``min_top1``."""
+    result = _elementwise(name, ref, got, atol, rtol)
+    if result.note.startswith("shape"):
+        return result
+    result.cosine = cosine_similarity(ref, got)
+    result.top1 = top1_agreement(ref, got) if head else None
+    if agreement is not None:
+        result.min_cosine, result.min_top1 = agreement.min_cosine, agreement.min_top1 if head else None
+        if result.min_cosine is not None and not result.cosine >= result.min_cosine:
+            result.passed = False
+            result.note = result.note or f"cosine similarity {result.cosine:.5f} < {result.min_cosine:g}"
+        if result.min_top1 is not None and result.top1 is not None and result.top1 < result.min_top1:
+            result.passed = False
+            result.note = result.note or f"top-1 agreement {result.top1:.4f} < {result.min_top1:g}"
+    return result
+
+
+def cosine_similarity(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
+    """cos(ref, got) over every element of every iteration (float64; NaN/inf elements left out);
+    1.0 when both are all zeros, 0.0 when only one is."""
+    dot = nr = ng = 0.0
+    for r, g in zip(ref, got):
+        r64, g64 = np.asarray(r, np.float64).ravel(), np.asarray(g, np.float64).ravel()
+        ok = np.isfinite(r64) & np.isfinite(g64)
+        r64, g64 = r64[ok], g64[ok]
+        dot += float(r64 @ g64)
+        nr += float(r64 @ r64)
+        ng += float(g64 @ g64)
+    if nr == 0.0 and ng == 0.0:
+        return 1.0
+    if nr == 0.0 or ng == 0.0:
+        return 0.0
+    return dot / (nr ** 0.5 * ng ** 0.5)
+
+
+def top1_agreement(ref: list[np.ndarray], got: list[np.ndarray]) -> float | None:
+    """The fraction of rows (every index but the last axis, every iteration) whose argmax over the
+    last axis is the original's; None for a scalar or a last axis of one."""
+    same = total = 0
+    for r, g in zip(ref, got):
+        r, g = np.asarray(r), np.asarray(g)
+        if r.ndim == 0 or r.shape[-1] < 2:
+            return None
+        same += int((np.argmax(r, axis=-1) == np.argmax(g, axis=-1)).sum())
+        total += int(np.prod(r.shape[:-1], dtype=np.int64))
+    return same / total if total else None
+
+
+def head_outputs(model: onnx.ModelProto) -> set[str]:
+    """Outputs that are classifier or LM heads (top-1 agreement applies): named ``*logits*``, or
+    whose last dim is the row count of the table the token ids index (the vocabulary)."""
+    from ..defaults import value_shape
+    from .inputs import gather_table_rows
+
+    vocab = set(gather_table_rows(model).values())
+    heads = set()
+    for o in model.graph.output:
+        shape = value_shape(o) or []
+        last = shape[-1] if shape else None
+        if "logit" in o.name.lower() or (isinstance(last, int) and last > 2 and last in vocab and len(shape) >= 2):
+            heads.add(o.name)
+    return heads
+
+
+def _elementwise(name: str, ref: list[np.ndarray], got: list[np.ndarray], atol: float, rtol: float) -> OutputResult:
     max_abs = max_rel = 0.0
     abs_sum, count = 0.0, 0
     samples: list[np.ndarray] = []  # |diff| (a seeded sample of a large output) per iteration, for the quantiles
@@ -215,21 +282,26 @@ def _result(ref_model: onnx.ModelProto, plans: list[InputPlan], ref_iters: Seque
             original: str, candidate: str, atol: float | None = None, rtol: float | None = None) -> VerifyResult:
     """Compare every output of the original over all iterations (a missing one fails with a note)."""
     outputs = []
+    agreement = (options.agreement if options is not None else default_agreement()).get(mode)
+    heads = head_outputs(ref_model)
     for o in ref_model.graph.output:
         a, r = tolerance(options, o.name, mode, atol, rtol)
         if any(o.name not in it for it in cand_iters):
             outputs.append(OutputResult(o.name, False, float("inf"), float("inf"), float("inf"), a, r, None,
                                         "missing from the candidate"))
             continue
-        outputs.append(compare_arrays(o.name, [it[o.name] for it in ref_iters], [it[o.name] for it in cand_iters], a, r))
+        outputs.append(compare_arrays(o.name, [it[o.name] for it in ref_iters], [it[o.name] for it in cand_iters], a, r,
+                                      agreement, o.name in heads))
     infos = [InputInfo(p.name, np.dtype(p.dtype).name, list(p.shape), p.source) for p in plans]
     return VerifyResult(outputs, infos, len(ref_iters), seed, original, candidate)
 
 
 def precision_of(model: onnx.ModelProto) -> str:
-    """'fp16' / 'bf16' when the model keeps floating weights in that type, else 'fp32': the
-    tolerance a candidate is held to follows the precision it computes in."""
+    """'fp8' when the model holds E4M3 weights, else 'fp16' / 'bf16' when it keeps floating weights
+    in that type, else 'fp32': the tolerance a candidate is held to follows the precision it computes in."""
     kinds = {t.data_type for t in model.graph.initializer}
+    if onnx.TensorProto.FLOAT8E4M3FN in kinds:
+        return "fp8"
     if onnx.TensorProto.BFLOAT16 in kinds:
         return "bf16"
     if onnx.TensorProto.FLOAT16 in kinds:

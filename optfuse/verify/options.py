@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..defaults import DEFAULT_TOLERANCES
+from ..defaults import DEFAULT_FP8_MIN_COSINE, DEFAULT_FP8_MIN_TOP1, DEFAULT_TOLERANCES
 
 DEFAULT_ITERATIONS = 3
 
@@ -44,13 +44,29 @@ def default_tolerances() -> dict[str, Tolerances]:
 
 
 @dataclass(frozen=True)
+class Agreement:
+    """Scale-free bars a candidate's outputs must also meet (None: reported, not required): the
+    cosine similarity of each output to the original's, and the top-1 agreement of head outputs
+    (the fraction of rows whose last-axis argmax is the original's)."""
+
+    min_cosine: float | None = None
+    min_top1: float | None = None
+
+
+def default_agreement() -> dict[str, Agreement]:
+    return {"fp8": Agreement(DEFAULT_FP8_MIN_COSINE, DEFAULT_FP8_MIN_TOP1)}
+
+
+@dataclass(frozen=True)
 class VerifyOptions:
     """What verify needs from a recipe: input specs, the opt value of each named dim, and the
-    tolerances per precision mode (fp32 / fp16 / bf16) of the candidate."""
+    tolerances per precision mode (fp32 / fp16 / bf16 / fp8) of the candidate, with the agreement
+    bars per mode (fp8 only by default)."""
 
     inputs: Mapping[str, FeedSpec] = field(default_factory=dict)
     dims: Mapping[str, int] = field(default_factory=dict)
     tolerances: Mapping[str, Tolerances] = field(default_factory=default_tolerances)
+    agreement: Mapping[str, Agreement] = field(default_factory=default_agreement)
 
 
 def tolerance(options: VerifyOptions | None, output: str, mode: str = "fp32", atol: float | None = None,
@@ -78,6 +94,13 @@ class OutputResult:
     note: str = ""  # why it failed other than by tolerance (missing output, shape mismatch, NaN)
     #: [p, q] pairs: q is the p-quantile of |diff| over the compared elements (see QUANTILE_LEVELS)
     abs_quantiles: list[list[float]] = field(default_factory=list)
+    #: cosine similarity of the candidate's values to the original's over every iteration (None: not compared)
+    cosine: float | None = None
+    #: head outputs (logits): the fraction of rows whose last-axis argmax is the original's; else None
+    top1: float | None = None
+    #: the bars `cosine` / `top1` were held to (None: reported only)
+    min_cosine: float | None = None
+    min_top1: float | None = None
 
 
 #: The levels of OutputResult.abs_quantiles (the report draws the |diff| CDF from them).

@@ -1,4 +1,4 @@
-"""Stage `precision`: strongly typed FP16 / BF16 version of a (fused) model.
+"""The FP16 / BF16 precision modes: strongly typed FP16 / BF16 version of a (fused) model.
 
 TensorRT 11 and TensorRT-RTX have no FP16 builder flag: the ONNX tensor types decide the
 precision. This stage writes those types: weights and activations in the low-precision type,
@@ -34,8 +34,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from . import DOMAIN
-from .errors import InputError
+from .. import DOMAIN
+from ..errors import InputError
 
 #: Ops kept in FP32 by default: they overflow FP16 (x^2, exp, sums of squares) or lose too much
 #: precision in it (sin/cos of large angles: rotary embeddings; log). Unfused norms compute their
@@ -59,9 +59,16 @@ LOW = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 class PrecisionOptions:
     """What the precision stage needs from a recipe's ``precision`` section."""
 
-    mode: str = "fp32"  # fp32 | fp16 | bf16
+    mode: str = "fp32"  # fp32 | fp16 | bf16 | fp8
     keep_fp32: tuple[str, ...] = ()  # op types, node names or globs over node names
     io_dtype: str = "keep"  # keep | fp16
+    #: fp8 only: the precision of everything not quantized (fp16 | bf16)
+    fp8_base: str = "fp16"
+    #: fp8 only: the activation calibrator (max | percentile | mse) and its percentile
+    calibrator: str = "max"
+    percentile: float = 99.99
+    #: fp8 only: GEMM node names or globs (over the fused node's name and the nodes it replaced) kept in fp8_base
+    fp8_exclude: tuple[str, ...] = ()
 
 
 @dataclass
@@ -75,6 +82,9 @@ class PrecisionResult:
     optfuse_nodes: int = 0
     initializers_converted: int = 0
     notes: list[str] = field(default_factory=list)
+    #: fp8 only (else None): :meth:`optfuse.precision.fp8.Fp8Plan.to_dict`: base precision, calibration
+    #: (method, batches), each GEMM's placement and scales, and why the others stay in the base precision
+    fp8: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,7 +139,7 @@ def convert_precision(
     use_defaults: bool = True,
 ) -> tuple[onnx.ModelProto, PrecisionResult]:
     """Return (converted copy, result). ``mode`` fp32 returns the model unchanged.
-    :func:`apply_precision` is the same with the stage's :class:`PrecisionOptions`."""
+    :func:`optfuse.precision.apply_precision` is the same with the stage's :class:`PrecisionOptions`."""
     if mode not in ("fp32", "fp16", "bf16"):
         raise InputError(f"precision mode {mode!r}: expected fp32, fp16 or bf16")
     if io_dtype not in ("keep", "fp16", "bf16", "half"):
@@ -182,11 +192,6 @@ def convert_precision(
                             "so verify runs it emulated in FP32 (BF16 values rounded at the same points)")
     check_optfuse_io(out)
     return out, result
-
-
-def apply_precision(model: onnx.ModelProto, options: PrecisionOptions) -> tuple[onnx.ModelProto, PrecisionResult]:
-    """:func:`convert_precision` with the stage's options (the pipeline builds them from the recipe)."""
-    return convert_precision(model, options.mode, keep_fp32=options.keep_fp32, io_dtype=options.io_dtype)
 
 
 def _fix_float_casts(model: onnx.ModelProto, original_casts: set[str], blocked_ops: set[str], blocked_names: set[str]) -> int:

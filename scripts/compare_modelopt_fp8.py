@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""optfuse's FP8 (E4M3) PTQ next to NVIDIA ModelOpt's ONNX FP8 PTQ on the same models and calibration data.
+
+    python scripts/compare_modelopt_fp8.py                               # bert, gpt2, vit, llama
+    python scripts/compare_modelopt_fp8.py --family llama --method max --markdown table.md
+    python scripts/compare_modelopt_fp8.py --modelopt-python /tmp/modelopt-venv/bin/python
+
+ModelOpt is never an optfuse dependency: it runs as ``python -m modelopt.onnx.quantization
+--quantize_mode fp8`` in a separate environment (``--modelopt-python``, default
+``$OPTFUSE_MODELOPT_PYTHON`` or ``/tmp/modelopt-venv/bin/python``; made with ``python -m venv
+--system-site-packages /tmp/modelopt-venv && /tmp/modelopt-venv/bin/pip install 'nvidia-modelopt[onnx]'``),
+on the exported FP32 model, calibrating on the CPU with the same batches optfuse uses (verify's input
+generator, seed 1, concatenated along the batch axis into one ``.npz``), high precision FP16.
+
+Each candidate is compared with the FP32 original in onnxruntime (CPU) on the same verify batches
+(seed 0): max / mean |diff| and cosine similarity per output; and its Q/DQ nodes are counted with
+where they sit (the op types a DequantizeLinear feeds, the optfuse nodes a QuantizeLinear feeds).
+Rows per model: optfuse FP16 (the base precision alone), optfuse FP8 with the GEMM fusions off
+(TensorRT's Q/DQ pattern on the unfused GEMMs), the same with the attention fusion off too (plus
+TensorRT's FP8 MHA pattern: ModelOpt's placement), optfuse FP8 fused (the optfuse GEMM nodes take FP8
+directly once the GEMM spec has its FP8 form), ModelOpt FP8 with ``--calibration_method max`` (its
+default op types, and only MatMul/Gemm: optfuse's placement) and with its default calibrator
+(entropy). Prints a Markdown table; ``--json`` writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+try:
+    import optfuse  # noqa: F401
+except ModuleNotFoundError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from optfuse import DOMAIN, models  # noqa: E402
+from optfuse.fusions import available_families, fuse_model  # noqa: E402
+from optfuse.pipeline.fp8 import calibration_feeds  # noqa: E402
+from optfuse.pipeline.options import CalibrationSettings  # noqa: E402
+from optfuse.precision import PrecisionOptions, apply_precision  # noqa: E402
+from optfuse.precision.fp8 import PLUGIN_GEMMS, fp8_ready  # noqa: E402
+from optfuse.verify import verify  # noqa: E402
+
+FAMILIES = ("bert", "gpt2", "vit", "llama")
+DIMS = {"batch": 2, "sequence": 16}
+
+
+def qdq_placement(model: onnx.ModelProto) -> dict:
+    """Q/DQ counts and where they sit: the op types each DequantizeLinear output feeds, the optfuse
+    ops a QuantizeLinear output feeds directly."""
+    consumers = collections.defaultdict(list)
+    for n in model.graph.node:
+        for i in n.input:
+            consumers[i].append(n)
+    fed = collections.Counter()
+    direct = collections.Counter()
+    for n in model.graph.node:
+        for c in consumers[n.output[0]] if n.op_type == "DequantizeLinear" else ():
+            fed[c.op_type] += 1
+        for c in consumers[n.output[0]] if n.op_type == "QuantizeLinear" else ():
+            if c.domain == DOMAIN:
+                direct[c.op_type] += 1
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    return {"Q": ops["QuantizeLinear"], "DQ": ops["DequantizeLinear"], "dq_feeds": dict(fed),
+            "q_feeds_optfuse": dict(direct)}
+
+
+def _errors(original: Path, candidate: Path, iterations: int) -> dict:
+    v = verify(str(original), str(candidate), None, iterations=iterations, seed=0)
+    return {o.name: {"max_abs": o.max_abs, "mean_abs": o.mean_abs, "cosine": o.cosine} for o in v.outputs}
+
+
+def _modelopt(python: str, original: Path, npz: Path, out: Path, method: str | None, gemms_only: bool = False) -> str:
+    cmd = [python, "-m", "modelopt.onnx.quantization", "--onnx_path", str(original), "--quantize_mode", "fp8",
+           "--calibration_data_path", str(npz), "--calibration_eps", "cpu", "--high_precision_dtype", "fp16",
+           "--output_path", str(out)]
+    if method:
+        cmd += ["--calibration_method", method]
+    if gemms_only:
+        cmd += ["--op_types_to_quantize", "MatMul", "Gemm"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0 or not out.is_file():
+        tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
+        return "ModelOpt failed: " + " | ".join(tail)
+    return ""
+
+
+def compare(family: str, exporter: str, workdir: Path, python: str, batches: int, method: str,
+            iterations: int) -> list[dict]:
+    em = models.cached_export(family, exporter, "sdpa", None, cache_dir=Path.home() / ".cache" / "optfuse" / "models")
+    original = onnx.load(str(em.path))
+    feeds = calibration_feeds(original, None, settings=CalibrationSettings(batches=batches, seed=1))
+    npz = workdir / f"{family}.calibration.npz"
+    np.savez(npz, **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
+    rows = []
+
+    def row(label: str, model: onnx.ModelProto | None, path: Path, note: str = "") -> None:
+        if model is not None:
+            onnx.save(model, path)
+        if note and not path.is_file():
+            rows.append({"model": family, "candidate": label, "note": note})
+            return
+        m = onnx.load(str(path), load_external_data=False)
+        rows.append({"model": family, "candidate": label, "errors": _errors(em.path, path, iterations),
+                     "qdq": qdq_placement(m), "note": note})
+
+    options = PrecisionOptions(mode="fp8", calibrator=method)
+    fused, _ = fuse_model(original, dims=DIMS)
+    half, _ = apply_precision(fused, PrecisionOptions(mode="fp16"))
+    row("optfuse FP16 (fused)", half, workdir / f"{family}.fp16.onnx")
+    unfused, _ = fuse_model(original, dims=DIMS, families=[f for f in available_families() if f != "gemm"])
+    qdq, _ = apply_precision(unfused, options, feeds)
+    row(f"optfuse FP8 Q/DQ ({method})", qdq, workdir / f"{family}.fp8-qdq.onnx")
+    bare, _ = fuse_model(original, dims=DIMS, families=[f for f in available_families() if f not in ("gemm", "attention")])
+    mha, _ = apply_precision(bare, options, feeds)
+    row(f"optfuse FP8 Q/DQ + MHA ({method})", mha, workdir / f"{family}.fp8-mha.onnx")
+    plugin, res = apply_precision(fused, options, feeds)
+    ready = all(fp8_ready(op) for op in PLUGIN_GEMMS)
+    row(f"optfuse FP8 fused ({method})", plugin, workdir / f"{family}.fp8-fused.onnx",
+        "" if ready else f"GEMM spec without FP8: {len(res.fp8['gemms'])} GEMM(s) quantized")
+    for m, gemms_only in (("max", False), ("max", True), (None, False)):
+        out = workdir / f"{family}.modelopt-{m or 'default'}{'-gemms' if gemms_only else ''}.onnx"
+        note = _modelopt(python, em.path, npz, out, m, gemms_only)
+        label = f"{m or 'default: entropy'}{', --op_types_to_quantize MatMul Gemm' if gemms_only else ''}"
+        row(f"ModelOpt FP8 ({label})", None, out, note)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | candidate | output | max abs | mean abs | cosine | Q | DQ | DQ feeds | Q feeds optfuse op | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "errors" not in r:
+            lines.append(f"| {r['model']} | {r['candidate']} | - | - | - | - | - | - | - | - | {r['note']} |")
+            continue
+        q = r["qdq"]
+        feeds = ", ".join(f"{k} {v}" for k, v in sorted(q["dq_feeds"].items())) or "-"
+        direct = ", ".join(f"{k} {v}" for k, v in sorted(q["q_feeds_optfuse"].items())) or "-"
+        for name, e in r["errors"].items():
+            lines.append(f"| {r['model']} | {r['candidate']} | {name} | {e['max_abs']:.3g} | {e['mean_abs']:.3g} | "
+                         f"{e['cosine']:.5f} | {q['Q']} | {q['DQ']} | {feeds} | {direct} | {r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", action="append", choices=FAMILIES, help="model family (repeatable; default: all four)")
+    p.add_argument("--exporter", choices=list(models.EXPORTERS), default="dynamo")
+    p.add_argument("--modelopt-python", default=os.environ.get("OPTFUSE_MODELOPT_PYTHON", "/tmp/modelopt-venv/bin/python"))
+    p.add_argument("--batches", type=int, default=8, help="calibration batches (default 8)")
+    p.add_argument("--method", choices=["max", "percentile", "mse"], default="max",
+                   help="optfuse's calibrator (ModelOpt runs max and its default, entropy)")
+    p.add_argument("--iterations", type=int, default=3, help="verify batches (default 3)")
+    p.add_argument("--workdir", type=Path, help="where the candidates are written (default: a temporary folder)")
+    p.add_argument("--markdown", type=Path, help="also write the table here")
+    p.add_argument("--json", type=Path, help="write every number here")
+    a = p.parse_args(argv)
+    if not Path(a.modelopt_python).is_file():
+        print(f"error: --modelopt-python {a.modelopt_python} not found (see the module doc)", file=sys.stderr)
+        return 2
+    workdir = a.workdir or Path(tempfile.mkdtemp(prefix="optfuse-modelopt-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for family in a.family or FAMILIES:
+        print(f"{family}: ...", file=sys.stderr)
+        rows += compare(family, a.exporter, workdir, a.modelopt_python, a.batches, a.method, a.iterations)
+    table = markdown(rows)
+    print(table)
+    if a.markdown:
+        a.markdown.write_text(table)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
