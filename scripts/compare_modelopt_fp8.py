@@ -29,6 +29,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,7 +98,10 @@ def _modelopt(python: str, original: Path, npz: Path, out: Path, method: str | N
 def compare(family: str, exporter: str, workdir: Path, python: str, batches: int, method: str,
             iterations: int) -> list[dict]:
     em = models.cached_export(family, exporter, "sdpa", None, cache_dir=Path.home() / ".cache" / "optfuse" / "models")
-    original = onnx.load(str(em.path))
+    # ModelOpt writes its shape-inferred model back over --onnx_path: it gets a copy, never the cached export
+    source = workdir / f"{family}.fp32.onnx"
+    shutil.copyfile(em.path, source)
+    original = onnx.load(str(source))
     feeds = calibration_feeds(original, None, settings=CalibrationSettings(batches=batches, seed=1))
     npz = workdir / f"{family}.calibration.npz"
     np.savez(npz, **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
@@ -110,7 +114,7 @@ def compare(family: str, exporter: str, workdir: Path, python: str, batches: int
             rows.append({"model": family, "candidate": label, "note": note})
             return
         m = onnx.load(str(path), load_external_data=False)
-        rows.append({"model": family, "candidate": label, "errors": _errors(em.path, path, iterations),
+        rows.append({"model": family, "candidate": label, "errors": _errors(source, path, iterations),
                      "qdq": qdq_placement(m), "note": note})
 
     options = PrecisionOptions(mode="fp8", calibrator=method)
@@ -129,7 +133,7 @@ def compare(family: str, exporter: str, workdir: Path, python: str, batches: int
         "" if ready else f"GEMM spec without FP8: {len(res.fp8['gemms'])} GEMM(s) quantized")
     for m, gemms_only in (("max", False), ("max", True), (None, False)):
         out = workdir / f"{family}.modelopt-{m or 'default'}{'-gemms' if gemms_only else ''}.onnx"
-        note = _modelopt(python, em.path, npz, out, m, gemms_only)
+        note = _modelopt(python, source, npz, out, m, gemms_only)
         label = f"{m or 'default: entropy'}{', --op_types_to_quantize MatMul Gemm' if gemms_only else ''}"
         row(f"ModelOpt FP8 ({label})", None, out, note)
     return rows
