@@ -28,34 +28,14 @@
 // 128-255 are W_up's same rows, so one thread holds the gate and the up value of each output (128
 // output columns): neither GEMM's result reaches memory.
 //
-// FP8 (IN_FP8 1, cooperative schedule): A and the weights are E4M3 (m64n256k32 wgmma, 128 values
-// a k-block: the same 128-byte swizzle rows), the accumulator is scaled by a_scale * w_scale[n]
-// (W_SCALE_MODE 1 one value, 2 [N]; GatedGemm: the gate's and the up weights' own scales) before
-// alpha and the rest of the epilogue; y, bias and residual are OPTFUSE_DTYPE. Arguments then: A, W
-// (GatedGemm: A, W_gate, W_up)[, bias][, residual], a_scale, the weight scale(s), M, y.
-//
-// Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16: y's type, and
-// A's unless IN_FP8), IN_FP8, W_SCALE_MODE, N_DIM, K_DIM (static), GATED, ACTIVATION
-// (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]), RESIDUAL_MODE (0 none, 1 scalar, 2
-// [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG, EPILOGUE_WG.
+// Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16), N_DIM, K_DIM
+// (static), GATED, ACTIVATION (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]),
+// RESIDUAL_MODE (0 none, 1 scalar, 2 [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG.
 // Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned short u16;
-#ifndef IN_FP8
-#define IN_FP8 0
-#endif
-#ifndef W_SCALE_MODE
-#define W_SCALE_MODE 0
-#endif
-#if IN_FP8
-typedef unsigned char in_t;  // E4M3 bits
-#define IN_BYTES 1
-#else
-typedef u16 in_t;
-#define IN_BYTES 2
-#endif
 
 #ifndef OPTFUSE_DTYPE
 #define OPTFUSE_DTYPE 1
@@ -99,9 +79,6 @@ typedef u16 in_t;
 #if PINGPONG && GATED
 #error "GatedGemm runs the cooperative schedule"
 #endif
-#if IN_FP8 && (PINGPONG || !W_SCALE_MODE)
-#error "FP8 runs the cooperative schedule, with its weight scales"
-#endif
 #ifndef EPILOGUE_WG
 #define EPILOGUE_WG 0
 #endif
@@ -110,15 +87,14 @@ typedef u16 in_t;
 #endif
 #define BLOCK_M 128                      // rows of A per tile (cooperative: 64 per consumer warpgroup)
 #define BLOCK_N (PINGPONG ? 128 : 256)   // rows of W per tile
-#define BLOCK_K (128 / IN_BYTES)         // one 128-byte swizzle row: 64 16-bit or 128 FP8 values
+#define BLOCK_K 64                       // one 128-byte swizzle row of 16-bit values
 #define OUT_N (GATED ? 128 : BLOCK_N)    // output columns per tile
 #define SLABS (PINGPONG ? 2 : 1)         // 64-row wgmma slabs per consumer warpgroup and tile
 #define SLAB_N (BLOCK_N)                 // columns of one slab's wgmma (m64n256 / m64n128)
 #define K_BLOCKS ((K_DIM + BLOCK_K - 1) / BLOCK_K)
 #define N_TILES ((N_DIM + OUT_N - 1) / OUT_N)
-#define A_BYTES (BLOCK_M * 128)          // 16 KB
-#define W_BYTES (BLOCK_N * 128)          // 32 KB
-#define K_STEP (32 / IN_BYTES)           // K of one wgmma: 32 bytes of the swizzle row
+#define A_BYTES (BLOCK_M * BLOCK_K * 2)  // 16 KB
+#define W_BYTES (BLOCK_N * BLOCK_K * 2)  // 32 KB
 #define STAGE_BYTES (A_BYTES + W_BYTES)
 #define NTHREADS 384                     // producer warpgroup + two consumer warpgroups
 // A full residual arrives in the epilogue stage while the mainloop runs (its loads would
@@ -170,9 +146,9 @@ __device__ __forceinline__ void tile_coords(int t, int tiles_m, int& mb, int& nb
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
-    const in_t* __restrict__ A, const in_t* __restrict__ W,
+    const u16* __restrict__ A, const u16* __restrict__ W,
 #if GATED
-    const in_t* __restrict__ W_up,
+    const u16* __restrict__ W_up,
 #endif
 #if BIAS_MODE
     const u16* __restrict__ bias,
@@ -180,30 +156,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
 #if RESIDUAL_MODE
     const u16* __restrict__ residual,
 #endif
-#if IN_FP8
-    const float* __restrict__ a_scale, const float* __restrict__ w_scale,
-#if GATED
-    const float* __restrict__ w_up_scale,
-#endif
-#endif
     int M, u16* __restrict__ Y) {
 #if !BIAS_MODE
     const u16* bias = nullptr;
 #endif
 #if !RESIDUAL_MODE
     const u16* residual = nullptr;
-#endif
-#if IN_FP8
-    // the dequantization scale of each output column pair (sm90/epilogue.cuh, scale_pair)
-    const Scales scales{*a_scale, w_scale,
-#if GATED
-                        w_up_scale
-#else
-                        nullptr
-#endif
-    };
-#else
-    const Scales scales{};
 #endif
     const int tiles_m = (M + BLOCK_M - 1) / BLOCK_M;
     const int num_tiles = tiles_m * N_TILES;
@@ -268,19 +226,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
 #if GATED
         // gate and up as one [2, N, K] tensor from the lower of the two addresses
         const bool gate_first = W <= W_up;
-        const in_t* w_lo = gate_first ? W : W_up;
-        const u64 gap = gate_first ? (u64)(W_up - W) * IN_BYTES : (u64)(W - W_up) * IN_BYTES;
+        const u16* w_lo = gate_first ? W : W_up;
+        const u64 gap = gate_first ? (u64)(W_up - W) * 2 : (u64)(W - W_up) * 2;
         const int gate_idx = gate_first ? 0 : 1;
 #endif
         if (threadIdx.x == 0) {
-            tmap_encode_2d(stage, A, (u32)M, K_DIM, BLOCK_M, IN_BYTES);
+            tmap_encode_2d(stage, A, (u32)M, K_DIM, BLOCK_M);
 #if GATED
-            tmap_encode_pair(stage + 128, w_lo, gap ? gap : (u64)N_DIM * K_DIM * IN_BYTES, N_DIM, K_DIM, BLOCK_N / 2, IN_BYTES);
+            tmap_encode_pair(stage + 128, w_lo, gap ? gap : (u64)N_DIM * K_DIM * 2, N_DIM, K_DIM, BLOCK_N / 2);
 #else
-            tmap_encode_2d(stage + 128, W, N_DIM, K_DIM, BLOCK_N, IN_BYTES);
+            tmap_encode_2d(stage + 128, W, N_DIM, K_DIM, BLOCK_N);
 #endif
 #if RESIDUAL_TMA
-            tmap_encode_2d(stage + 256, residual, (u32)M, N_DIM, 64, 2);
+            tmap_encode_2d(stage + 256, residual, (u32)M, N_DIM, 64);
 #endif
         }
         __syncwarp();
@@ -362,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             wgmma_wait<0>();
             fence_regs(acc);
             mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
-            store_tile(acc, Y, bias, residual, scales, M, m0, n0, SLOT_EPI(c), 0, 0);
+            store_tile(acc, Y, bias, residual, M, m0, n0, SLOT_EPI(c), 0, 0);
         }
 #else
         // ================= consumer warpgroups: 64 rows of the tile each =================
@@ -380,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 mbar_wait(BAR_FULL(s), (it / STAGES) & 1);
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < BLOCK_K / K_STEP; ++kk)  // K_STEP columns = 32 bytes of the swizzle row
+                for (int kk = 0; kk < BLOCK_K / 16; ++kk)  // 16 columns = 32 bytes of the swizzle row
                     wgmma_n256(acc, kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32), kmajor_desc(SLOT_W(s) + kk * 32));
                 wgmma_commit();
                 if (kb > 0) {
@@ -406,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             // warpgroup 0 overwrites it only once that load has landed too.
             if (c == 0 && t + G >= num_tiles) mbar_wait(BAR_RES_FULL(1), tc & 1);
 #endif
-            store_tile(acc, Y, bias, residual, scales, M, mb * BLOCK_M + c * 64, nb * OUT_N, SLOT_EPI(c), BAR_RES_FULL(c), tc & 1);
+            store_tile(acc, Y, bias, residual, M, mb * BLOCK_M + c * 64, nb * OUT_N, SLOT_EPI(c), BAR_RES_FULL(c), tc & 1);
 #if RESIDUAL_TMA
             fence_proxy_async();  // the next residual (TMA) overwrites what these threads read
             mbar_arrive_warp(BAR_RES_EMPTY(c));

@@ -1,5 +1,5 @@
-// kernel_sm90.cu, the mainloop's MMAs: the m64n256k16 / k32 (cooperative; E4M3 with IN_FP8) and
-// m64n128k16 (pingpong) instructions, both operands K-major in shared memory (fences, waits, descriptors and the
+// kernel_sm90.cu, the mainloop's MMAs: the m64n256k16 (cooperative) and m64n128k16 (pingpong)
+// instructions, both operands K-major in shared memory (fences, waits, descriptors and the
 // operand lists: plugins/common/sm90.cuh).
 
 // 128-byte swizzle, K-major: the descriptor of a tile of 8-row groups 1024 bytes apart.
@@ -14,16 +14,12 @@ __device__ __forceinline__ u64 kmajor_desc(u32 saddr) { return make_desc(saddr, 
     ACC_OPS_8(i + 32), ACC_OPS_8(i + 40), ACC_OPS_8(i + 48), ACC_OPS_8(i + 56)
 #define ACC_OPS_128 ACC_OPS_64_FROM(0), ACC_OPS_64_FROM(64)
 
-// d += A[64 x K_STEP] @ B[K_STEP x 256]^T, A and B K-major in shared memory (B's 256 rows are
-// W's rows): k16 for fp16 / bf16, k32 for E4M3 (which takes no transpose operands: K-major only).
-#if IN_FP8
-#define WGMMA_N256 "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {" ACC_REGS_128 "}, %128, %129, p, 1, 1;\n}\n"
-#else
-#define WGMMA_N256 "wgmma.mma_async.sync.aligned.m64n256k16.f32." WG_TY "." WG_TY " {" ACC_REGS_128 "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-#endif
+// d += A[64 x 16] @ B[16 x 256]^T, A and B K-major in shared memory (B's 256 rows are W's rows).
 __device__ __forceinline__ void wgmma_n256(float (&d)[128], u64 desc_a, u64 desc_b) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" WGMMA_N256
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32." WG_TY "." WG_TY " {" ACC_REGS_128
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
         : ACC_OPS_128
         : "l"(desc_a), "l"(desc_b), "n"(1));
 }
