@@ -218,10 +218,12 @@ def reference_of(case: Case, inputs: Sequence[Any]):
 #: relative) and the inputs' own rounding (already in the reference, which reads the same values);
 #: fp32: IEEE dots, K-long sums (~sqrt(K) ulps). FP8 operands (keys ``float8e4m3fn->y``): the
 #: reference reads the same FP8 values, so y's rounding bounds fp16 / bf16 outputs; an fp32 y is
-#: bounded by the FP8 tensor cores' accumulation, which keeps fewer than FP32's 24 bits on sm_90.
+#: bounded by the FP8 tensor cores' accumulation within a K block, which keeps fewer than FP32's 24
+#: bits on sm_90: fp16's bound. (Measured on the H200, Triton kernel, GatedGemm gelu_tanh K = 776:
+#: 1.35e-3 off at |ref| 0.14, RMS 0.65, which (5e-4, 5e-4) did not hold.)
 TOLERANCE = {"float16": (2e-3, 1e-3), "bfloat16": (1.6e-2, 8e-3), "float32": (2e-5, 2e-5),
              "float8e4m3fn->float16": (2e-3, 1e-3), "float8e4m3fn->bfloat16": (1.6e-2, 8e-3),
-             "float8e4m3fn->float32": (5e-4, 5e-4)}
+             "float8e4m3fn->float32": (2e-3, 1e-3)}
 
 
 def tolerance_key(case: Case) -> str:
