@@ -53,6 +53,18 @@ def test_ours_labels():
     assert [c for _, c in named] == [cands[0], *first, cands[1]]
 
 
+def test_torch_contenders_take_the_16_bit_inputs():
+    """The eager chain and cuBLASLt's call get the op's inputs without the (absent) FP8 scales."""
+    import numpy as np
+
+    for name in ("bert-base.ffn_down", "bert-base.ffn_up", "llama-7b.ffn_gate_up"):
+        case = bench.case_of(name, 8, "float32")
+        full = bench.T.case_inputs(case)
+        y = bench.chain_fn(case)(*bench.torch_inputs(case, full))
+        ref = bench.T.reference_of(case, full)
+        np.testing.assert_allclose(y.double().numpy().reshape(ref.shape), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_cublaslt_contender_only_where_one_call_does_it():
     lt = {name: bench.cublaslt_fn(bench.case_of(name, 512, "float16")) is not None for name in bench.SHAPES}
     assert lt["bert-base.ffn_up"] and lt["bert-base.qkv"] and lt["llama-7b.ffn_down"]
