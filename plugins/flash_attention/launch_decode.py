@@ -40,9 +40,9 @@ DECODE_MIN_KEYS = 512
 #: 32/8, Sq = 1), read once more by the combine. The workspace bound of a profile takes this size.
 SPLIT_KEYS = 256
 #: Keys per split where the programs still fill two waves of SMs with it (decode_config): fewer
-#: partials and a longer stream per program. H200, CUDA-graph timings: 0.90-0.97x the time of
+#: partials and a longer stream per program. H200, CUDA-graph timings: 0.87-0.98x the time of
 #: 256-key splits on every benchmark row that fills the waves (B = 1 at 32k-128k keys, B = 16..256),
-#: 1.00-1.13x slower where it does not (B = 1, Sk <= 8k).
+#: 1.02-1.37x where it does not (B = 1, Sk <= 8k).
 LONG_SPLIT_KEYS = 512
 #: SMs of an H100 SXM / H200, the waves' unit.
 SM_COUNT = 132
