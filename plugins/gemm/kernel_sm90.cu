@@ -8,7 +8,7 @@
 // accumulation. Arguments (TensorRT QDP order): A, W (GatedGemm: A, W_gate, W_up)[, bias]
 // [, residual], M (int32), y. Grid: one CTA per SM (persistent), 384 threads.
 //
-// Schedules (PINGPONG; launch.py's sm90_schedules picks one per shape class, from the H200 table):
+// Schedules (PINGPONG, EPILOGUE_WG; launch.py's sm90_schedules picks one per shape class, from the H200 table):
 // Cooperative (CUTLASS's "warp-specialized cooperative" kernel):
 //   * one producer warpgroup: a single thread streams the A and W boxes of every k-block of every
 //     tile of this CTA into a STAGES-deep shared-memory ring with TMA, guarded by mbarriers;
@@ -22,6 +22,10 @@
 //   128 x 128 tiles, the CTA's tiles taken in turn; the ring delivers them in order, so one
 //   warpgroup's epilogue runs while the other's MMAs use the tensor cores. A full residual is
 //   copied into the epilogue stage by the warpgroup itself (cp.async) when its tile starts.
+// Epilogue warps (EPILOGUE_WG; sm90/epilogue_wg.cuh): the cooperative tiles and mainloop, but the
+//   consumers hand every tile except the CTA's last over to warps 1-3 of the producer's warpgroup
+//   through a 64 KB shared-memory tile and go straight on to the next tile's MMAs; those warps apply
+//   the epilogue and write y. The hand-over takes the room of one ring stage.
 //
 // Tiles (cooperative; ping-pong: 128 x 128): 128 rows of A by 256 rows of W. GemmEpilogue: 256
 // output columns. GatedGemm: W rows 0-127 of the tile are W_gate's rows n0..n0+127 and rows
@@ -30,7 +34,8 @@
 //
 // Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16), N_DIM, K_DIM
 // (static), GATED, ACTIVATION (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]),
-// RESIDUAL_MODE (0 none, 1 scalar, 2 [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG.
+// RESIDUAL_MODE (0 none, 1 scalar, 2 [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG,
+// EPILOGUE_WG.
 // Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
