@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,11 +47,7 @@ def interleaved(fns: dict, rounds: int, graphs: bool) -> dict:
         return _SPARSE.interleaved(fns, rounds)
     import triton.testing
 
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k].append(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
-    return {k: statistics.median(v) for k, v in times.items()}
+    return _SPARSE.interleaved(fns, rounds, lambda fn: triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
 
 # name, B, H, Hkv, Sq, Sk, D, causal, padding (fraction of keys masked per batch, right-aligned)
 SHAPES = [

@@ -54,11 +54,14 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")  # ms
 
 
-def interleaved(fns: dict, rounds: int) -> dict:
+def interleaved(fns: dict, rounds: int, bench=None) -> dict:
+    """Median ms of each contender over ``rounds`` interleaved rounds, timed by ``bench`` (fn -> ms;
+    default ``_bench``)."""
+    bench = bench or _bench
     times = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
-            times[k].append(_bench(fn))
+            times[k].append(bench(fn))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
