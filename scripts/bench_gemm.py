@@ -16,8 +16,10 @@ SwiGLU as GatedGemm; the residual on FFN down), at M = ``--tokens`` rows; plus s
   shapes), within ``--compile-limit`` seconds per point and ``--compile-budget`` in all; "-"
   with a note when it fails, runs out of time, or the budget is spent;
 * ``ours``: the AOT artifact of every kernel source launch.py's candidates hold for this arch (its
-  first config each: what a plugin runs), launched through ``optfuse.kernels.launcher``; with
-  ``--variants`` also each candidate config.
+  first config each: what a plugin built for any M runs), launched through
+  ``optfuse.kernels.launcher``; with ``--variants`` also each candidate config. Where
+  ``launch.launch_plan`` answers for this M (the pingpong kernel, or split-K and its reduce),
+  ``ours[plan]`` too, first: what the classic plugin runs at this M, the ratios' ``ours``.
 
 GatedGemm shapes replace mm / lt by ``mm2`` (two bare GEMMs, gate and up) and ``packed`` (one bare
 GEMM over [W_gate; W_up], N doubled: what the gate must not cost on top of); the chain is
@@ -138,6 +140,9 @@ def needed_sources(pts, arch, variants, with_tests=True) -> list:
         for _, cfg in ours_configs(case, arch, variants):
             s = T.case_sources(case, config=cfg, arch=arch)[0]
             srcs[s.name] = s
+        plan = T.case_plan(case, arch) if not case.fp8 else None
+        for step in plan.steps if plan is not None else ():
+            srcs[step.source.name] = step.source
     if with_tests:
         for s in plugin_module("gemm", "test_kernel_gpu").gpu_test_sources(arch):
             srcs[s.name] = s
@@ -281,6 +286,7 @@ def contenders(case, ins, compiler, artifacts, arch, variants, check):
     from optfuse.kernels import launch
 
     notes = {}
+    by_spec = list(ins)
     present = [t for t in ins if t is not None]
     ins = torch_inputs(case, ins)
     x, w = ins[0], ins[1]
@@ -302,6 +308,9 @@ def contenders(case, ins, compiler, artifacts, arch, variants, check):
             fns["compile"] = lambda: cfn(*ins)
     stream = torch.cuda.current_stream().cuda_stream
     ref = chain(*[t.double() if t is not None else None for t in ins]) if check else None
+    plan = T.case_plan(case, arch)
+    if plan is not None:  # what the plugin runs at this M: the headline (the first "ours")
+        fns["ours[plan]"], notes["ours[plan]"] = plan_contender(case, plan, by_spec, artifacts, arch, ref, x.dtype)
     for label, cfg in ours_configs(case, arch, variants):
         src, params = T.case_sources(case, config=cfg, arch=arch)
         art, origin = artifacts.get(src, arch)
@@ -313,6 +322,26 @@ def contenders(case, ins, compiler, artifacts, arch, variants, check):
         # the current stream when called: the graph capture's
         fns[label] = (lambda a=art, p=params, o=out: launch(a, p, present, [o], torch.cuda.current_stream().cuda_stream))
     return fns, notes
+
+
+def plan_contender(case, plan, by_spec, artifacts, arch, ref, dtype):
+    """launch.launch_plan's plan (pingpong or split-K at this M) as a contender, checked like the
+    configs (``ref`` None: unchecked): (callable, note)."""
+    import torch
+
+    from optfuse.kernels.launcher import launch_plan
+
+    origins = []
+    for step in plan.steps:
+        step.artifact, origin = artifacts.get(step.source, arch)
+        origins.append(origin)
+    workspace = T.new_workspace(plan, "cuda")
+    out = torch.full((case.m, case.n), float("nan"), dtype=dtype, device="cuda")
+    launch_plan(plan, by_spec, [out], workspace, torch.cuda.current_stream().cuda_stream, sync=True)
+    if ref is not None:
+        check_on_device(out, ref, case.dtype, plan.steps[0].source.name)
+    note = " + ".join(s.source.name.rsplit("/", 1)[-1] for s in plan.steps) + f" ({'/'.join(sorted(set(origins)))})"
+    return (lambda: launch_plan(plan, by_spec, [out], workspace, torch.cuda.current_stream().cuda_stream)), note
 
 
 def fp8_contenders(case, ins, artifacts, arch, variants, check):

@@ -26,6 +26,10 @@
 //   consumers hand every tile except the CTA's last over to warps 1-3 of the producer's warpgroup
 //   through a 64 KB shared-memory tile and go straight on to the next tile's MMAs; those warps apply
 //   the epilogue and write y. The hand-over takes the room of one ring stage.
+// Split-K (SPLIT_K > 1, pingpong tiles; launch.py's launch_plan picks it at run time when M leaves
+//   most SMs without a tile): each tile's K range in SPLIT_K units spread over the CTAs; units write
+//   fp32 partial tiles to the workspace and a second kernel, gemm_sm90_splitk_reduce
+//   (sm90/splitk_reduce.cuh), adds them and applies the epilogue.
 //
 // Tiles (cooperative; ping-pong: 128 x 128): 128 rows of A by 256 rows of W. GemmEpilogue: 256
 // output columns. GatedGemm: W rows 0-127 of the tile are W_gate's rows n0..n0+127 and rows
@@ -35,7 +39,7 @@
 // Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16), N_DIM, K_DIM
 // (static), GATED, ACTIVATION (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]),
 // RESIDUAL_MODE (0 none, 1 scalar, 2 [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG,
-// EPILOGUE_WG.
+// EPILOGUE_WG, SPLIT_K.
 // Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
@@ -87,6 +91,16 @@ typedef unsigned short u16;
 #ifndef EPILOGUE_WG
 #define EPILOGUE_WG 0
 #endif
+// Split-K (pingpong only; launch.py's launch_plan, for M too small to give every SM a tile): the
+// K_BLOCKS k-blocks of a tile in SPLIT_K equal ranges, each a work unit of its own; a unit writes
+// its fp32 partial tile to the workspace (y's pointer: SPLIT_K planes of [M, N] fp32) and
+// gemm_sm90_splitk_reduce (sm90/splitk_reduce.cuh) adds the planes and applies the epilogue.
+#ifndef SPLIT_K
+#define SPLIT_K 1
+#endif
+#if SPLIT_K > 1 && !PINGPONG
+#error "split-K runs the pingpong schedule"
+#endif
 #if EPILOGUE_WG && PINGPONG
 #error "the epilogue warps serve the cooperative schedule"
 #endif
@@ -97,6 +111,10 @@ typedef unsigned short u16;
 #define SLABS (PINGPONG ? 2 : 1)         // 64-row wgmma slabs per consumer warpgroup and tile
 #define SLAB_N (BLOCK_N)                 // columns of one slab's wgmma (m64n256 / m64n128)
 #define K_BLOCKS ((K_DIM + BLOCK_K - 1) / BLOCK_K)
+#define UNIT_K_BLOCKS (K_BLOCKS / SPLIT_K)  // k-blocks of one work unit
+#if K_BLOCKS % SPLIT_K
+#error "SPLIT_K must divide the k-blocks"
+#endif
 #define N_TILES ((N_DIM + OUT_N - 1) / OUT_N)
 #define A_BYTES (BLOCK_M * BLOCK_K * 2)  // 16 KB
 #define W_BYTES (BLOCK_N * BLOCK_K * 2)  // 32 KB
@@ -106,7 +124,7 @@ typedef unsigned short u16;
 // otherwise stall the epilogue): by TMA (cooperative; the stage then holds a warpgroup's whole
 // 64 x 256 tile) or by the warpgroup's own cp.async (pingpong).
 #define RESIDUAL_TMA (RESIDUAL_MODE == 2 && !PINGPONG && !EPILOGUE_WG)
-#define RESIDUAL_STAGED (RESIDUAL_MODE == 2 && !EPILOGUE_WG)
+#define RESIDUAL_STAGED (RESIDUAL_MODE == 2 && !EPILOGUE_WG && SPLIT_K == 1)  // split-K: the reduce adds it
 #define EPI_ROWS (64 * SLABS)                   // rows of a warpgroup's tile
 #define EPI_COLS (RESIDUAL_TMA ? 256 : 128)     // output columns per epilogue pass
 #define EPI_BYTES (EPI_ROWS * EPI_COLS * 2)
@@ -125,6 +143,7 @@ typedef unsigned short u16;
 #include "sm90/wgmma.cuh"
 #include "sm90/epilogue.cuh"
 #include "sm90/epilogue_wg.cuh"
+#include "sm90/splitk_reduce.cuh"
 
 // Shared memory (1024-byte aligned for the swizzle): STAGES x [A box | W box], each consumer
 // warpgroup's epilogue stage, then the full and empty barriers of each ring stage and of each
@@ -140,8 +159,13 @@ typedef unsigned short u16;
 #define BAR_HANDED (BARS + 8 * (2 * STAGES + 4))  // the hand-over tile is written (EPILOGUE_WG)
 #define BAR_TAKEN (BARS + 8 * (2 * STAGES + 5))   // ... and read: free for the next tile
 
-// Tile t -> (row block, column block) in GROUP_M-row groups.
-__device__ __forceinline__ void tile_coords(int t, int tiles_m, int& mb, int& nb) {
+// Work unit t -> (row block, column block) in GROUP_M-row groups, and its first k-block: the
+// units of split s are the tiles' units s * tiles .. s * tiles + tiles - 1 (without split-K, unit
+// = tile), so the units running at once read the same K range of A.
+__device__ __forceinline__ void tile_coords(int t, int tiles_m, int& mb, int& nb, int& kb0) {
+    const int tiles = tiles_m * N_TILES;
+    kb0 = (t / tiles) * UNIT_K_BLOCKS;
+    t -= (t / tiles) * tiles;
     const int per_group = GROUP_M * N_TILES;
     const int group = t / per_group, first = group * GROUP_M;
     const int size = min(tiles_m - first, GROUP_M);
@@ -169,7 +193,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
     const u16* residual = nullptr;
 #endif
     const int tiles_m = (M + BLOCK_M - 1) / BLOCK_M;
-    const int num_tiles = tiles_m * N_TILES;
+    const int num_tiles = tiles_m * N_TILES * SPLIT_K;  // work units
     const int G = gridDim.x;
     if ((int)blockIdx.x >= num_tiles) return;  // the whole CTA, before any barrier exists
 
@@ -204,8 +228,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             // ========== warps 1-3: the epilogue of each tile once the consumers hand it over ==========
             int tc = 0;
             for (int t = blockIdx.x; t + G < num_tiles; t += G, ++tc) {  // all but the last tile
-                int mb, nb;
-                tile_coords(t, tiles_m, mb, nb);
+                int mb, nb, kb0;
+                tile_coords(t, tiles_m, mb, nb, kb0);
                 mbar_wait(BAR_HANDED, tc & 1);
                 epilogue_tile(SLOT_EPI(0), Y, bias, residual, M, mb * BLOCK_M, nb * OUT_N);
                 mbar_arrive_warp(BAR_TAKEN);
@@ -220,9 +244,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
         // TMA transfer of this CTA has landed (its consumers waited for all of them). launch_sm90.py
         // admits only N whose every tile row holds the maps; y is 64-byte aligned (pointer_align).
         // They are built in ring slot 0, free until the first load below.
-        int mb, nb;
-        tile_coords(blockIdx.x + (num_tiles - 1 - blockIdx.x) / G * G, tiles_m, mb, nb);
+        int mb, nb, kb0;
+        tile_coords(blockIdx.x + (num_tiles - 1 - blockIdx.x) / G * G, tiles_m, mb, nb, kb0);
+#if SPLIT_K > 1
+        // the unit's partial tile: plane kb0 / UNIT_K_BLOCKS of the fp32 workspace
+        unsigned char* maps = reinterpret_cast<unsigned char*>(reinterpret_cast<float*>(Y) + (long long)(kb0 / UNIT_K_BLOCKS) * M * N_DIM
+                                                               + (long long)mb * BLOCK_M * N_DIM + nb * OUT_N);
+#else
         unsigned char* maps = reinterpret_cast<unsigned char*>(Y + (long long)mb * BLOCK_M * N_DIM + nb * OUT_N);
+#endif
         const u32 stage = SLOT_A(0);
         constexpr int N_MAPS = RESIDUAL_TMA ? 3 : 2;
         for (int i = 0; i < N_MAPS; ++i)
@@ -255,9 +285,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
         int it = 0;  // k-blocks loaded so far: ring slot and phase
         int tc = 0;  // tiles loaded so far: epilogue stage phase
         for (int t = blockIdx.x; t < num_tiles; t += G, ++tc) {
-            tile_coords(t, tiles_m, mb, nb);
+            tile_coords(t, tiles_m, mb, nb, kb0);
             const int m0 = mb * BLOCK_M, n0 = nb * OUT_N;
-            for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {
+            for (int kb = 0; kb < UNIT_K_BLOCKS; ++kb, ++it) {
 #if RESIDUAL_TMA
                 // Once the ring holds this tile's first k-blocks (they load while the consumers
                 // finish the last tile), the residual: the consumers' last epilogue has to free
@@ -274,12 +304,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 const int s = it % STAGES;
                 mbar_wait(BAR_EMPTY(s), ((it / STAGES) & 1) ^ 1);  // a fresh barrier passes parity 1
                 mbar_expect_tx(BAR_FULL(s), STAGE_BYTES);        // zero-filled tails count too
-                tma_load_2d(SLOT_A(s), maps, kb * BLOCK_K, m0, BAR_FULL(s));
+                const int k0 = (kb0 + kb) * BLOCK_K;
+                tma_load_2d(SLOT_A(s), maps, k0, m0, BAR_FULL(s));
 #if GATED
-                tma_load_3d(SLOT_W(s), maps + 128, kb * BLOCK_K, n0, gate_idx, BAR_FULL(s));
-                tma_load_3d(SLOT_W(s) + W_BYTES / 2, maps + 128, kb * BLOCK_K, n0, 1 - gate_idx, BAR_FULL(s));
+                tma_load_3d(SLOT_W(s), maps + 128, k0, n0, gate_idx, BAR_FULL(s));
+                tma_load_3d(SLOT_W(s) + W_BYTES / 2, maps + 128, k0, n0, 1 - gate_idx, BAR_FULL(s));
 #else
-                tma_load_2d(SLOT_W(s), maps + 128, kb * BLOCK_K, n0, BAR_FULL(s));
+                tma_load_2d(SLOT_W(s), maps + 128, k0, n0, BAR_FULL(s));
 #endif
             }
         }
@@ -289,10 +320,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
         const int c = wg - 1;
         float acc[128];  // slab s (rows 64 s .. 64 s + 63) in acc[64 s .. 64 s + 63]
-        int i = c;       // this CTA's tiles i = c, c + 2, ...: ring positions i * K_BLOCKS ...
+        int i = c;       // this CTA's units i = c, c + 2, ...: ring positions i * UNIT_K_BLOCKS ...
         for (int t = blockIdx.x + c * G; t < num_tiles; t += 2 * G, i += 2) {
-            int mb, nb;
-            tile_coords(t, tiles_m, mb, nb);
+            int mb, nb, kb0;
+            tile_coords(t, tiles_m, mb, nb, kb0);
             const int m0 = mb * BLOCK_M, n0 = nb * OUT_N;
 #if RESIDUAL_STAGED
             stage_residual(residual, M, m0, n0, SLOT_EPI(c));  // lands while this warpgroup waits and computes
@@ -304,8 +335,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             if (i > 0) asm volatile("bar.sync %0, 256;" ::"r"(3 + c) : "memory");
 #pragma unroll
             for (int r = 0; r < 128; ++r) acc[r] = 0.f;
-            int it = i * K_BLOCKS;
-            for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {
+            int it = i * UNIT_K_BLOCKS;
+            for (int kb = 0; kb < UNIT_K_BLOCKS; ++kb, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(BAR_FULL(s), (it / STAGES) & 1);
                 wgmma_fence();
@@ -325,7 +356,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             wgmma_wait<0>();
             fence_regs(acc);
             mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
+#if SPLIT_K > 1
+            store_partial(acc, reinterpret_cast<float*>(Y) + (long long)(kb0 / UNIT_K_BLOCKS) * M * N_DIM, M, m0, n0);
+#else
             store_tile(acc, Y, bias, residual, M, m0, n0, SLOT_EPI(c), 0, 0);
+#endif
         }
 #else
         // ================= consumer warpgroups: 64 rows of the tile each =================
@@ -334,8 +369,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
         float acc[128];
         int it = 0, tc = 0;
         for (int t = blockIdx.x; t < num_tiles; t += G, ++tc) {
-            int mb, nb;
-            tile_coords(t, tiles_m, mb, nb);
+            int mb, nb, kb0;
+            tile_coords(t, tiles_m, mb, nb, kb0);
 #pragma unroll
             for (int i = 0; i < 128; ++i) acc[i] = 0.f;
             for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {

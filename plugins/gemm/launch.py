@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from optfuse.kernels.artifact import KernelSource, LaunchParams
+from optfuse.kernels.artifact import Buffer, KernelSource, LaunchParams, LaunchPlan, PlanStep
 from optfuse.kernels.util import ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, rows_of, static_int
 from optfuse.spec import FP8_DTYPES, plugin_specs, shared
 
@@ -561,6 +561,58 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
         shared_mem=0,  # Triton's shared memory comes with the artifact (metadata.shared)
         extra_args=[m],
     )
+
+
+# -- run-time plans (the classic plugin: M known at enqueue) ---------------------------------------
+def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict | None,
+                cdiv=_cdiv, *, static_shape: dict | None = None) -> LaunchPlan | None:
+    """At concrete shapes, where the sm_90 kernel was chosen for large M and this M leaves most
+    SMs idle (launch_sm90.small_m_schedule): the pingpong kernel alone, or split-K -- the pingpong
+    kernel writing fp32 partial planes to the workspace, then gemm_sm90_splitk_reduce (op inputs
+    A, W[, bias][, residual] -> workspace -> y). None: the one kernel of kernel_config /
+    launch_params runs (what QDP's AOT path always runs)."""
+    op = _check_op(op)
+    dtype = norm_dtype(dtypes[0])
+    static = static_shape if static_shape is not None else _static_shape_of(op, shapes, dtypes)
+    n, k = _dims(static)
+    epi = epilogue_of(op, attrs, static, dtype)
+    cfg = _config_for(op, dtype, n, k, static, None, epi)
+    if cfg.impl not in SM90_SCHEDULES:
+        return None
+    m = int(rows_of([int(d) for d in shapes[0]]))
+    choice = launch_sm90.small_m_schedule(op, dtype, m, n, k, cfg.impl, static)
+    if choice is None:
+        return None
+    stages, splits = choice
+    pp = replace(cfg, block_n=launch_sm90.OUT_N[(launch_sm90.PINGPONG, op)], num_stages=stages, impl=launch_sm90.PINGPONG)
+    name = _source_name(op, dtype, n, k, epi, pp)
+    present = [i for i, s in enumerate(shapes) if s is not None]
+    params = launch_sm90.launch(pp.impl, op, m, stages, epi.residual_mode, static)
+    if splits == 1:
+        src = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, name)
+        return LaunchPlan([PlanStep(src, params, [Buffer("input", i) for i in present], [Buffer("output", 0)])])
+    gemm = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, f"{name}_splitk{splits}", splits)
+    reduce = launch_sm90.reduce_source(op, dtype, n, k, epi, stages, pp.group_m, splits, f"{name}_splitk{splits}_reduce")
+    epilogue_inputs = [Buffer("input", i) for i in present if _INPUTS[op][i] in ("bias", "residual")]
+    return LaunchPlan([
+        PlanStep(gemm, params, [Buffer("input", i) for i in present], [Buffer("workspace", 0)]),
+        PlanStep(reduce, launch_sm90.reduce_launch(m, n), [Buffer("workspace", 0), *epilogue_inputs],
+                 [Buffer("output", 0)]),
+    ], splits * m * n * 4)
+
+
+def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[Any] | None], max_shapes: Sequence[Sequence[Any] | None],
+                    dtypes: Sequence[Any], attrs: dict | None) -> int:
+    """The workspace ``launch_plan`` needs at any shape of a profile (TensorRT asks once, at build
+    time, without the target): the split-K partial planes' bound (one 64 KB tile per CTA) for a
+    16-bit GemmEpilogue the pingpong kernel takes, 0 otherwise."""
+    op = _check_op(op)
+    dtype = norm_dtype(dtypes[0])
+    static = _static_shape_of(op, max_shapes, dtypes)
+    n, k = _dims(static)
+    if op != "GemmEpilogue" or launch_sm90.takes(op, dtype, n, static, 90, launch_sm90.PINGPONG, k) is not None:
+        return 0
+    return launch_sm90.split_k_workspace(static)
 
 
 # -- prebuilt specializations ---------------------------------------------------------------------

@@ -91,9 +91,12 @@ def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cud
     return None
 
 
-def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, name: str) -> KernelSource:
+def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, name: str,
+           split_k: int = 1) -> KernelSource:
     """The KernelSource of one instance; ``epi`` is launch.Epilogue (activation, alpha, residual
-    position and the bias / residual modes)."""
+    position and the bias / residual modes). ``split_k`` > 1: the pingpong kernel writing the
+    fp32 partial planes of that many K ranges (the epilogue is then the reduce's,
+    :func:`reduce_source`)."""
     gated = op == "GatedGemm"
     need = shared_mem(impl, op, stages, epi.residual_mode)
     if need > MAX_SMEM:
@@ -112,6 +115,7 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
         "GROUP_M": str(group_m),
         "PINGPONG": str(int(impl == PINGPONG)),
         "EPILOGUE_WG": str(int(impl == EPILOGUE_WG)),
+        "SPLIT_K": str(split_k),
     }
     n_inputs = 3 if gated else 2 + (epi.bias_mode != "none") + (epi.residual_mode != "none")
     return KernelSource(
@@ -126,10 +130,72 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
         threads=THREADS,
         pointer_align=64,  # y holds the tensor maps (64-byte aligned); TensorRT gives 256
         arch_suffix="a",
-        meta={"op": op, "dtype": dtype, "N": n, "K": k, "kernel": impl, "stages": stages, "group_m": group_m},
+        meta={"op": op, "dtype": dtype, "N": n, "K": k, "kernel": impl, "stages": stages, "group_m": group_m,
+              "split_k": split_k},
     )
 
 
 def launch(impl: str, op: str, m: Any, stages: int, residual_mode: str, static: dict) -> LaunchParams:
     return LaunchParams(grid=(int(static.get("sm_count") or SM90_GRID), 1, 1), block=(THREADS, 1, 1),
                         shared_mem=shared_mem(impl, op, stages, residual_mode), extra_args=[m])
+
+
+# -- split-K (launch.launch_plan: chosen at run time, when M is known) ---------------------------
+#: Work units of a split-K launch: at most one per CTA of the grid (two would take turns on the
+#: tensor cores, as no pingpong overlap pays for a unit that short).
+#: A unit's k-blocks: at least this many, so that its mainloop outweighs filling the ring and
+#: writing the 64 KB partial tile.
+SPLIT_K_MIN_BLOCKS = 8
+#: The workspace a split-K plan can need: one 128 x 128 fp32 partial tile per unit.
+PARTIAL_TILE_BYTES = BLOCK_M * 128 * 4
+REDUCE_THREADS = 256
+
+
+def split_k_workspace(static: dict) -> int:
+    """Bytes of the partial planes of any split-K plan on this grid (units <= CTAs)."""
+    return int(static.get("sm_count") or SM90_GRID) * PARTIAL_TILE_BYTES
+
+
+def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, static: dict) -> tuple[int, int] | None:
+    """(ring stages, splits) of the pingpong schedule for a GemmEpilogue whose M gives the
+    statically chosen schedule ``impl`` (picked for large M) too few tiles, or None (keep it).
+
+    * ``impl``'s tiles fill at most half the grid: pingpong's 128 x 128 tiles (half the width of
+      the cooperative ones) spread the same work over twice the SMs;
+    * pingpong's tiles still fill at most half the grid: K in ``splits`` ranges, the largest
+      divisor of the k-blocks that keeps units <= CTAs and every unit >= max(ring, SPLIT_K_MIN_BLOCKS)
+      k-blocks (1: no divisor does).
+    None also where pingpong does not take the instance, or it would run as statically chosen."""
+    grid = int(static.get("sm_count") or SM90_GRID)
+    row_blocks = -(-m // BLOCK_M)
+    if op != "GemmEpilogue" or takes(op, dtype, n, static, static.get("arch"), PINGPONG, k) is not None:
+        return None
+    if impl != PINGPONG and 2 * row_blocks * -(-n // OUT_N[(impl, op)]) > grid:
+        return None
+    stages = stage_options(PINGPONG, op, static.get("residual_mode", "none"))[0]
+    tiles = row_blocks * -(-n // 128)
+    k_blocks = -(-k // BLOCK_K)
+    splits = 1
+    if 2 * tiles <= grid:
+        least = max(stages, SPLIT_K_MIN_BLOCKS)
+        splits = max(d for d in range(1, k_blocks + 1)
+                     if k_blocks % d == 0 and d * tiles <= grid and (d == 1 or k_blocks // d >= least))
+    if impl == PINGPONG and splits == 1:
+        return None
+    return stages, splits
+
+
+def reduce_source(op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, split_k: int,
+                  name: str) -> KernelSource:
+    """gemm_sm90_splitk_reduce of a split-K plan: the same defines as its GEMM (one translation
+    unit; the epilogue's), inputs the partial planes then the present bias / residual."""
+    gemm = source(PINGPONG, op, dtype, n, k, epi, stages, group_m, name, split_k)
+    n_inputs = 1 + (epi.bias_mode != "none") + (epi.residual_mode != "none")
+    return KernelSource(name=name, lang="cuda", path=KERNEL_PATH, entry="gemm_sm90_splitk_reduce",
+                        n_inputs=n_inputs, n_extra=1, n_outputs=1, defines=gemm.defines, threads=REDUCE_THREADS,
+                        pointer_align=16, arch_suffix="a", meta={**gemm.meta, "kernel": "splitk_reduce"})
+
+
+def reduce_launch(m: int, n: int) -> LaunchParams:
+    return LaunchParams(grid=(-(-m * (n // 8) // REDUCE_THREADS), 1, 1), block=(REDUCE_THREADS, 1, 1),
+                        shared_mem=0, extra_args=[m])

@@ -183,3 +183,69 @@ def test_qdp_aot_kernel_fp8(tmp_path, monkeypatch, op):
         assert repr(ak.launch.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
     with pytest.raises(ValueError, match="sm_89 or later"):
         aot_kernel(op, infos, attrs, 0, arch=80, cdiv=sym_cdiv)
+
+
+def _plan(case):
+    return L.launch_plan(case.op, case.shapes(), case.dtypes(), case.attrs, static_shape=T.case_static(case, 90))
+
+
+def test_small_m_plan_choice():
+    """At run time, an M that leaves the static choice's tiles on at most half the SMs runs
+    pingpong's 128 x 128 tiles, and where those still fill at most half, K splits into the largest
+    divisor of the k-blocks that keeps units <= 132 and >= 8 k-blocks each; large M, GatedGemm,
+    FP8 and other archs keep the one kernel (None)."""
+    def shape_of(case):
+        plan = _plan(case)
+        return None if plan is None else (plan.steps[0].source.meta["kernel"], plan.steps[0].source.meta["split_k"],
+                                          len(plan.steps))
+    C = T.Case
+    assert shape_of(C("GemmEpilogue", (512,), 768, 3072, "float16", "none", "vector", "full")) == ("cuda_sm90_pingpong", 4, 2)
+    assert shape_of(C("GemmEpilogue", (512,), 1024, 4096, "float16", "none", "vector", "full")) == ("cuda_sm90_pingpong", 4, 2)
+    assert shape_of(C("GemmEpilogue", (512,), 4096, 1024, "float16", "gelu_erf", "vector", "none")) == ("cuda_sm90_pingpong", 1, 1)
+    assert shape_of(C("GemmEpilogue", (512,), 4096, 11008, "float16", "none", "none", "full")) == ("cuda_sm90_pingpong", 1, 1)
+    assert shape_of(C("GemmEpilogue", (1,), 768, 3072, "bfloat16", "none", "none", "none")) == ("cuda_sm90_pingpong", 6, 2)
+    # K = 768: 12 k-blocks, no split keeps 8 a unit; pingpong is already the static choice
+    assert shape_of(C("GemmEpilogue", (512,), 2304, 768, "float16", "none", "vector", "none")) is None
+    assert shape_of(C("GemmEpilogue", (4096,), 768, 3072, "float16", "none", "vector", "full")) is None
+    assert shape_of(C("GemmEpilogue", (32768,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
+    assert shape_of(C("GatedGemm", (64,), 11008, 4096, "float16", "silu")) is None
+    assert shape_of(C("GemmEpilogue", (64,), 768, 3072, "float8e4m3fn", "none", "vector", "full",
+                      output_dtype="bfloat16")) is None
+    case = C("GemmEpilogue", (64,), 768, 3072, "float16", "none", "vector", "full")
+    assert L.launch_plan(case.op, case.shapes(), case.dtypes(), case.attrs, static_shape=T.case_static(case, 89)) is None
+
+
+def test_split_k_plan_buffers_and_workspace():
+    """Split-K: the GEMM reads the op's present inputs and writes the workspace's partial planes
+    (splits x M x N fp32, within workspace_bytes' bound for any M); the reduce reads them, bias and
+    residual, and writes y; the reduce grid covers every 8-column chunk."""
+    case = T.Case("GemmEpilogue", (3, 67), 1024, 4096, "bfloat16", "gelu_erf", "none", "full")
+    plan = _plan(case)
+    gemm, red = plan.steps
+    assert [(b.kind, b.index) for b in gemm.inputs] == [("input", 0), ("input", 1), ("input", 3)]
+    assert [(b.kind, b.index) for b in gemm.outputs] == [("workspace", 0)]
+    assert [(b.kind, b.index) for b in red.inputs] == [("workspace", 0), ("input", 3)]
+    assert [(b.kind, b.index) for b in red.outputs] == [("output", 0)]
+    splits = gemm.source.meta["split_k"]
+    assert plan.workspace_bytes == splits * 201 * 1024 * 4
+    bound = L.workspace_bytes(case.op, case.shapes(), case.shapes(), case.dtypes(), case.attrs)
+    for m in (1, 77, 201, 512, 1000, 2000):
+        c = T.Case("GemmEpilogue", (m,), 1024, 4096, "bfloat16", "gelu_erf", "none", "full")
+        p = _plan(c)
+        assert p is None or p.workspace_bytes <= bound
+    assert red.params.grid[0] * red.params.block[0] >= 201 * 1024 // 8
+    assert red.params.extra_args == [201] and gemm.params.extra_args == [201]
+
+
+def test_split_k_plan_compiles(tmp_path):
+    """Both steps of a split-K plan build for sm_90a (NVRTC): the GEMM with wgmma and its QDP-order
+    parameters, the reduce with the partials, the present epilogue inputs, M and y."""
+    case = T.Case("GemmEpilogue", (300,), 768, 3072, "float16", "silu", "vector", "full", "before_activation")
+    plan = _plan(case)
+    for step in plan.steps:
+        art = KernelCache(tmp_path).build(step.source, 90)
+        assert art.arch_suffix == "a" and art.cubin and art.name == step.source.entry
+        entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
+        assert re.findall(r"\.param\s+\.(\w+)", entry) == ["u64"] * step.source.n_inputs + ["u32", "u64"]
+    assert "wgmma.mma_async" in KernelCache(tmp_path).build(plan.steps[0].source, 90).ptx
+    assert plan.steps[1].source.n_inputs == 3

@@ -33,9 +33,12 @@ def _candidates(case, arch=90):
 def test_every_shape_builds_and_sources_are_distinct():
     pts = bench.points(list(bench.SHAPES), [512], ["float16"])
     srcs = bench.needed_sources(pts, 90, None, with_tests=False)
-    # one specialization per shape (M is dynamic) and kernel source (sm_90: CUDA schedules + Triton)
+    # one specialization per shape (M is dynamic) and kernel source (sm_90: CUDA schedules + Triton),
+    # and the split-K plans' two sources (GEMM, reduce) where launch_plan splits at this M
     want = sum(len({c.impl for c in _candidates(bench.case_of(name, m, dt))}) for name, m, dt in pts)
-    assert len(srcs) == want > len(bench.SHAPES)
+    splits = [n for n, m, dt in pts if (p := bench.T.case_plan(bench.case_of(n, m, dt), 90)) and len(p.steps) == 2]
+    assert splits == ["bert-base.ffn_down", "bert-large.ffn_down"]
+    assert len(srcs) == want + 2 * len(splits) and want > len(bench.SHAPES)
     assert len({s.name for s in srcs}) == len(srcs)
     with_variants = bench.needed_sources(pts[:1], 90, "all", with_tests=False)
     case = bench.case_of(*pts[0][:1], 512, "float16")

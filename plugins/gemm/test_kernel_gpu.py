@@ -80,6 +80,17 @@ FP8_CASES = [
     C("GatedGemm", (5,), 11008, 4096, _FP8, "silu", output_dtype="bfloat16"),                 # LLaMA-7B, few rows
 ]
 CASES += FP8_CASES
+#: Shapes whose M leaves the statically chosen kernel's tiles on few SMs: launch_plan runs the
+#: pingpong kernel instead, or splits K (the partial planes then the reduce kernel); (case, splits).
+PLAN_CASES = [
+    (C("GemmEpilogue", (512,), 768, 3072, "float16", "none", "vector", "full"), 4),        # BERT-base FFN down
+    (C("GemmEpilogue", (3, 67), 1024, 4096, "bfloat16", "gelu_erf", "vector", "full", "before_activation"), 8),
+    (C("GemmEpilogue", (300,), 768, 3072, "float16", "silu", "scalar", "scalar"), 6),
+    (C("GemmEpilogue", (1,), 768, 3072, "bfloat16", "none", "none", "none", alpha=0.5), 6),  # one row
+    (C("GemmEpilogue", (77,), 1024, 4096, "float16", "quick_gelu", "none", "full"), 8),
+    (C("GemmEpilogue", (512,), 4096, 1024, "float16", "gelu_erf", "vector", "none"), 1),     # pingpong tiles
+    (C("GemmEpilogue", (333,), 4096, 11008, "bfloat16", "none", "none", "full"), 1),
+]
 #: The cases every candidate config runs on (one per op and dtype class).
 CONFIG_CASES = [
     C("GemmEpilogue", (2, 333), 1032, 1544, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"),
@@ -132,6 +143,10 @@ def gpu_test_sources(arch=None) -> list:
             for cfg in configs_of(impl, case, arch):
                 src = T.case_sources(case, config=cfg, arch=arch)[0]
                 out[src.name] = src
+    for case, _ in PLAN_CASES:
+        plan = T.case_plan(case, arch if arch is not None else 90)
+        for step in plan.steps if plan is not None else ():
+            out[step.source.name] = step.source
     return list(out.values())
 
 
@@ -193,3 +208,29 @@ def test_default_choice_is_tested(cuda_torch):
                                  case.y_dtype)
         assert chosen.impl in KERNEL_SOURCES, f"{case.id()}: picks {chosen.impl!r}, not under test"
         assert configs_of(chosen.impl, case, arch)[0] == chosen
+
+
+@pytest.mark.parametrize("case,splits", PLAN_CASES, ids=lambda x: x.id() if hasattr(x, "id") else f"split{x}")
+def test_small_m_plan_matches_reference(case, splits, seed, cuda_torch):
+    """launch_plan's pingpong / split-K plan (what the classic plugin runs at this M) against the
+    float64 reference; output and workspace poisoned (0xFF: fp32 NaN) before each of two runs."""
+    from optfuse.kernels.launcher import launch_plan
+
+    arch = _device_arch()
+    if arch is None or int(arch) != 90:
+        pytest.skip(f"the sm_90 kernel's plans (device sm_{arch})")
+    plan = T.case_plan(case, arch)
+    assert plan is not None and len(plan.steps) == (1 if splits == 1 else 2)
+    assert int(plan.steps[0].source.defines["SPLIT_K"]) == splits
+    T.build_plan(plan, arch)
+    gen = torch.Generator().manual_seed((seed + zlib.crc32(case.id().encode())) % (2 ** 31))
+    ins = T.case_inputs(case, generator=gen)
+    ref = T.reference_of(case, ins)
+    dev = [t.cuda() if t is not None else None for t in ins]
+    out = torch.empty((*case.lead, case.n), dtype=getattr(torch, case.y_dtype), device="cuda")
+    workspace = T.new_workspace(plan, "cuda")
+    for _ in range(2):
+        out.fill_(float("nan"))
+        workspace.fill_(255)
+        launch_plan(plan, dev, [out], workspace, torch.cuda.current_stream().cuda_stream, sync=True)
+        T.check_close(out, ref, T.tolerance_key(case), plan.steps[0].source.name)

@@ -178,6 +178,27 @@ def case_sources(case: Case, config=None, arch: int | None = None) -> tuple[Kern
     return src, params
 
 
+def case_plan(case: Case, arch: int | None = 90):
+    """launch.py's run-time LaunchPlan of a case (sources, no artifacts), or None where the one
+    kernel of case_sources runs."""
+    return launch_mod().launch_plan(case.op, case.shapes(), case.dtypes(), case.attrs,
+                                    static_shape=case_static(case, arch))
+
+
+def build_plan(plan, arch: int | None = None):
+    """Every step's artifact (get_artifact); returns ``plan``."""
+    for step in plan.steps:
+        step.artifact = get_artifact(step.source, arch)
+    return plan
+
+
+def new_workspace(plan, device="cpu"):
+    """A workspace for ``plan``: uint8, every byte 0xFF (each fp32 partial a NaN until written)."""
+    import torch
+
+    return torch.full((max(int(plan.workspace_bytes), 1),), 255, dtype=torch.uint8, device=device)
+
+
 def run_triton(src: KernelSource, params: LaunchParams, inputs: Sequence[Any], outputs: Sequence[Any],
                interpret: bool = False) -> None:
     """Launch ``src``'s @triton.jit function on torch tensors (GPU JIT, or the CPU interpreter);
