@@ -198,3 +198,21 @@ def test_python_m_entry_point(tmp_path):
     env = dict(os.environ, OPTFUSE_CACHE=str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "optfuse", "kernels", "list"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "0 kernels" in r.stdout, r.stderr
+
+
+def test_programmatic_launch_config(monkeypatch):
+    """LaunchParams.programmatic: cuLaunchKernelEx with programmatic stream serialization allowed
+    (the dims, shared memory and stream of a plain launch), unless OPTFUSE_PDL=0."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    from optfuse.kernels import launcher
+
+    cfg = launcher._pdl_config((3, 2, 1), (128, 1, 1), 1024, driver.CUstream(0))
+    assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.sharedMemBytes) == (3, 2, 1, 128, 1024)
+    assert cfg.numAttrs == 1
+    attr = cfg.attrs[0]
+    assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attr.value.programmaticStreamSerializationAllowed == 1
+    monkeypatch.delenv("OPTFUSE_PDL", raising=False)
+    assert launcher.pdl_enabled()
+    monkeypatch.setenv("OPTFUSE_PDL", "0")
+    assert not launcher.pdl_enabled()

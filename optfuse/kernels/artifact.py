@@ -119,12 +119,17 @@ class LaunchParams:
     """Grid/block/shared memory and the int32 extra arguments of one launch.
 
     Fields may hold ints (launcher, tests) or TensorRT symbolic expressions (QDP ``aot_impl``).
+    ``programmatic``: a programmatic dependent launch (sm_90+; the launcher's PDL): the kernel may
+    start while the previous launch on the stream is still running, and waits for it
+    (``griddepcontrol.wait``) before it reads anything that launch writes. Plans set it on steps
+    after the first; the one-kernel path never does.
     """
 
     grid: tuple[Any, Any, Any]
     block: tuple[Any, Any, Any]
     shared_mem: Any = 0
     extra_args: list[Any] = field(default_factory=list)
+    programmatic: bool = False
 
 
 @dataclass

@@ -287,12 +287,41 @@ def launch(
     func, kind = get_function(artifact, prefer)
     _set_smem(artifact, func, smem, kind)
     hstream = driver.CUstream(stream_handle(stream))
-    _check(
-        driver.cuLaunchKernel(func, *grid, *block, smem, hstream, ctypes.addressof(argv), 0),
-        f"cuLaunchKernel({artifact.name}, grid={grid}, block={block}, smem={smem})",
-    )
+    if params.programmatic and pdl_enabled():
+        _check(
+            driver.cuLaunchKernelEx(_pdl_config(grid, block, smem, hstream), func, ctypes.addressof(argv), 0),
+            f"cuLaunchKernelEx({artifact.name}, grid={grid}, block={block}, smem={smem}, programmatic)",
+        )
+    else:
+        _check(
+            driver.cuLaunchKernel(func, *grid, *block, smem, hstream, ctypes.addressof(argv), 0),
+            f"cuLaunchKernel({artifact.name}, grid={grid}, block={block}, smem={smem})",
+        )
     if sync:
         _check(driver.cuStreamSynchronize(hstream), f"cuStreamSynchronize after {artifact.name}")
+
+
+def pdl_enabled() -> bool:
+    """Programmatic dependent launches (LaunchParams.programmatic) unless ``OPTFUSE_PDL=0``: the
+    kernels wait for their predecessor themselves, so without PDL they run the same, only later."""
+    return os.environ.get("OPTFUSE_PDL", "1") != "0"
+
+
+def _pdl_config(grid, block, smem: int, hstream):
+    """A CUlaunchConfig with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION allowed."""
+    from cuda.bindings import driver
+
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes = smem
+    cfg.hStream = hstream
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
 
 
 def plan_pointers(refs: Sequence[Buffer], inputs: Sequence[Any], outputs: Sequence[Any], workspace: Any) -> list[int]:

@@ -144,7 +144,10 @@ def _decode_split_kernel(
         SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_N: tl.constexpr,
-        WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr):
+        WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+        PDL: tl.constexpr = False):
+    if PDL:  # the combine (a programmatic dependent launch) may be scheduled from now on
+        tl.extra.cuda.gdc_launch_dependents()
     # -- which program: the row block fastest (the programs of one split share its K/V in L2),
     #    then the split, then (b, kv head) --------------------------------------------------------
     n_split = tl.cdiv(Sk, SPLIT_KEYS)
@@ -206,8 +209,10 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
         Part, RowMax, RowSum, Sk, Out,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-        BLOCK_S: tl.constexpr):
+        BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """One output row: o = sum_s 2^(m_s - M*) acc_s / sum_s 2^(m_s - M*) l_s, M* = max_s m_s."""
+    if PDL:  # launched while the split kernel may still run: wait for its partials
+        tl.extra.cuda.gdc_wait()
     n_split = tl.cdiv(Sk, SPLIT_KEYS)
     row = tl.program_id(0).to(tl.int64)
     base = row * n_split

@@ -518,8 +518,10 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
     causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
     present = [[int(d) for d in s] for s in shapes[:3]]
+    arch = st.get("arch")
     return decode_plan(norm_dtype(dtypes[0]), present, attrs, head_dim, causal, pattern,
-                       sparsity_of(name, attrs, st), st.get("bias_dtype"), decode)
+                       sparsity_of(name, attrs, st), st.get("bias_dtype"), decode,
+                       pdl=arch is not None and int(arch) >= 90)
 
 
 def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[int] | None], max_shapes: Sequence[Sequence[int] | None],

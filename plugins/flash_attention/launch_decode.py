@@ -146,9 +146,10 @@ def _bias_flags(pattern) -> tuple[bool, int, int]:
 
 
 def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float, sparsity: Sparsity,
-                 block_m: int, cfg: DecodeConfig, bias_dtype: Any = None) -> KernelSource:
+                 block_m: int, cfg: DecodeConfig, bias_dtype: Any = None, pdl: bool = False) -> KernelSource:
     """The split kernel of one specialization (dtype, D, causal, bias pattern and dtype, scale,
-    windows, soft-cap, BLOCK_M and the tiles)."""
+    windows, soft-cap, BLOCK_M and the tiles). ``pdl``: it lets the combine, a programmatic
+    dependent launch (sm_90+), be scheduled as soon as it starts."""
     dtype = norm_dtype(dtype)
     has_bias, bias_b, bias_n = _bias_flags(pattern)
     ty = "*" + TRITON_TYPE[dtype]
@@ -165,12 +166,12 @@ def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float,
         "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "SPLIT_KEYS": cfg.split_keys, "CAUSAL": bool(causal),
         "HAS_BIAS": has_bias, "BIAS_B": bias_b, "BIAS_N": bias_n,
         "WINDOW_LEFT": sparsity.window_left, "WINDOW_RIGHT": sparsity.window_right,
-        "SOFTCAP": sparsity.softcap,
+        "SOFTCAP": sparsity.softcap, "PDL": bool(pdl),
     })
     bias_tag = "nobias" if not has_bias else f"bias_{'B' if bias_b else '1'}_1_1_{'Sk' if bias_n else '1'}"
     name = (f"flash_attention/{OP}/{dtype}/scale{scale:.6g}/fa_decode_split_d{head_dim}_"
             f"{'causal' if causal else 'full'}_{bias_tag}{sparsity.tag()}_m{block_m}_split{cfg.split_keys}_"
-            f"n{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages")
+            f"n{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages" + ("_pdl" if pdl else ""))
     return KernelSource(
         name=name, lang="triton", path=KERNEL_PATH, entry=SPLIT_ENTRY,
         n_inputs=3 + has_bias, n_extra=4, n_outputs=3,
@@ -182,18 +183,19 @@ def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float,
     )
 
 
-def combine_source(dtype: Any, head_dim: int, cfg: DecodeConfig) -> KernelSource:
-    """The combine kernel: fp32 partials -> o in ``dtype``."""
+def combine_source(dtype: Any, head_dim: int, cfg: DecodeConfig, pdl: bool = False) -> KernelSource:
+    """The combine kernel: fp32 partials -> o in ``dtype``. ``pdl``: launched programmatically, it
+    waits for the split kernel's partials itself (griddepcontrol.wait)."""
     dtype = norm_dtype(dtype)
     return KernelSource(
         name=(f"flash_attention/{OP}/{dtype}/fa_decode_combine_d{head_dim}_split{cfg.split_keys}_"
-              f"s{cfg.combine_splits}_{cfg.combine_warps}warps"),
+              f"s{cfg.combine_splits}_{cfg.combine_warps}warps" + ("_pdl" if pdl else "")),
         lang="triton", path=KERNEL_PATH, entry=COMBINE_ENTRY,
         n_inputs=3, n_extra=1, n_outputs=1,
         signature={"Part": "*fp32", "RowMax": "*fp32", "RowSum": "*fp32", "Sk": "i32",
                    "Out": "*" + TRITON_TYPE[dtype]},
         constexprs={"HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
-                    "SPLIT_KEYS": cfg.split_keys, "BLOCK_S": cfg.combine_splits},
+                    "SPLIT_KEYS": cfg.split_keys, "BLOCK_S": cfg.combine_splits, "PDL": bool(pdl)},
         num_warps=cfg.combine_warps, num_stages=1, pointer_align=16,
         meta={"op": OP, "kernel": "decode_combine", "dtype": dtype, "head_dim": head_dim, "config": asdict(cfg)},
     )
@@ -207,16 +209,18 @@ def split_params(B: Any, H: Any, Hkv: Any, Sq: Any, Sk: Any, group: int, block_m
                         block=(32 * cfg.num_warps, 1, 1), shared_mem=0, extra_args=[H, Hkv, Sq, Sk])
 
 
-def combine_params(B: Any, H: Any, Sq: Any, Sk: Any, cfg: DecodeConfig) -> LaunchParams:
-    """One program per output row (b, h, i)."""
+def combine_params(B: Any, H: Any, Sq: Any, Sk: Any, cfg: DecodeConfig, pdl: bool = False) -> LaunchParams:
+    """One program per output row (b, h, i); with ``pdl`` a programmatic dependent launch."""
     return LaunchParams(grid=((B * H) * Sq, 1, 1), block=(32 * cfg.combine_warps, 1, 1), shared_mem=0,
-                        extra_args=[Sk])
+                        extra_args=[Sk], programmatic=bool(pdl))
 
 
 def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_dim: int, causal: bool, pattern,
-                sparsity: Sparsity, bias_dtype: Any = None, cfg: DecodeConfig | None = None) -> LaunchPlan:
+                sparsity: Sparsity, bias_dtype: Any = None, cfg: DecodeConfig | None = None,
+                pdl: bool = False) -> LaunchPlan:
     """The two-kernel plan at concrete shapes [q, k, v]: split (op inputs q, k, v[, bias] ->
-    workspace), then combine (workspace -> op output 0)."""
+    workspace), then combine (workspace -> op output 0); ``pdl`` (sm_90+): the combine a
+    programmatic dependent launch, scheduled while the split kernel runs, its launch latency hidden."""
     q, k = shapes[0], shapes[1]
     B, H, Sq = q[0], q[1], q[2]
     Hkv, Sk = k[1], k[2]
@@ -232,10 +236,10 @@ def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_d
     partials = [Buffer("workspace", part), Buffer("workspace", row_max), Buffer("workspace", row_sum)]
     n_in = 3 + (pattern is not None)
     split = PlanStep(split_source(dtype, head_dim, causal, pattern, float(attrs["scale"]), sparsity, block_m, cfg,
-                                  bias_dtype),
+                                  bias_dtype, pdl),
                      split_params(B, H, Hkv, Sq, Sk, group, block_m, cfg),
                      [Buffer("input", i) for i in range(n_in)], partials)
-    combine = PlanStep(combine_source(dtype, head_dim, cfg), combine_params(B, H, Sq, Sk, cfg),
+    combine = PlanStep(combine_source(dtype, head_dim, cfg, pdl), combine_params(B, H, Sq, Sk, cfg, pdl),
                        partials, [Buffer("output", 0)])
     return LaunchPlan([split, combine], total)
 

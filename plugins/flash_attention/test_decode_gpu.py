@@ -71,7 +71,11 @@ def test_decode_plan_matches_reference(case, seed):
     if "keypad" in extra:
         T.key_padding(bias, extra["keypad"])
     attrs, _ = T.sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra)
-    plan = T.case_plan(dtype, [q.shape, k.shape, v.shape, None if bias is None else bias.shape], attrs)
+    from optfuse.kernels.target import detect_arch
+
+    # this device's plan (sm_90: the combine a programmatic dependent launch), as the plugin runs it
+    plan = T.case_plan(dtype, [q.shape, k.shape, v.shape, None if bias is None else bias.shape], attrs,
+                       arch=detect_arch())
     assert plan is not None, "launch.py must pick the decode plan for these shapes"
     T.build_plan(plan)
     dev = [t.cuda() if t is not None else None for t in (q, k, v, bias)]

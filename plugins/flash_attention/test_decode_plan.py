@@ -246,3 +246,25 @@ def test_benchmark_decode_rows_run_the_plan():
         bias = (B, 1, 1, Sk) if pad else None
         for cfg in [None] + LD.candidate_decode_configs("bfloat16", D):
             assert _plan(B, H, Hkv, Sq, Sk, D=D, causal=causal, bias=bias, decode=cfg) is not None, name
+
+
+@pytest.mark.parametrize("arch", [None, 80, 89, 90])
+def test_combine_is_a_programmatic_launch_on_sm90(arch):
+    """sm_90 (programmatic dependent launch): the split kernel lets the combine be scheduled when
+    it starts and the combine waits for the partials (the PDL constexprs, the PTX's griddepcontrol
+    instructions of an sm_90 build); other or unknown targets: two plain launches."""
+    plan = _plan(1, 32, 8, 1, 8192, arch=arch)
+    split, combine = plan.steps
+    pdl = arch == 90
+    assert split.source.constexprs["PDL"] is pdl and combine.source.constexprs["PDL"] is pdl
+    assert combine.params.programmatic is pdl and not split.params.programmatic
+    assert split.source.name.endswith("_pdl") is pdl
+
+
+def test_pdl_kernels_compile_with_griddepcontrol(tmp_path):
+    pytest.importorskip("triton")
+    from optfuse.kernels import KernelCache
+
+    split, combine = _plan(1, 32, 8, 1, 8192, arch=90).steps
+    assert "griddepcontrol.launch_dependents" in KernelCache(tmp_path).build(split.source, 90).ptx
+    assert "griddepcontrol.wait" in KernelCache(tmp_path).build(combine.source, 90).ptx

@@ -197,5 +197,7 @@ def reduce_source(op: str, dtype: str, n: int, k: int, epi: Any, stages: int, gr
 
 
 def reduce_launch(m: int, n: int) -> LaunchParams:
+    """One thread per 8 output columns; a programmatic dependent launch (the kernel waits for the
+    GEMM's partial planes itself)."""
     return LaunchParams(grid=(-(-m * (n // 8) // REDUCE_THREADS), 1, 1), block=(REDUCE_THREADS, 1, 1),
-                        shared_mem=0, extra_args=[m])
+                        shared_mem=0, extra_args=[m], programmatic=True)
