@@ -196,11 +196,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
     const int num_tiles = tiles_m * N_TILES * SPLIT_K;  // work units
     const int G = gridDim.x;
     if ((int)blockIdx.x >= num_tiles) return;  // the whole CTA, before any barrier exists
-#if SPLIT_K > 1
-    // The reduce is a programmatic dependent launch: let it be scheduled now, onto the SMs this
-    // grid frees; it waits (griddepcontrol.wait) until every partial tile is written.
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 
     extern __shared__ unsigned char smem_raw[];
     const u32 raw = smem_addr(smem_raw);

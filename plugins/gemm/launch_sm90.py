@@ -197,7 +197,7 @@ def reduce_source(op: str, dtype: str, n: int, k: int, epi: Any, stages: int, gr
 
 
 def reduce_launch(m: int, n: int) -> LaunchParams:
-    """One thread per 8 output columns; a programmatic dependent launch (the kernel waits for the
-    GEMM's partial planes itself)."""
+    """One thread per 8 output columns; a plain launch (as a programmatic dependent launch its
+    CTAs were placed on the few SMs the GEMM left idle: README, "Tried")."""
     return LaunchParams(grid=(-(-m * (n // 8) // REDUCE_THREADS), 1, 1), block=(REDUCE_THREADS, 1, 1),
-                        shared_mem=0, extra_args=[m], programmatic=True)
+                        shared_mem=0, extra_args=[m])

@@ -54,8 +54,6 @@ extern "C" __global__ void __launch_bounds__(REDUCE_THREADS) gemm_sm90_splitk_re
 #if !RESIDUAL_MODE
     const u16* residual = nullptr;
 #endif
-    // launched programmatically (LaunchParams.programmatic): the GEMM grid may still be running
-    asm volatile("griddepcontrol.wait;" ::: "memory");
     const long long q = (long long)blockIdx.x * REDUCE_THREADS + threadIdx.x;
     if (q >= (long long)M * REDUCE_CHUNKS) return;
     const int row = (int)(q / REDUCE_CHUNKS), col = (int)(q % REDUCE_CHUNKS) * 8;
