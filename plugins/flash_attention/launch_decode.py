@@ -87,11 +87,12 @@ def decode_config(dtype: Any, head_dim: int, programs_at_long_split: int | None 
 
 
 def candidate_decode_configs(dtype: Any, head_dim: int) -> list[DecodeConfig]:
-    """What a benchmark sweep tries (the default first): split sizes 128 / 512, 32- and 128-key
-    blocks, pipeline depths 2 / 4, 8 warps."""
+    """What a benchmark sweep tries (the default first): split sizes 128 / 512 / 1024 / 2048, 32-
+    and 128-key blocks, pipeline depths 2 / 4, 8 warps."""
     base = decode_config(dtype, head_dim)
     out = [base]
-    for change in (dict(split_keys=128), dict(split_keys=512), dict(num_stages=2), dict(num_stages=4),
+    for change in (dict(split_keys=128), dict(split_keys=512), dict(split_keys=1024), dict(split_keys=2048),
+                   dict(num_stages=2), dict(num_stages=4),
                    dict(block_n=32), dict(block_n=128, num_stages=2), dict(num_warps=8)):
         cfg = DecodeConfig(**{**asdict(base), **change})
         if cfg not in out:

@@ -235,3 +235,65 @@ def test_other_output_dtype_runs_the_triton_kernel_on_sm90():
     case32 = T.Case("GemmEpilogue", (-1,), 3072, 768, "float16", "gelu_erf", "vector", "none", output_dtype="float32")
     src = L.kernel_config(case32.op, "float16", case32.attrs, T.case_static(case32, 90))
     assert src.lang == "triton" and src.signature["Y"] == "*fp32" and src.signature["Bias"] == "*fp32"
+
+
+# -- the classic plugin at run time: the small-M plans through enqueue (compile and CUDA stubbed) --
+def _classic_plugin(attrs):
+    import types
+
+    from optfuse.spec import get_spec
+    from optfuse.trt import plugins
+
+    bases = {name: type(name, (), {"__init__": lambda self, *a, **k: None})
+             for name in ("IPluginV3", "IPluginV3OneCore", "IPluginV3OneBuild", "IPluginV3OneRuntime")}
+    fake = types.SimpleNamespace(**bases, DimsExprs=list)
+    return plugins._plugin_class(fake, get_spec("GemmEpilogue"))(attrs)
+
+
+@pytest.fixture
+def stub_cuda(monkeypatch):
+    """build_kernel -> a fake artifact; launcher.launch records (entry, params, inputs, outputs)."""
+    import optfuse.kernels as kernels
+    from optfuse.kernels import launcher
+    from optfuse.kernels.artifact import KernelArtifact
+
+    def fake_build(src, arch=None, cache=None):
+        return KernelArtifact(name=src.entry, arch=90, cubin=None, ptx=None, threads=src.threads, shared_mem=0,
+                              n_inputs=src.n_inputs, n_extra=src.n_extra, n_outputs=src.n_outputs)
+
+    calls = []
+    monkeypatch.setattr(kernels, "build_kernel", fake_build)
+    monkeypatch.setattr(launcher, "launch", lambda art, params, ins, outs, stream=0, **kw:
+                        calls.append((art.name, params, list(ins), list(outs))))
+    monkeypatch.setattr(launcher, "current_device_arch", lambda: 90)
+    return calls
+
+
+def test_classic_plugin_runs_split_k_at_small_m(stub_cuda):
+    """BERT-base FFN down + residual: the workspace of the profile is the split-K bound; at M = 512
+    enqueue launches the split-K GEMM into the workspace, then the reduce into y; at M = 32768 the
+    one kernel, no workspace."""
+    import types
+
+    plugin = _classic_plugin({"activation": "none", "residual_position": "after_activation"})
+    f16 = types.SimpleNamespace(name="HALF")
+
+    def dyn(lo, hi):
+        return types.SimpleNamespace(min=lo, max=hi, desc=types.SimpleNamespace(type=f16))
+
+    profile = [dyn([1, 3072], [32768, 3072]), dyn([768, 3072], [768, 3072]), dyn([768], [768]),
+               dyn([1, 768], [32768, 768])]
+    assert plugin.get_workspace_size(profile, []) == L.launch_sm90.split_k_workspace({}) == 132 * 65536
+
+    def descs(m):
+        return [types.SimpleNamespace(dims=d, type=f16) for d in ([m, 3072], [768, 3072], [768], [m, 768])]
+
+    ptrs = [0x1000, 0x2000, 0x3000, 0x4000]
+    plugin.enqueue(descs(512), [], ptrs, [0x9000], 0x200000, 5)
+    assert [c[0] for c in stub_cuda] == ["gemm_sm90", "gemm_sm90_splitk_reduce"]
+    (_, gemm_params, gemm_in, gemm_out), (_, red_params, red_in, red_out) = stub_cuda
+    assert gemm_in == ptrs and gemm_out == [0x200000] and gemm_params.extra_args == [512]
+    assert red_in == [0x200000, 0x3000, 0x4000] and red_out == [0x9000]
+    stub_cuda.clear()
+    plugin.enqueue(descs(32768), [], ptrs, [0x9000], 0, 5)
+    assert [c[0] for c in stub_cuda] == ["gemm_sm90"] and stub_cuda[0][2:] == (ptrs, [0x9000])
