@@ -1,5 +1,6 @@
 """Attention over a KV cache (decode, chunked prefill): the mask probes with a past, hand-built
-decode graphs, and LLaMA-GQA / GPT-2 exported with past_key_values by both torch exporters (SDPA and eager attention)."""
+decode graphs, and LLaMA-GQA / GPT-2 exported with past_key_values by both torch exporters (SDPA and eager attention);
+the GQA / MQA head split of LLaMA with and without a cache."""
 
 from __future__ import annotations
 
@@ -288,3 +289,41 @@ def test_decode_export_passes_verify(fused_decode, family, exporter):
         result = verify(model, fused, VerifyOptions(dims=decode_dims(sq, 9)), iterations=2)
         assert result.passed, [(o.name, o.max_abs) for o in result.failed]
         assert len(result.outputs) == 1 + 2 * 2  # last_hidden_state and the two layers' present k / v
+
+
+# ------------------------------------------------------------------------------------------------
+# the GQA / MQA head split of exported LLaMA, with and without a cache, over stale value_info
+# ------------------------------------------------------------------------------------------------
+GQA_CASES = [(e, p, hkv) for e in ("torchscript", "dynamo") for p in (False, True) for hkv in (2, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stale", [False, True], ids=["as_exported", "stale_value_info"])
+@pytest.mark.parametrize("exporter,past,hkv", GQA_CASES)
+def test_gqa_head_split_is_read_from_the_graph(exported_model, exporter, past, hkv, stale):
+    """LLaMA with 4 query heads over 2 (GQA) or 1 (MQA) KV heads: every block fuses with
+    num_kv_heads = Hkv and takes K/V before repeat_kv (its Expand / Reshape leave the graph), also
+    when the model was saved after a plain ONNX shape inference (``unk__N`` dims in value_info,
+    which ONNX keeps over the dims data propagation finds), and matches the original."""
+    from optfuse.models import decode_dims
+
+    em = exported_model("llama", exporter, "sdpa", past=past, num_key_value_heads=hkv)
+    assert (em.meta["num_heads"], em.meta["num_kv_heads"]) == (4, hkv)
+    model = onnx.load(str(em.path))
+    if stale:
+        model = onnx.shape_inference.infer_shapes(model)
+        assert any(d.dim_param.startswith("unk__") for vi in model.graph.value_info
+                   for d in vi.type.tensor_type.shape.dim)
+    fused, res = fuse_model(model, dims=decode_dims(1, 64) if past else None)
+    fa = _fa(res)
+    assert len(fa) == em.counts["attention"], _rejections(res)
+    for a in fa:
+        assert (a.rewrite.attrs["num_heads"], a.rewrite.attrs["num_kv_heads"]) == (4, hkv), a.rewrite.info
+        assert a.rewrite.info["mask_class"] == "causal+padding"
+    expands = [[n.op_type for n in m.graph.node].count("Expand") for m in (model, fused)]
+    assert expands[0] - expands[1] == 2 * len(fa), expands  # K's and V's repeat_kv, per block
+    dims = decode_dims(7, 9, 2) if past else {"batch": 2, "sequence": 7}
+    feeds = em.make_inputs(dims, seed=hkv)
+    feeds["attention_mask"] = np.ones_like(feeds["attention_mask"])
+    ref, got = _run(model, feeds), _run(fused, feeds)
+    assert max(float(np.abs(r - g).max()) for r, g in zip(ref, got)) <= 1e-4
