@@ -258,23 +258,34 @@ def test_decode_export_torch_reference(fused_decode, family, exporter):
     assert max(float(np.abs(want[o.name] - g).max()) for o, g in zip(em.outputs, got)) <= 1e-4
 
 
+def _check_cache_reads(em, fused, res, dims):
+    """Each attention node moves K and V at Sk = past + Sq keys and the KV heads (not Sq, not the
+    query heads), q and the output at Sq, and the key-padding row [B, 1, 1, Sk] (fp32) it reads;
+    the node that owns the row's Slice (shared by all layers) also its read of the mask
+    [B, 1, Sq, Sk], its write of the row and its three int64 parameters."""
+    est = estimate_traffic(fused, res, dims)
+    B, Sq, Sk, D = dims["batch"], dims["sequence"], dims["total_sequence"], em.meta["head_dim"]
+    H, Hkv = em.meta["num_heads"], em.meta["num_kv_heads"]
+    kv = 2 * B * Hkv * Sk * D * 4
+    q_out = 2 * B * H * Sq * D * 4
+    row = B * Sk * 4
+    for a in _fa(res):
+        moved = est.moved_bytes[a.node_name]
+        assert moved is not None, a.node_name
+        slice_ = B * Sq * Sk * 4 + row + 3 * 8 if a.added_nodes else 0
+        assert moved == kv + q_out + row + slice_, (moved, kv, q_out, row, slice_)
+        assert est.saved_bytes[a.node_name] is not None and est.saved_bytes[a.node_name] > 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family,exporter", [("llama", "dynamo"), ("gpt2", "torchscript")])
-def test_decode_hbm_estimate_counts_the_cache_reads(fused_decode, family, exporter):
-    """Each attention node reads K and V at Sk = past + Sq keys and KV heads (not Sq)."""
+@pytest.mark.parametrize("sq", [1, 7])
+@pytest.mark.parametrize("family,exporter", [(f, e) for f in ("llama", "gpt2") for e in ("torchscript", "dynamo")])
+def test_decode_hbm_estimate_counts_the_cache_reads(fused_decode, family, exporter, sq):
+    """Decode (Sq = 1) and chunked prefill (Sq = 7) over a past of 64."""
     from optfuse.models import decode_dims
 
     em, _, fused, res = fused_decode(family, exporter)
-    dims = decode_dims(1, 64)
-    est = estimate_traffic(fused, res, dims)
-    B, Sk, D = dims["batch"], dims["total_sequence"], em.meta["head_dim"]
-    H, Hkv = em.meta["num_heads"], em.meta["num_kv_heads"]
-    kv = 2 * B * Hkv * Sk * D * 4
-    q_out = 2 * B * H * 1 * D * 4
-    for a in _fa(res):
-        moved = est.moved_bytes[a.node_name]
-        assert moved is not None and kv + q_out <= moved <= kv + q_out + 4 * B * Sk * 4, moved
-        assert est.saved_bytes[a.node_name] is not None and est.saved_bytes[a.node_name] > 0
+    _check_cache_reads(em, fused, res, decode_dims(sq, 64))
 
 
 @pytest.mark.slow
@@ -327,3 +338,5 @@ def test_gqa_head_split_is_read_from_the_graph(exported_model, exporter, past, h
     feeds["attention_mask"] = np.ones_like(feeds["attention_mask"])
     ref, got = _run(model, feeds), _run(fused, feeds)
     assert max(float(np.abs(r - g).max()) for r, g in zip(ref, got)) <= 1e-4
+    if past:  # the estimate reads the cache at Hkv heads
+        _check_cache_reads(em, fused, res, decode_dims(1, 64))
