@@ -82,18 +82,22 @@ def test_one_row_probes_follow_the_multi_row_class():
 # ------------------------------------------------------------------------------------------------
 # hand-built decode graphs: the cache concatenated in the graph, the mask built from the past length
 # ------------------------------------------------------------------------------------------------
-def decode_graph(*, H=4, Hkv=2, D=32, mask="causal_padding", window=3):
+def decode_graph(*, H=4, Hkv=2, D=32, mask="causal_padding", window=3, kv_dim=None, repeat=None):
     """One attention block over a cache, as TorchScript writes HF's: k = Concat(past_key, k_new),
     rows = Range(past, past + Sq), cols = Range(0, past + Sq), allowed = cols <= rows [window]
     [and attention_mask over past + Sq]. mask: causal | causal_padding | window | window_padding |
-    causal_new_padding (the mask's padding applied to the new tokens' keys only)."""
+    causal_new_padding (the mask's padding applied to the new tokens' keys only).
+    kv_dim: the KV-head dim the cache and k/v inputs declare (default Hkv; a name makes it symbolic).
+    repeat: the repeat_kv (default constant targets; ``"shape"``: targets built from Shape, as dynamo writes them)."""
     b = graphs.Builder(17)
-    inputs = [graphs.io("q", ["b", H, "s", D]), graphs.io("past_key", ["b", Hkv, "p", D]),
-              graphs.io("past_value", ["b", Hkv, "p", D]), graphs.io("k_new", ["b", Hkv, "s", D]),
-              graphs.io("v_new", ["b", Hkv, "s", D])]
+    hd = Hkv if kv_dim is None else kv_dim
+    inputs = [graphs.io("q", ["b", H, "s", D]), graphs.io("past_key", ["b", hd, "p", D]),
+              graphs.io("past_value", ["b", hd, "p", D]), graphs.io("k_new", ["b", hd, "s", D]),
+              graphs.io("v_new", ["b", hd, "s", D])]
     k = b.node("Concat", "past_key", "k_new", axis=2, out="present_key")
     v = b.node("Concat", "past_value", "v_new", axis=2, out="present_value")
-    k, v = (_repeat_kv(b, x, Hkv, H, D) for x in (k, v))
+    rep = _repeat_kv_from_shape if repeat == "shape" else _repeat_kv
+    k, v = (rep(b, x, Hkv, H, D) for x in (k, v))
     scores = b.node("Mul", b.node("MatMul", "q", b.node("Transpose", k, perm=[0, 1, 3, 2])), b.const(D ** -0.5))
 
     def dim(x, axis):
@@ -132,6 +136,18 @@ def _repeat_kv(b, x, Hkv, H, D):
     return b.node("Reshape", e, b.const([0, H, -1, D], dtype=np.int64))
 
 
+def _repeat_kv_from_shape(b, x, Hkv, H, D):
+    """repeat_kv with targets [B, Hkv, G, S, D] and [B, H, S, D] read from Shape(x) where x has the dim."""
+    i64 = lambda v: b.const(v, dtype=np.int64)  # noqa: E731
+
+    def dims(start, end):
+        return b.node("Slice", b.node("Shape", x), i64([start]), i64([end]))
+
+    u = b.node("Unsqueeze", x, i64([2]))
+    e = b.node("Expand", u, b.node("Concat", dims(0, 2), i64([H // Hkv]), dims(2, 4), axis=0))
+    return b.node("Reshape", e, b.node("Concat", dims(0, 1), i64([H]), dims(2, 4), axis=0))
+
+
 def _decode_feeds(sq, past, lengths=None, H=4, Hkv=2, D=32, seed=0):
     rng = np.random.default_rng(seed)
     B = 3 if lengths is None else len(lengths)
@@ -163,6 +179,21 @@ def test_decode_graph_mask_class(mask, cls, causal):
         diff = np.abs(ref[0] - got[0])
         assert (diff[np.broadcast_to(real, diff.shape)].max() if "padding" in mask else diff.max()) <= 1e-4
         assert all(np.array_equal(a, c) for a, c in zip(ref[1:], got[1:]))
+
+
+@pytest.mark.parametrize("Hkv", [2, 1])
+@pytest.mark.parametrize("repeat", [None, "shape"])
+def test_kv_heads_from_the_repeat_when_the_cache_dim_is_symbolic(Hkv, repeat):
+    """A cache whose KV-head dim is a name ("kv_heads"): the head split is read from repeat_kv
+    (the Expand's group size G, the Reshape's H: Hkv = H / G), not left at H."""
+    model = decode_graph(Hkv=Hkv, kv_dim="kv_heads", repeat=repeat)
+    fused, res = fuse_model(model)
+    (a,) = _fa(res)
+    assert (a.rewrite.attrs["num_heads"], a.rewrite.attrs["num_kv_heads"]) == (4, Hkv), a.rewrite.info
+    assert "Expand" not in [n.op_type for n in fused.graph.node]
+    for sq, past in ((1, 9), (7, 9)):
+        feeds = _decode_feeds(sq, past, Hkv=Hkv)
+        assert all(np.abs(r - g).max() <= 1e-4 for r, g in zip(_run(model, feeds), _run(fused, feeds)))
 
 
 def test_padding_probes_cover_the_cached_keys():

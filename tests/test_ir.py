@@ -138,7 +138,7 @@ def test_sanitize_infers_afresh_over_stale_value_info():
 
 def test_stored_shapes_fill_what_inference_leaves_open():
     """A tensor inference cannot follow (an op of another domain) keeps its stored shape, less a
-    stored ``unk__N`` name; a stored static size fills a dim the fresh inference left symbolic."""
+    stored ``unk__N`` name; the stored names it keeps are the exporter's ("b")."""
     from optfuse.ir.shapes import infer_shapes
 
     b = graphs.Builder(17)

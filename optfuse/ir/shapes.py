@@ -26,53 +26,32 @@ _INFERRED_SYMBOL = re.compile(r"unk__\d+")
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference with data propagation; models past the protobuf limit are left as they are.
 
-    The intermediate shapes are inferred afresh: the model's own ``value_info`` is set aside first,
-    because ONNX keeps a stored symbolic dim over the one it propagates (a model saved after an
-    inference without data propagation carries ``unk__N`` head counts and sequence lengths where
-    data propagation finds ``4`` or ``sequence``); so is every ``unk__N`` dim of a graph output. A
-    stored shape still fills in what the fresh inference leaves open (`_merge_stored`). The proto
-    is left as it was.
+    A stored dim named ``unk__N`` (the model's value_info or outputs as a saved earlier inference
+    wrote them) is forgotten first: ONNX keeps a stored symbolic dim over the one it propagates, so
+    a model saved after an inference without data propagation would keep ``unk__N`` head counts and
+    sequence lengths where data propagation finds ``4`` or ``sequence``. Every other stored dim (an
+    exporter's ``sequence``, a static size) is kept, and a stored shape still stands where
+    inference cannot follow an op. The proto is left as it was.
     """
     if model_bytes(model) > _PROTO_LIMIT:
         log.warning("model over 2 GiB: skipping in-memory shape inference")
         return model
-    stored = [onnx.ValueInfoProto.FromString(vi.SerializeToString()) for vi in model.graph.value_info]
-    outputs = [onnx.ValueInfoProto.FromString(vi.SerializeToString()) for vi in model.graph.output]
-    del model.graph.value_info[:]  # both put back below: no copy of the weights for this
-    for vi in model.graph.output:  # an output's ``unk__N`` is a stored inference's too
+    stored = [(vi, onnx.ValueInfoProto.FromString(vi.SerializeToString()))
+              for vi in [*model.graph.value_info, *model.graph.output] if _has_inferred_symbol(vi)]
+    for vi, _ in stored:  # put back below: no copy of the weights for this
         _forget_inferred_symbols(vi)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:  # inference is best effort: a model onnxruntime runs is still valid input
         log.warning("shape inference failed: %s", str(exc).splitlines()[0])
         return model
     finally:
-        model.graph.value_info.extend(stored)
-        for vi, old in zip(model.graph.output, outputs):
+        for vi, old in stored:
             vi.CopyFrom(old)
-    _merge_stored(inferred.graph, stored)
-    return inferred
 
 
-def _merge_stored(graph: onnx.GraphProto, stored: list[onnx.ValueInfoProto]) -> None:
-    """Fill in from the stored value_info what the fresh inference left open: a tensor it gave no
-    shape takes the stored one, and a dim it left symbolic takes a stored static size. A stored
-    ``unk__N`` name is never copied (it stays an unknown dim)."""
-    fresh = {vi.name: vi for vi in graph.value_info}
-    for old in stored:
-        new = fresh.get(old.name)
-        if new is None or (not new.type.tensor_type.HasField("shape") and old.type.tensor_type.HasField("shape")):
-            if new is None:
-                new = graph.value_info.add()
-            new.CopyFrom(old)
-            _forget_inferred_symbols(new)
-            continue
-        old_dims, new_dims = _dims(old), _dims(new)
-        if len(old_dims) != len(new_dims):
-            continue
-        for o, n in zip(old_dims, new_dims):
-            if o.HasField("dim_value") and not n.HasField("dim_value"):
-                n.dim_value = o.dim_value
+def _has_inferred_symbol(vi: onnx.ValueInfoProto) -> bool:
+    return any(d.HasField("dim_param") and _INFERRED_SYMBOL.fullmatch(d.dim_param) for d in _dims(vi))
 
 
 def _forget_inferred_symbols(vi: onnx.ValueInfoProto) -> None:
