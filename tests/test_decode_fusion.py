@@ -320,7 +320,7 @@ def test_decode_hbm_estimate_counts_the_cache_reads(fused_decode, family, export
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,exporter", [("llama", "torchscript"), ("gpt2", "dynamo")])
+@pytest.mark.parametrize("family,exporter", [(f, e) for f in ("llama", "gpt2") for e in ("torchscript", "dynamo")])
 def test_decode_export_passes_verify(fused_decode, family, exporter):
     """optfuse.verify at consistent decode dims (its generated masks are right-padded)."""
     from optfuse.models import decode_dims
