@@ -196,6 +196,44 @@ def test_kv_heads_from_the_repeat_when_the_cache_dim_is_symbolic(Hkv, repeat):
         assert all(np.abs(r - g).max() <= 1e-4 for r, g in zip(_run(model, feeds), _run(fused, feeds)))
 
 
+def _dynamo_kt(b, k, D):
+    """dynamo's SDPA kᵀ: Reshape(Transpose(Reshape(k, [-1, Shape(k)[-2], D]), [0, 2, 1]),
+    [Shape(k)[:-2], D, Shape(k)[-2]])."""
+    i64 = lambda v: b.const(v, dtype=np.int64)  # noqa: E731
+    seq = b.node("Slice", b.node("Shape", k), i64([-2]), i64([-1]))
+    lead = b.node("Slice", b.node("Shape", k), i64([-(1 << 62)]), i64([-2]))
+    flat = b.node("Reshape", k, b.node("Concat", i64([-1]), seq, i64([D]), axis=0))
+    return b.node("Reshape", b.node("Transpose", flat, perm=[0, 2, 1]), b.node("Concat", lead, i64([D]), seq, axis=0))
+
+
+def test_gqa_through_dynamo_kt_when_shapes_say_nothing():
+    """K/V [B, Hkv, S, D] out of an op ONNX cannot infer (a contrib op whose stored shape is all
+    ``unk__N``), repeated with Shape-built targets, k transposed the way dynamo writes SDPA's kᵀ:
+    data propagation names the kᵀ chain's dims after k's (its fresh ``unk__N``), so the chain is
+    proven, the head split found (num_kv_heads = 2, both repeat_kv absorbed) and the result matches."""
+    H, Hkv, D = 4, 2, 32
+    b = graphs.Builder(17)
+    kv = [b.node("FastGelu", x, domain="com.microsoft", out=f"{x}_kv") for x in ("k_in", "v_in")]
+    k, v = (_repeat_kv_from_shape(b, x, Hkv, H, D) for x in kv)
+    scores = b.node("Mul", b.node("MatMul", "q", _dynamo_kt(b, k, D)), b.const(D ** -0.5))
+    b.node("MatMul", b.node("Softmax", scores, axis=-1), v, out="y")
+    model = b.model([graphs.io("q", ["b", H, "s", D]), graphs.io("k_in", ["b", Hkv, "s", D]),
+                     graphs.io("v_in", ["b", Hkv, "s", D])], [graphs.io("y", ["b", H, "s", D])])
+    model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    for name in kv:  # as a tool that ran ONNX's inference stored them
+        model.graph.value_info.append(onnx.helper.make_tensor_value_info(
+            name, TensorProto.FLOAT, [f"unk__{i}" for i in range(4)]))
+    fused, res = fuse_model(model)
+    (a,) = _fa(res)
+    assert (a.rewrite.attrs["num_heads"], a.rewrite.attrs["num_kv_heads"]) == (H, Hkv), a.rewrite.info
+    assert [t.name for t in a.rewrite.inputs[1:3]] == kv
+    assert "Expand" not in [n.op_type for n in fused.graph.node]
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(np.float32)
+             for n, s in (("q", (2, H, 5, D)), ("k_in", (2, Hkv, 5, D)), ("v_in", (2, Hkv, 5, D)))}
+    assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-4
+
+
 def test_padding_probes_cover_the_cached_keys():
     """A mask input that pads only the new tokens' keys (the past's part ignored) is not key
     padding over all Sk keys: left-padded probe rows mask cached keys, the graph does not."""
