@@ -1,5 +1,6 @@
 """Attention over a KV cache (decode, chunked prefill): the mask probes with a past, hand-built
-decode graphs, and LLaMA-GQA / GPT-2 exported with past_key_values by both torch exporters (SDPA and eager attention)."""
+decode graphs, and LLaMA-GQA / GPT-2 exported with past_key_values by both torch exporters (SDPA and eager attention);
+the GQA / MQA head split of LLaMA with and without a cache."""
 
 from __future__ import annotations
 
@@ -81,18 +82,22 @@ def test_one_row_probes_follow_the_multi_row_class():
 # ------------------------------------------------------------------------------------------------
 # hand-built decode graphs: the cache concatenated in the graph, the mask built from the past length
 # ------------------------------------------------------------------------------------------------
-def decode_graph(*, H=4, Hkv=2, D=32, mask="causal_padding", window=3):
+def decode_graph(*, H=4, Hkv=2, D=32, mask="causal_padding", window=3, kv_dim=None, repeat=None):
     """One attention block over a cache, as TorchScript writes HF's: k = Concat(past_key, k_new),
     rows = Range(past, past + Sq), cols = Range(0, past + Sq), allowed = cols <= rows [window]
     [and attention_mask over past + Sq]. mask: causal | causal_padding | window | window_padding |
-    causal_new_padding (the mask's padding applied to the new tokens' keys only)."""
+    causal_new_padding (the mask's padding applied to the new tokens' keys only).
+    kv_dim: the KV-head dim the cache and k/v inputs declare (default Hkv; a name makes it symbolic).
+    repeat: the repeat_kv (default constant targets; ``"shape"``: targets built from Shape, as dynamo writes them)."""
     b = graphs.Builder(17)
-    inputs = [graphs.io("q", ["b", H, "s", D]), graphs.io("past_key", ["b", Hkv, "p", D]),
-              graphs.io("past_value", ["b", Hkv, "p", D]), graphs.io("k_new", ["b", Hkv, "s", D]),
-              graphs.io("v_new", ["b", Hkv, "s", D])]
+    hd = Hkv if kv_dim is None else kv_dim
+    inputs = [graphs.io("q", ["b", H, "s", D]), graphs.io("past_key", ["b", hd, "p", D]),
+              graphs.io("past_value", ["b", hd, "p", D]), graphs.io("k_new", ["b", hd, "s", D]),
+              graphs.io("v_new", ["b", hd, "s", D])]
     k = b.node("Concat", "past_key", "k_new", axis=2, out="present_key")
     v = b.node("Concat", "past_value", "v_new", axis=2, out="present_value")
-    k, v = (_repeat_kv(b, x, Hkv, H, D) for x in (k, v))
+    rep = _repeat_kv_from_shape if repeat == "shape" else _repeat_kv
+    k, v = (rep(b, x, Hkv, H, D) for x in (k, v))
     scores = b.node("Mul", b.node("MatMul", "q", b.node("Transpose", k, perm=[0, 1, 3, 2])), b.const(D ** -0.5))
 
     def dim(x, axis):
@@ -131,6 +136,18 @@ def _repeat_kv(b, x, Hkv, H, D):
     return b.node("Reshape", e, b.const([0, H, -1, D], dtype=np.int64))
 
 
+def _repeat_kv_from_shape(b, x, Hkv, H, D):
+    """repeat_kv with targets [B, Hkv, G, S, D] and [B, H, S, D] read from Shape(x) where x has the dim."""
+    i64 = lambda v: b.const(v, dtype=np.int64)  # noqa: E731
+
+    def dims(start, end):
+        return b.node("Slice", b.node("Shape", x), i64([start]), i64([end]))
+
+    u = b.node("Unsqueeze", x, i64([2]))
+    e = b.node("Expand", u, b.node("Concat", dims(0, 2), i64([H // Hkv]), dims(2, 4), axis=0))
+    return b.node("Reshape", e, b.node("Concat", dims(0, 1), i64([H]), dims(2, 4), axis=0))
+
+
 def _decode_feeds(sq, past, lengths=None, H=4, Hkv=2, D=32, seed=0):
     rng = np.random.default_rng(seed)
     B = 3 if lengths is None else len(lengths)
@@ -162,6 +179,59 @@ def test_decode_graph_mask_class(mask, cls, causal):
         diff = np.abs(ref[0] - got[0])
         assert (diff[np.broadcast_to(real, diff.shape)].max() if "padding" in mask else diff.max()) <= 1e-4
         assert all(np.array_equal(a, c) for a, c in zip(ref[1:], got[1:]))
+
+
+@pytest.mark.parametrize("Hkv", [2, 1])
+@pytest.mark.parametrize("repeat", [None, "shape"])
+def test_kv_heads_from_the_repeat_when_the_cache_dim_is_symbolic(Hkv, repeat):
+    """A cache whose KV-head dim is a name ("kv_heads"): the head split is read from repeat_kv
+    (the Expand's group size G, the Reshape's H: Hkv = H / G), not left at H."""
+    model = decode_graph(Hkv=Hkv, kv_dim="kv_heads", repeat=repeat)
+    fused, res = fuse_model(model)
+    (a,) = _fa(res)
+    assert (a.rewrite.attrs["num_heads"], a.rewrite.attrs["num_kv_heads"]) == (4, Hkv), a.rewrite.info
+    assert "Expand" not in [n.op_type for n in fused.graph.node]
+    for sq, past in ((1, 9), (7, 9)):
+        feeds = _decode_feeds(sq, past, Hkv=Hkv)
+        assert all(np.abs(r - g).max() <= 1e-4 for r, g in zip(_run(model, feeds), _run(fused, feeds)))
+
+
+def _dynamo_kt(b, k, D):
+    """dynamo's SDPA kᵀ: Reshape(Transpose(Reshape(k, [-1, Shape(k)[-2], D]), [0, 2, 1]),
+    [Shape(k)[:-2], D, Shape(k)[-2]])."""
+    i64 = lambda v: b.const(v, dtype=np.int64)  # noqa: E731
+    seq = b.node("Slice", b.node("Shape", k), i64([-2]), i64([-1]))
+    lead = b.node("Slice", b.node("Shape", k), i64([-(1 << 62)]), i64([-2]))
+    flat = b.node("Reshape", k, b.node("Concat", i64([-1]), seq, i64([D]), axis=0))
+    return b.node("Reshape", b.node("Transpose", flat, perm=[0, 2, 1]), b.node("Concat", lead, i64([D]), seq, axis=0))
+
+
+def test_gqa_through_dynamo_kt_when_shapes_say_nothing():
+    """K/V [B, Hkv, S, D] out of an op ONNX cannot infer (a contrib op whose stored shape is all
+    ``unk__N``), repeated with Shape-built targets, k transposed the way dynamo writes SDPA's kᵀ:
+    data propagation names the kᵀ chain's dims after k's (its fresh ``unk__N``), so the chain is
+    proven, the head split found (num_kv_heads = 2, both repeat_kv absorbed) and the result matches."""
+    H, Hkv, D = 4, 2, 32
+    b = graphs.Builder(17)
+    kv = [b.node("FastGelu", x, domain="com.microsoft", out=f"{x}_kv") for x in ("k_in", "v_in")]
+    k, v = (_repeat_kv_from_shape(b, x, Hkv, H, D) for x in kv)
+    scores = b.node("Mul", b.node("MatMul", "q", _dynamo_kt(b, k, D)), b.const(D ** -0.5))
+    b.node("MatMul", b.node("Softmax", scores, axis=-1), v, out="y")
+    model = b.model([graphs.io("q", ["b", H, "s", D]), graphs.io("k_in", ["b", Hkv, "s", D]),
+                     graphs.io("v_in", ["b", Hkv, "s", D])], [graphs.io("y", ["b", H, "s", D])])
+    model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    for name in kv:  # as a tool that ran ONNX's inference stored them
+        model.graph.value_info.append(onnx.helper.make_tensor_value_info(
+            name, TensorProto.FLOAT, [f"unk__{i}" for i in range(4)]))
+    fused, res = fuse_model(model)
+    (a,) = _fa(res)
+    assert (a.rewrite.attrs["num_heads"], a.rewrite.attrs["num_kv_heads"]) == (H, Hkv), a.rewrite.info
+    assert [t.name for t in a.rewrite.inputs[1:3]] == kv
+    assert "Expand" not in [n.op_type for n in fused.graph.node]
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(np.float32)
+             for n, s in (("q", (2, H, 5, D)), ("k_in", (2, Hkv, 5, D)), ("v_in", (2, Hkv, 5, D)))}
+    assert np.abs(_run(model, feeds)[0] - _run(fused, feeds)[0]).max() <= 1e-4
 
 
 def test_padding_probes_cover_the_cached_keys():
@@ -257,27 +327,38 @@ def test_decode_export_torch_reference(fused_decode, family, exporter):
     assert max(float(np.abs(want[o.name] - g).max()) for o, g in zip(em.outputs, got)) <= 1e-4
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family,exporter", [("llama", "dynamo"), ("gpt2", "torchscript")])
-def test_decode_hbm_estimate_counts_the_cache_reads(fused_decode, family, exporter):
-    """Each attention node reads K and V at Sk = past + Sq keys and KV heads (not Sq)."""
-    from optfuse.models import decode_dims
-
-    em, _, fused, res = fused_decode(family, exporter)
-    dims = decode_dims(1, 64)
+def _check_cache_reads(em, fused, res, dims):
+    """Each attention node moves K and V at Sk = past + Sq keys and the KV heads (not Sq, not the
+    query heads), q and the output at Sq, and the key-padding row [B, 1, 1, Sk] (fp32) it reads;
+    the node that owns the row's Slice (shared by all layers) also its read of the mask
+    [B, 1, Sq, Sk], its write of the row and its three int64 parameters."""
     est = estimate_traffic(fused, res, dims)
-    B, Sk, D = dims["batch"], dims["total_sequence"], em.meta["head_dim"]
+    B, Sq, Sk, D = dims["batch"], dims["sequence"], dims["total_sequence"], em.meta["head_dim"]
     H, Hkv = em.meta["num_heads"], em.meta["num_kv_heads"]
     kv = 2 * B * Hkv * Sk * D * 4
-    q_out = 2 * B * H * 1 * D * 4
+    q_out = 2 * B * H * Sq * D * 4
+    row = B * Sk * 4
     for a in _fa(res):
         moved = est.moved_bytes[a.node_name]
-        assert moved is not None and kv + q_out <= moved <= kv + q_out + 4 * B * Sk * 4, moved
+        assert moved is not None, a.node_name
+        slice_ = B * Sq * Sk * 4 + row + 3 * 8 if a.added_nodes else 0
+        assert moved == kv + q_out + row + slice_, (moved, kv, q_out, row, slice_)
         assert est.saved_bytes[a.node_name] is not None and est.saved_bytes[a.node_name] > 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,exporter", [("llama", "torchscript"), ("gpt2", "dynamo")])
+@pytest.mark.parametrize("sq", [1, 7])
+@pytest.mark.parametrize("family,exporter", [(f, e) for f in ("llama", "gpt2") for e in ("torchscript", "dynamo")])
+def test_decode_hbm_estimate_counts_the_cache_reads(fused_decode, family, exporter, sq):
+    """Decode (Sq = 1) and chunked prefill (Sq = 7) over a past of 64."""
+    from optfuse.models import decode_dims
+
+    em, _, fused, res = fused_decode(family, exporter)
+    _check_cache_reads(em, fused, res, decode_dims(sq, 64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,exporter", [(f, e) for f in ("llama", "gpt2") for e in ("torchscript", "dynamo")])
 def test_decode_export_passes_verify(fused_decode, family, exporter):
     """optfuse.verify at consistent decode dims (its generated masks are right-padded)."""
     from optfuse.models import decode_dims
@@ -288,3 +369,43 @@ def test_decode_export_passes_verify(fused_decode, family, exporter):
         result = verify(model, fused, VerifyOptions(dims=decode_dims(sq, 9)), iterations=2)
         assert result.passed, [(o.name, o.max_abs) for o in result.failed]
         assert len(result.outputs) == 1 + 2 * 2  # last_hidden_state and the two layers' present k / v
+
+
+# ------------------------------------------------------------------------------------------------
+# the GQA / MQA head split of exported LLaMA, with and without a cache, over stale value_info
+# ------------------------------------------------------------------------------------------------
+GQA_CASES = [(e, p, hkv) for e in ("torchscript", "dynamo") for p in (False, True) for hkv in (2, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stale", [False, True], ids=["as_exported", "stale_value_info"])
+@pytest.mark.parametrize("exporter,past,hkv", GQA_CASES)
+def test_gqa_head_split_is_read_from_the_graph(exported_model, exporter, past, hkv, stale):
+    """LLaMA with 4 query heads over 2 (GQA) or 1 (MQA) KV heads: every block fuses with
+    num_kv_heads = Hkv and takes K/V before repeat_kv (its Expand / Reshape leave the graph), also
+    when the model was saved after a plain ONNX shape inference (``unk__N`` dims in value_info,
+    which ONNX keeps over the dims data propagation finds), and matches the original."""
+    from optfuse.models import decode_dims
+
+    em = exported_model("llama", exporter, "sdpa", past=past, num_key_value_heads=hkv)
+    assert (em.meta["num_heads"], em.meta["num_kv_heads"]) == (4, hkv)
+    model = onnx.load(str(em.path))
+    if stale:
+        model = onnx.shape_inference.infer_shapes(model)
+        assert any(d.dim_param.startswith("unk__") for vi in model.graph.value_info
+                   for d in vi.type.tensor_type.shape.dim)
+    fused, res = fuse_model(model, dims=decode_dims(1, 64) if past else None)
+    fa = _fa(res)
+    assert len(fa) == em.counts["attention"], _rejections(res)
+    for a in fa:
+        assert (a.rewrite.attrs["num_heads"], a.rewrite.attrs["num_kv_heads"]) == (4, hkv), a.rewrite.info
+        assert a.rewrite.info["mask_class"] == "causal+padding"
+    expands = [[n.op_type for n in m.graph.node].count("Expand") for m in (model, fused)]
+    assert expands[0] - expands[1] == 2 * len(fa), expands  # K's and V's repeat_kv, per block
+    dims = decode_dims(7, 9, 2) if past else {"batch": 2, "sequence": 7}
+    feeds = em.make_inputs(dims, seed=hkv)
+    feeds["attention_mask"] = np.ones_like(feeds["attention_mask"])
+    ref, got = _run(model, feeds), _run(fused, feeds)
+    assert max(float(np.abs(r - g).max()) for r, g in zip(ref, got)) <= 1e-4
+    if past:  # the estimate reads the cache at Hkv heads
+        _check_cache_reads(em, fused, res, decode_dims(1, 64))

@@ -110,6 +110,48 @@ def test_sanitize_keeps_symbolic_dims_and_folds_constants():
     assert g.outputs[0].shape[0] == "batch"
 
 
+def _head_split(stale: bool):
+    """x [b, s, 128] -> Reshape(x, Concat(Shape(x)[:2], [-1, 32])) -> Transpose: y [b, -1 = 4, s, 32].
+    stale: the model as saved after an ONNX inference without data propagation (value_info ``unk__N``)."""
+    b = graphs.Builder(17)
+    i64 = lambda v: b.const(v, dtype=np.int64)  # noqa: E731
+    target = b.node("Concat", b.node("Slice", b.node("Shape", "x"), i64([0]), i64([2])), i64([-1, 32]), axis=0)
+    b.node("Transpose", b.node("Reshape", "x", target), perm=[0, 2, 1, 3], out="y")
+    model = b.model([graphs.io("x", ["b", "s", 128])], [graphs.io("y", None)])
+    return onnx.shape_inference.infer_shapes(model) if stale else model
+
+
+def test_sanitize_infers_afresh_over_stale_value_info():
+    """ONNX keeps a stored symbolic dim over the one it propagates: sanitize forgets the stored
+    ``unk__N`` dims, so they do not hide the batch, sequence and head dims."""
+    stale = _head_split(stale=True)
+    kept = [d.dim_param for vi in stale.graph.value_info for d in vi.type.tensor_type.shape.dim if d.dim_param]
+    assert kept and all(p.startswith("unk__") for p in kept)  # the stale names the test is about
+    before = stale.SerializeToString()
+    fresh, again = sanitize(_head_split(stale=False)), sanitize(stale)
+    assert stale.SerializeToString() == before  # the caller's proto is left as it was
+    for g in (fresh, again):
+        (r,) = [n.outputs[0] for n in g.nodes if n.op == "Reshape"]
+        assert r.shape[:2] == ["b", "s"] and r.shape[3] == 32, r.shape
+        assert g.outputs[0].shape[0] == "b" and g.outputs[0].shape[2] == "s", g.outputs[0].shape
+
+
+def test_stored_shapes_fill_what_inference_leaves_open():
+    """A tensor inference cannot follow (an op of another domain) keeps its stored shape, less a
+    stored ``unk__N`` name; the stored names it keeps are the exporter's ("b")."""
+    from optfuse.ir.shapes import infer_shapes
+
+    b = graphs.Builder(17)
+    b.node("Relu", b.node("Custom", "x", domain="vendor", out="c"), out="y")
+    model = b.model([graphs.io("x", ["b", 8])], [graphs.io("y", None)])
+    model.opset_import.append(onnx.helper.make_opsetid("vendor", 1))
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, ["b", "unk__0", 8]))
+    got = {vi.name: [d.dim_param or d.dim_value or None for d in vi.type.tensor_type.shape.dim]
+           for vi in infer_shapes(model).graph.value_info}
+    assert got["c"] == ["b", None, 8]
+    assert [d.dim_param for d in model.graph.value_info[0].type.tensor_type.shape.dim][1] == "unk__0"  # left as it was
+
+
 def test_concrete_shapes_resolve_symbols_and_write_nothing(tmp_path, monkeypatch):
     import onnx_graphsurgeon as gs
 

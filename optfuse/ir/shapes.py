@@ -7,6 +7,7 @@ reference functions first (``optfuse.rewrite.add_functions``), so inference can 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import onnx
@@ -17,16 +18,52 @@ from .load import _PROTO_LIMIT, model_bytes
 log = logging.getLogger(__name__)
 
 
+#: The names ONNX shape inference gives the dims it cannot name (``unk__3``): fresh per run, so a
+#: stored one means nothing to a later run and may even equal one of its new names.
+_INFERRED_SYMBOL = re.compile(r"unk__\d+")
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """ONNX shape inference with data propagation; models past the protobuf limit are left as they are."""
+    """ONNX shape inference with data propagation; models past the protobuf limit are left as they are.
+
+    A stored dim named ``unk__N`` (the model's value_info or outputs as a saved earlier inference
+    wrote them) is forgotten first: ONNX keeps a stored symbolic dim over the one it propagates, so
+    a model saved after an inference without data propagation would keep ``unk__N`` head counts and
+    sequence lengths where data propagation finds ``4`` or ``sequence``. Every other stored dim (an
+    exporter's ``sequence``, a static size) is kept, and a stored shape still stands where
+    inference cannot follow an op. The proto is left as it was.
+    """
     if model_bytes(model) > _PROTO_LIMIT:
         log.warning("model over 2 GiB: skipping in-memory shape inference")
         return model
+    stored = [(vi, onnx.ValueInfoProto.FromString(vi.SerializeToString()))
+              for vi in [*model.graph.value_info, *model.graph.output] if _has_inferred_symbol(vi)]
+    for vi, _ in stored:  # put back below: no copy of the weights for this
+        _forget_inferred_symbols(vi)
     try:
         return onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:  # inference is best effort: a model onnxruntime runs is still valid input
         log.warning("shape inference failed: %s", str(exc).splitlines()[0])
         return model
+    finally:
+        for vi, old in stored:
+            vi.CopyFrom(old)
+
+
+def _has_inferred_symbol(vi: onnx.ValueInfoProto) -> bool:
+    return any(d.HasField("dim_param") and _INFERRED_SYMBOL.fullmatch(d.dim_param) for d in _dims(vi))
+
+
+def _forget_inferred_symbols(vi: onnx.ValueInfoProto) -> None:
+    """Turn every ``unk__N`` dim of ``vi`` into an unknown one."""
+    for d in _dims(vi):
+        if d.HasField("dim_param") and _INFERRED_SYMBOL.fullmatch(d.dim_param):
+            d.ClearField("dim_param")
+
+
+def _dims(vi: onnx.ValueInfoProto):
+    tt = vi.type.tensor_type
+    return tt.shape.dim if tt.HasField("shape") else []
 
 
 def concrete_shapes(model: onnx.ModelProto, dims: dict[str, int]) -> dict[str, tuple[int, ...]]:

@@ -83,6 +83,9 @@ still rejects the match.
 
 Head counts and head dims must be static: they come from shapes, or through Reshape/Transpose/
 elementwise producers when shape inference left them symbolic (TorchScript's ``view(b, s, -1, d)``).
+The KV heads of a repeat_kv whose input's head dim stays symbolic (a cache input that names it) are
+H / G, G read from the Expand's target [B, Hkv, G, S, D] (constant entries of a target built from
+``Shape``, TorchScript's ``Where(Equal(t, -1), 1, t)`` included).
 
 Not fused (with the reason): attention probabilities that are a graph output (``output_attentions``)
 or read by anything else, live dropout, a non-constant scale, unknown head counts, a head dim outside

@@ -11,7 +11,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ...ir.query import const_value, rank
-from ...ir.static import StaticEval
+from ...ir.static import UNKNOWN_DIM, StaticEval
 from ...pattern import Context, Match, NewTensor
 from .common import AttentionPlan, check_dtypes, check_head_dim, need
 from .mask_bias import plan_mask
@@ -190,7 +190,7 @@ def _heads(m: Match, st: StaticEval, q, k, k_kv, v, v_kv) -> dict[str, Any]:
     need(Dv == D, f"v head dim {Dv} differs from q head dim {D} (the op needs one head dim)")
     gqa = False
     if k_kv is not None and v_kv is not None:
-        hk, hv = st.dim(k_kv, 1), st.dim(v_kv, 1)
+        hk, hv = (st.dim(x, 1) or _heads_from_repeat(m, st, name, H) for x, name in ((k_kv, "k"), (v_kv, "v")))
         same = all(st.same_dim(a, i, b, i) is not False for a, b in ((k, k_kv), (v, v_kv)) for i in (0, 2, 3))
         if hk is not None and hk == hv and H % hk == 0 and same and Hk in (None, H) and Hv in (None, H) \
                 and rank(k_kv) == 4 and rank(v_kv) == 4:
@@ -202,3 +202,48 @@ def _heads(m: Match, st: StaticEval, q, k, k_kv, v, v_kv) -> dict[str, Any]:
     for x, what in ((k, "k"), (v, "v")):
         need(st.same_dim(q, 0, x, 0) is not False, f"batch of {what} differs from q's (broadcast batch)")
     return {"H": H, "Hkv": Hk, "D": D, "gqa": gqa}
+
+
+def _heads_from_repeat(m: Match, st: StaticEval, name: str, H: int) -> int | None:
+    """The KV heads of ``name``'s repeat_kv when its input's head dim is not static (a cache input
+    that names it, a value_info that left it symbolic): H / G, with the group size G read from the
+    Expand's target [B, Hkv, G, S, D] (the Reshape to [B, H, S, D] merges Hkv and G)."""
+    target = m.get(f"{name}_rep_shape")
+    if target is None or target.shape is None or list(target.shape) != [5]:
+        return None  # a shorter target broadcasts from the right: entry 2 is not the group
+    g = _vector_entry(st, target, 2)
+    return H // g if g is not None and g >= 1 and H % g == 0 else None
+
+
+def _vector_entry(st: StaticEval, t: gs.Tensor | None, i: int, depth: int = 8) -> int | None:
+    """Entry ``i`` of a 1-D int64 shape vector when it is static, though other entries are not
+    (a target concatenated from Shape slices and constants, TorchScript's Where(Equal(t, -1), 1, t))."""
+    if t is None or depth <= 0:
+        return None
+    v = st.value(t, partial=True)
+    if v is not None:
+        v = np.asarray(v).reshape(-1)
+        ok = v.ndim == 1 and -len(v) <= i < len(v) and np.issubdtype(v.dtype, np.integer) and int(v[i]) != UNKNOWN_DIM
+        return int(v[i]) if ok else None
+    node = t.inputs[0] if len(t.inputs) == 1 else None
+    if node is None:
+        return None
+    if node.op == "Concat" and int(node.attrs.get("axis", 0)) in (0, -1):
+        for part in node.inputs:
+            pv = st.value(part, partial=True)
+            n = np.asarray(pv).size if pv is not None else (part.shape[0] if rank(part) == 1 else None)
+            if not isinstance(n, (int, np.integer)):
+                return None
+            if i < n:
+                return _vector_entry(st, part, i, depth - 1)
+            i -= int(n)
+        return None
+    if node.op == "Where" and len(node.inputs) == 3:  # TorchScript's x.expand(t): Where(Equal(t, -1), 1, t)
+        cond, t_ = node.inputs[0], node.inputs[2]
+        eq = cond.inputs[0] if len(cond.inputs) == 1 else None
+        minus = st.value(eq.inputs[1]) if eq is not None and eq.op == "Equal" and eq.inputs[0] is t_ else None
+        if minus is None or not (np.asarray(minus) == -1).all():
+            return None
+        e = _vector_entry(st, t_, i, depth - 1)
+        return e if e is not None and e != -1 else None
+    return None
