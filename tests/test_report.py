@@ -29,6 +29,11 @@ def test_counts_matches_and_hbm():
         assert f["hbm_saved_bytes"] == 2 * 16 * 64 * 4
     assert report["hbm_saved_bytes_total"] == 2 * 8192 and report["hbm_unknown"] == 0
     assert report["original_nodes_replaced"] == 4
+    # what each fused node still moves: x, skip, y and the sum (2 * 16 * 64 floats each), gamma, beta
+    for f in report["fusions"]:
+        assert f["hbm_moved_bytes"] == 4 * (2 * 16 * 64 * 4) + 2 * 64 * 4
+    md = render_markdown(report)
+    assert "| HBM saved | HBM moved |" in md and "| 8.0 KiB | 32.5 KiB |" in md
     json.dumps(report)  # plain JSON
 
 

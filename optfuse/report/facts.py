@@ -62,7 +62,8 @@ def hbm_by_family(fusion: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def fusion_facts(fusion: Mapping[str, Any]) -> dict[str, Any]:
-    fusions = [{k: f.get(k) for k in ("node", "op", "rule", "nodes", "hbm_saved_bytes")} for f in fusion.get("fusions", [])]
+    keys = ("node", "op", "rule", "nodes", "hbm_saved_bytes", "hbm_moved_bytes")
+    fusions = [{k: f.get(k) for k in keys} for f in fusion.get("fusions", [])]
     counts: dict[str, int] = {}
     for f in fusions:
         counts[f["op"]] = counts.get(f["op"], 0) + 1

@@ -6,7 +6,8 @@ density at the report's dims and the fractions of score FLOPs and K/V reads the 
 ``sparsity``), the counts a family summarises before and
 after its pass (the GEMM family: GEMM launches), what was not and why, and an estimate of the
 HBM traffic each fusion saves: bytes the original nodes read and wrote minus what the fused node
-reads and writes, with symbolic dims resolved from the recipe's opt shapes (or the defaults of
+reads and writes (that last figure too, ``hbm_moved_bytes``: attention over a KV cache counts its
+K/V reads at the KV heads), with symbolic dims resolved from the recipe's opt shapes (or the defaults of
 :mod:`optfuse.defaults`). An estimate that depends on a dim nobody resolved is ``null`` in JSON and ``unknown`` in Markdown.
 """
 
@@ -45,6 +46,8 @@ def build_report(result: FusionResult, *, estimate: TrafficEstimate | None = Non
             "node": acc.node_name,
             "nodes": list(acc.nodes),
             "hbm_saved_bytes": estimate.saved_bytes.get(acc.node_name) if estimate is not None else None,
+            # what the fused node still reads and writes (attention over a cache: the K/V at Hkv heads)
+            "hbm_moved_bytes": estimate.moved_bytes.get(acc.node_name) if estimate is not None else None,
             "info": jsonable(info),
         })
         work = estimate.sparsity.get(acc.node_name) if estimate is not None else None
@@ -166,13 +169,15 @@ def render_markdown(report: dict[str, Any]) -> str:
 
     lines += ["", "## Fusions", ""]
     if report["fusions"]:
-        lines += ["| fused node | op | rule | original nodes | HBM saved | info |", "|---|---|---|---|---:|---|"]
+        lines += ["| fused node | op | rule | original nodes | HBM saved | HBM moved | info |",
+                  "|---|---|---|---|---:|---:|---|"]
         for f in report["fusions"]:
             info = ", ".join(f"{k}={short(v)}" for k, v in f.get("info", {}).items())
             if f.get("sparsity"):
                 info += "; " + sparsity_cell(f["sparsity"])
             lines.append(f"| `{f['node']}` | {f['op']} | `{f['rule']}` | {names_cell(f['nodes'])} | "
-                         f"{format_bytes(f['hbm_saved_bytes'])} | {md_cell(info)} |")
+                         f"{format_bytes(f['hbm_saved_bytes'])} | {format_bytes(f.get('hbm_moved_bytes'))} | "
+                         f"{md_cell(info)} |")
     else:
         lines.append("None.")
     lines += ["", "## Not fused", ""]
