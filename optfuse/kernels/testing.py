@@ -67,7 +67,7 @@ def run_onnx_function(function, inputs: Sequence[np.ndarray], attrs: dict, opset
     import onnxruntime as ort
     from onnx import helper
 
-    names = list(function.input)
+    names = list(function.input)[:len(inputs)]  # trailing optional inputs (a norm's y_scale) left out
     # what a fused node carries: the plugin namespace / version the function declares (its spec's)
     plugin = {a.name: a.s.decode() for a in function.attribute_proto if a.name in ("plugin_namespace", "plugin_version")}
     node = helper.make_node(function.name, names, list(function.output), domain=function.domain, **{**plugin, **attrs})
