@@ -78,8 +78,8 @@ def fold_norm_quantize(model: onnx.ModelProto, result) -> onnx.ModelProto:
         q_readers = [r for q in qs for r in readers.get(q.output[0], [])]
         gemms = sorted({r.name for r in q_readers})
         scale, why = _one_scale(qs, inits)
-        if not why and not all(r.domain == DOMAIN and r.op_type in FP8_PLUGINS and r.input[0] in {q.output[0] for q in qs}
-                               for r in q_readers):
+        q_outs = {q.output[0] for q in qs}
+        if not why and not all(r.domain == DOMAIN and r.op_type in FP8_PLUGINS and r.input[0] in q_outs for r in q_readers):
             why = f"{KEPT_QDQ} ({sorted({r.op_type for r in q_readers})[0]})"
         others = [r.name or r.op_type for r in readers.get(y, []) if r not in qs and r.op_type not in SHAPE_READERS]
         if others:
