@@ -34,3 +34,34 @@ def plugin_function(spec: OpSpec, nodes: list, opset: int, doc: str | None = Non
         attribute_protos=attribute_protos,
         doc_string=doc or f"optfuse {spec.op}: reference semantics for onnxruntime (TensorRT maps the node to a plugin).",
     )
+
+
+#: E4M3's largest finite value (ONNX FLOAT8E4M3FN: no infinities); QuantizeLinear saturates to it.
+E4M3_MAX = 448.0
+
+
+def quantize_e4m3(values, scale):
+    """``values / scale`` as QuantizeLinear with a float8e4m3fn zero point computes it: saturated to
+    +-448, rounded to nearest even (ml_dtypes float8_e4m3fn, through float32 as onnxruntime's
+    float32 QuantizeLinear rounds), NaN kept NaN. ``scale``: one value (a [1] or [] array)."""
+    import ml_dtypes
+    import numpy as np
+
+    s = float(np.asarray(scale, np.float64).reshape(-1)[0])
+    q = np.clip(np.asarray(values, np.float64) / s, -E4M3_MAX, E4M3_MAX)  # np.clip keeps NaN
+    return q.astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+
+
+def quantize_output_nodes(value: str, scale: str, out: str) -> list:
+    """Function-body nodes ``out = QuantizeLinear(value, scale)`` to float8e4m3fn (saturate), the
+    [1] ``scale`` read as the per-tensor scalar; ``value`` is float32 (default-domain opset >= 19)."""
+    from onnx import TensorProto, helper
+
+    return [
+        helper.make_node("Constant", [], [f"{out}_scalar_shape"],
+                         value=helper.make_tensor(f"{out}_scalar_shape", TensorProto.INT64, [0], [])),
+        helper.make_node("Reshape", [scale, f"{out}_scalar_shape"], [f"{out}_scale_s"]),
+        helper.make_node("Constant", [], [f"{out}_zero_point"],
+                         value=helper.make_tensor(f"{out}_zero_point", TensorProto.FLOAT8E4M3FN, [], [0.0])),
+        helper.make_node("QuantizeLinear", [value, f"{out}_scale_s", f"{out}_zero_point"], [out], saturate=1),
+    ]

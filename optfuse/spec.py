@@ -19,6 +19,9 @@ value of that string attribute: each of its choices is one of the output's dtype
 applies the rule; both TensorRT plugin forms and the contract test call it. An optional input
 with ``with_dtypes: [...]`` is present exactly when the first input has one of those dtypes (the
 GEMM's FP8 scales: ``[float8e4m3fn]``); :meth:`OpSpec.presence_error` checks a node against it.
+An output with ``quantized_by: <input>`` (an optional float32 input, its scale) is float8e4m3fn
+exactly when that input is present (the norms' FP8 output: ``y_scale``), else it follows its other
+rules.
 
 Plugin folders are imported as the package ``optfuse_plugins.<folder>`` (see
 :mod:`optfuse.plugin_dirs`), so kernels, references and launch code live next to the spec.
@@ -40,7 +43,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float8e4m3fn", "int32", "int64", "b
 #: Dtypes computed in (and stored as) floating point wide enough for every op's math.
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 #: 8-bit floats (E4M3, no infinities, max 448: ONNX's FLOAT8E4M3FN): GEMM operands that come with
-#: float32 scales; never an op's output.
+#: float32 scales; an op's output only through a ``quantized_by`` rule (with its scale input).
 FP8_DTYPES = ("float8e4m3fn",)
 #: The ``dtype_from`` attribute value meaning "the dtype of the input the output is ``like``".
 LIKE_INPUT = "like_input"
@@ -65,6 +68,8 @@ class TensorSpec:
     dtype_from: str | None = None
     # An optional input present exactly when the first input has one of these dtypes (empty: any)
     with_dtypes: tuple[str, ...] = ()
+    # An output that is float8e4m3fn exactly when this optional float32 input (its scale) is present
+    quantized_by: str | None = None
     doc: str = ""
 
 
@@ -123,6 +128,10 @@ class OpSpec:
         value, or the ``like`` input's dtype (``like_input``, or no ``dtype_from`` rule). Raises
         ValueError where that is not one of the output's dtypes (GEMM: an FP8 A with ``like_input``)."""
         out = self.outputs[j]
+        if out.quantized_by is not None:
+            i = self.input_index(out.quantized_by)
+            if i < len(dtypes) and dtypes[i] is not None:
+                return next(d for d in out.dtypes if d in FP8_DTYPES)
         value = LIKE_INPUT
         if out.dtype_from is not None:
             got = (attrs or {}).get(out.dtype_from)
@@ -163,7 +172,7 @@ class OpSpec:
 _OP_KEYS = {"op": True, "doc": True, "inputs": True, "outputs": True, "attributes": False, "domain": False,
             "version": False, "limits": False}
 _TENSOR_KEYS = {"name": True, "dtypes": True, "optional": False, "like": False, "last_dim": False,
-                "dtype_from": False, "with_dtypes": False, "doc": False}
+                "dtype_from": False, "with_dtypes": False, "quantized_by": False, "doc": False}
 _LAST_DIM_KEYS = {"input": True, "axis": True}
 _ATTR_KEYS = {"name": True, "type": True, "default": False, "choices": False, "doc": False}
 
@@ -226,6 +235,8 @@ def _tensor(raw: Any, where: str) -> TensorSpec:
         like=None if like is None else _typed(like, str, f"{where}.like"),
         last_dim=last_dim,
         dtype_from=None if raw.get("dtype_from") is None else _typed(raw["dtype_from"], str, f"{where}.dtype_from"),
+        quantized_by=None if raw.get("quantized_by") is None else _typed(raw["quantized_by"], str,
+                                                                         f"{where}.quantized_by"),
         with_dtypes=tuple(_typed(d, str, f"{where}.with_dtypes[{j}]")
                           for j, d in enumerate(_typed(raw.get("with_dtypes", []), list, f"{where}.with_dtypes"))),
         doc=_typed(raw.get("doc", ""), str, f"{where}.doc"),
@@ -292,6 +303,17 @@ def _check_dtype_from(out: TensorSpec, attributes: tuple[AttrSpec, ...], where: 
         _fail(where, f"choice {LIKE_INPUT!r} of {attr.name!r} needs a 'like' rule")
 
 
+def _check_quantized_by(out: TensorSpec, inputs: tuple[TensorSpec, ...], where: str) -> None:
+    """``quantized_by`` names an optional float32 input, and the output lists exactly one FP8 dtype."""
+    scale = next((t for t in inputs if t.name == out.quantized_by), None)
+    if scale is None:
+        _fail(where, f"{out.quantized_by!r} names no input (inputs: {', '.join(t.name for t in inputs)})")
+    if not scale.optional or scale.dtypes != ("float32",):
+        _fail(where, f"input {scale.name!r} must be optional and float32 (the scale)")
+    if sum(d in FP8_DTYPES for d in out.dtypes) != 1:
+        _fail(where, f"the output must list exactly one of {', '.join(FP8_DTYPES)}")
+
+
 def parse_spec(raw: Any, folder: str, where: str) -> OpSpec:
     """One spec document (a YAML mapping) as an :class:`OpSpec`; ``where`` prefixes every error
     (e.g. ``plugins/layer_norm/spec.yaml, document 2``)."""
@@ -313,7 +335,7 @@ def parse_spec(raw: Any, folder: str, where: str) -> OpSpec:
     _names_unique(attributes, f"{where}: attributes")
     in_names = [t.name for t in inputs]
     for i, t in enumerate(inputs):
-        for key in ("like", "dtype_from"):
+        for key in ("like", "dtype_from", "quantized_by"):
             if getattr(t, key) is not None:
                 _fail(f"{where}: inputs[{i}].{key}", f"only outputs take a {key!r} rule")
     for i, t in enumerate(outputs):
@@ -326,6 +348,8 @@ def parse_spec(raw: Any, folder: str, where: str) -> OpSpec:
             _check_dtype_from(t, attributes, f"{where}: outputs[{i}].dtype_from")
         if t.with_dtypes:
             _fail(f"{where}: outputs[{i}].with_dtypes", "only optional inputs take a 'with_dtypes' rule")
+        if t.quantized_by is not None:
+            _check_quantized_by(t, inputs, f"{where}: outputs[{i}].quantized_by")
     for i, t in enumerate(inputs):
         for j, d in enumerate(t.with_dtypes):
             if not t.optional or i == 0:

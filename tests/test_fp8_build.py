@@ -77,3 +77,16 @@ def test_fp8_plugins_build_with_rtx(family, exporter, exported_model, tmp_path):
     assert plugin and {g["name"] for g in res.fp8["gemms"]} == plugin
     fp8 = {entry.rsplit(" (", 1)[0] for entry in report.fp8_layers}
     assert plugin <= fp8, sorted(plugin - fp8)
+
+
+@pytest.mark.slow
+@pytest.mark.trt
+@pytest.mark.parametrize("family, exporter", [c for c in CASES if c[0] == "llama"])
+def test_fp8_norm_outputs_build_with_rtx(family, exporter, exported_model, tmp_path):
+    """LLaMA's RMSNorms in front of FP8 GEMMs write E4M3 (optfuse.precision.fp8_norm): their plugin
+    layers have an FP8 output in the network, so the build report lists them among the FP8 layers."""
+    model, res, report = _build(exported_model, tmp_path, family, exporter, None)
+    folded = {x["name"] for x in res.fp8["norms"] if x["form"] == "fp8_output"}
+    assert folded
+    fp8 = {entry.rsplit(" (", 1)[0] for entry in report.fp8_layers}
+    assert folded <= fp8, sorted(folded - fp8)

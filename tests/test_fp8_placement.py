@@ -5,7 +5,8 @@ fake-quant candidate stays within the FP8 tolerances of the FP32 original in onn
 Two forms: with the GEMM fusions off, unfused MatMul/Gemm get TensorRT's explicit-quantization
 pattern (activation Q -> DQ, per-channel weight DQ of an FP8 initializer); with them on, the optfuse
 GEMM nodes take the FP8 tensors and their scales directly (no DQ in front of the node), once the
-GEMM spec has its FP8 form."""
+GEMM spec has its FP8 form. A norm whose y only FP8 GEMMs read writes E4M3 itself (its Q folded
+in: optfuse.precision.fp8_norm), so such a GEMM's A comes from the norm instead of a Q."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from optfuse.report import precision_markdown  # noqa: E402
 from optfuse.verify import verify  # noqa: E402
 
 CASES = [(f, e) for f in ("bert", "gpt2", "vit", "llama") for e in ("dynamo", "torchscript")]
+NORM_OPS = ("LayerNorm", "SkipLayerNorm", "RMSNorm", "SkipRMSNorm")
 DIMS = {"batch": 2, "sequence": 16}
 
 
@@ -121,7 +123,8 @@ def test_optfuse_gemms_take_fp8_directly(family, exporter, exported_model, tmp_p
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         assert attrs["plugin_version"] == b"2" and attrs["output_dtype"] == b"float16"
-        assert prod[n.input[0]].op_type == "QuantizeLinear"  # no DQ in front of the plugin
+        a = prod[n.input[0]]  # no DQ in front of the plugin: a Q, or a norm writing FP8 itself (fp8_norm)
+        assert a.op_type == "QuantizeLinear" or (a.op_type in NORM_OPS and a.overload == "fp8")
         n_w = 2 if n.op_type == "GatedGemm" else 1
         for w in n.input[1:1 + n_w]:
             assert inits[w].data_type == TensorProto.FLOAT8E4M3FN
@@ -129,8 +132,8 @@ def test_optfuse_gemms_take_fp8_directly(family, exporter, exported_model, tmp_p
         assert inits[a_scale].data_type == TensorProto.FLOAT and list(inits[a_scale].dims) == [1]
         for w, s in zip(n.input[1:1 + n_w], w_scales):
             assert inits[s].data_type == TensorProto.FLOAT and list(inits[s].dims) == [inits[w].dims[0]]
-        q_scale = onnx.numpy_helper.to_array(inits[prod[n.input[0]].input[1]]).astype(np.float32)
-        assert q_scale == onnx.numpy_helper.to_array(inits[a_scale])[0]  # the Q and the plugin agree
+        q_scale = onnx.numpy_helper.to_array(inits[a.input[1] if a.op_type == "QuantizeLinear" else a.input[-1]])
+        assert q_scale.astype(np.float32).reshape(-1)[0] == onnx.numpy_helper.to_array(inits[a_scale])[0]  # they agree
     assert not any(n.op_type == "DequantizeLinear" for n in out.graph.node)
     _check_policy(fused, out, res)
     _check_accuracy(em, out, tmp_path)
@@ -158,4 +161,136 @@ def test_mha_pattern_on_unfused_attention(family, exporter, exported_model, tmp_
     assert f"TensorRT's FP8 MHA pattern (Q/DQ on Q, K, softmax output P, V): {len(blocks)} block(s)" in \
         precision_markdown(res)
     _check_policy(fused, out, res)
+    _check_accuracy(em, out, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 norm outputs (optfuse.precision.fp8_norm): a norm whose y feeds only FP8 GEMMs writes E4M3
+# ------------------------------------------------------------------------------------------------
+NORM_CASES = [(f, e) for f in ("bert", "llama") for e in ("dynamo", "torchscript")]
+
+
+def _readers(model):
+    out = {}
+    for n in model.graph.node:
+        for i in n.input:
+            out.setdefault(i, []).append(n)
+    return out
+
+
+def _expected_folds(unfolded):
+    """From the model without the fold: {norm name: its Q} for each optfuse norm whose y only Qs
+    read (and is no graph output), and the names of the norms a Q and another node read."""
+    readers, outputs = _readers(unfolded), {o.name for o in unfolded.graph.output}
+    fold, kept = {}, []
+    for n in unfolded.graph.node:
+        if n.domain != DOMAIN or n.op_type not in NORM_OPS:
+            continue
+        rs = [r for r in readers.get(n.output[0], []) if r.op_type not in ("Shape", "Size")]  # shape only
+        qs = [r for r in rs if r.op_type == "QuantizeLinear"]
+        if qs and len(qs) == len(rs) and n.output[0] not in outputs:
+            fold[n.name] = qs[0]
+        elif qs:
+            kept.append(n.name)
+    return fold, sorted(kept)
+
+
+def _e4m3_ordinal(bits):
+    """E4M3 bit patterns as integers in value order (+0 and -0 both 0): adjacent values differ by 1."""
+    b = np.asarray(bits).view(np.uint8).astype(np.int16)
+    return np.where(b & 0x80, -(b & 0x7F), b & 0x7F)
+
+
+def _unfolded_witness(out, folded, unfolded_q):
+    """`out` plus, next to each folded norm, the unfolded chain on the same inputs: the norm in the
+    base precision (no y_scale) -> the placement's QuantizeLinear; both FP8 tensors as outputs."""
+    from optfuse.rewrite import add_functions
+
+    m = onnx.ModelProto()
+    m.CopyFrom(out)
+    g, inits = m.graph, _inits(out)
+    uinits = {t.name: t for t in unfolded_q["inits"]}
+    pairs = []
+    for n in [n for n in g.node if n.name in folded]:
+        q = unfolded_q["qs"][n.name]
+        base = helper.make_node(n.op_type, list(n.input[:-1]), [f"{n.output[0]}/base", *[f"{o}/base" for o in n.output[1:]]],
+                                name=f"{n.name}/base", domain=n.domain)
+        base.attribute.extend(n.attribute)
+        for name in q.input[1:]:
+            if name not in inits:
+                g.initializer.append(uinits[name])
+                inits[name] = uinits[name]
+        requant = helper.make_node("QuantizeLinear", [f"{n.output[0]}/base", *q.input[1:]], [f"{n.output[0]}/unfolded"])
+        g.node.extend([base, requant])
+        for y in (n.output[0], f"{n.output[0]}/unfolded"):
+            g.output.append(helper.make_tensor_value_info(y, TensorProto.FLOAT8E4M3FN, None))
+        pairs.append((n.output[0], f"{n.output[0]}/unfolded"))
+    return add_functions(m), pairs
+
+
+def _run(model, feeds):
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, exporter", NORM_CASES)
+def test_norms_feeding_fp8_gemms_write_fp8(family, exporter, exported_model, monkeypatch, tmp_path):
+    """Each norm whose y only FP8 GEMMs read (through the placement's Q) takes y_scale and writes
+    E4M3 itself, its Q gone: LLaMA's pre-norm RMSNorms. A norm whose y is read in the base precision
+    too keeps its Q: BERT's post-LN LayerNorms, whose y is the next residual. On the same inputs the
+    folded norm's E4M3 y is the unfolded norm -> Q's within one E4M3 ulp (the Q rounded y to fp16
+    first: double rounding, only near an E4M3 rounding boundary), and the candidate stays within the
+    FP8 tolerances of the FP32 model and agrees with the unfolded candidate."""
+    import optfuse.precision.fp8 as fp8_module
+    from optfuse.precision.fp8_norm import KEPT_READ
+
+    em, fused, out, res = _quantized(exported_model, family, exporter, None)
+    with monkeypatch.context() as m:
+        m.setattr(fp8_module, "fold_norm_quantize", lambda model, result: model)
+        _, _, unfolded, _ = _quantized(exported_model, family, exporter, None)
+    fold, kept = _expected_folds(unfolded)
+    norms = res.fp8["norms"]
+    assert sorted(x["name"] for x in norms if x["form"] == "fp8_output") == sorted(fold)
+    assert sorted(x["name"] for x in norms if x["form"] == "quantize_kept") == kept
+    if family == "llama":  # pre-norm: every norm in front of FP8 GEMMs now writes FP8
+        assert fold and not kept
+    else:  # post-LN: y is the residual stream as well
+        assert kept and not fold and all(x["reason"].startswith(KEPT_READ) for x in norms)
+    note = next(n for n in res.notes if n.startswith("FP8 norm outputs:"))
+    assert f"{len(fold)} of {len(norms)} norm(s)" in note and ("keep the QuantizeLinear" in note) == bool(kept)
+
+    prod, inits, readers = _producers(out), _inits(out), _readers(out)
+    n_q = sum(n.op_type == "QuantizeLinear" for n in unfolded.graph.node)
+    assert sum(n.op_type == "QuantizeLinear" for n in out.graph.node) == n_q - len(fold)
+    fns = {(f.name, f.overload) for f in out.functions}
+    for n in out.graph.node:
+        if n.name not in fold:
+            continue
+        y_scale = inits[n.input[-1]]
+        assert y_scale.data_type == TensorProto.FLOAT and list(y_scale.dims) == [1] and n.overload == "fp8"
+        q_scale = onnx.numpy_helper.to_array(_inits(unfolded)[fold[n.name].input[1]]).astype(np.float32)
+        assert onnx.numpy_helper.to_array(y_scale)[0] == q_scale  # the Q's scale, exactly
+        assert n.output[0] == fold[n.name].output[0] and (n.op_type, "fp8") in fns
+        rs = readers[n.output[0]]  # its shape readers read x now (y's shape)
+        assert rs and all(r.domain == DOMAIN and r.op_type in PLUGIN_GEMMS and r.input[0] == n.output[0] for r in rs)
+        assert all(prod.get(i) is not n for r in out.graph.node if r.op_type == "QuantizeLinear" for i in r.input)
+
+    feeds = calibration_feeds(fused, None)[0]
+    if fold:
+        witness, pairs = _unfolded_witness(out, fold, {"qs": fold, "inits": list(unfolded.graph.initializer)})
+        got = _run(witness, feeds)
+        for folded_y, unfolded_y in pairs:
+            diff = np.abs(_e4m3_ordinal(got[folded_y]) - _e4m3_ordinal(got[unfolded_y]))
+            assert diff.max() <= 1, (folded_y, int(diff.max()))
+            assert (diff > 0).mean() < 0.02, (folded_y, float((diff > 0).mean()))  # near a boundary only
+    a, b = _run(out, feeds), _run(unfolded, feeds)
+    for k in a:
+        p, q = a[k].astype(np.float64).ravel(), b[k].astype(np.float64).ravel()
+        if not fold:
+            np.testing.assert_array_equal(p, q)  # nothing folded: the same model
+        else:
+            assert p @ q / (np.linalg.norm(p) * np.linalg.norm(q)) >= 0.999, k
     _check_accuracy(em, out, tmp_path)

@@ -96,7 +96,7 @@ def test_apply_plan_checks_rewrites_against_the_spec():
     bad = [
         (Rewrite("LayerNorm", [x, gamma, beta], [y], {"eps": 1e-5}), "attribute 'eps' is not in the spec (attributes: ['epsilon'])"),
         (Rewrite("LayerNorm", [x, gamma, beta], [y], {"epsilon": 1}), "attribute 'epsilon' = 1 is not of type float"),
-        (Rewrite("LayerNorm", [x, gamma, beta, beta], [y], {}), "4 inputs, the spec has 3"),
+        (Rewrite("LayerNorm", [x, gamma, beta, beta, beta], [y], {}), "5 inputs, the spec has 4"),  # 4th: y_scale
         (Rewrite("LayerNorm", [x, gamma], [y], {}), "required input 'beta' (#2) is missing"),
         (Rewrite("LayerNorm", [x, None, beta], [y], {}), "required input 'gamma' (#1) is missing"),
         (Rewrite("LayerNorm", [x, gamma, beta], [y, y], {}), "2 outputs, the spec has 1"),

@@ -26,7 +26,8 @@ def test_specs_load_as_before():
     assert {"LayerNorm", "SkipLayerNorm", "RMSNorm", "SkipRMSNorm", "FlashAttention"} <= set(specs)
     ln = get_spec("LayerNorm")
     assert (ln.op, ln.folder, ln.domain, ln.version, ln.plugin_version) == ("LayerNorm", "layer_norm", "optfuse", 1, "1")
-    assert [t.name for t in ln.inputs] == ["x", "gamma", "beta"] and ln.outputs[0].like == "x"
+    # y_scale: the optional FP8-output scale (issue 18's FP8 norm output)
+    assert [t.name for t in ln.inputs] == ["x", "gamma", "beta", "y_scale"] and ln.outputs[0].like == "x"
     assert ln.attr("epsilon").type == "float" and ln.attr("epsilon").default == pytest.approx(1e-5)
     assert ln.input_index("beta") == 2 and ln.limits["max_hidden"] == 16384
     fa = get_spec("FlashAttention")
@@ -194,6 +195,44 @@ def test_output_dtype_rule():
     assert gemm.presence_error(fp8) is None and gemm.presence_error(["float16"] * 4) is None
     assert "'a_scale' is absent with A float8e4m3fn" in gemm.presence_error(fp8[:4])
     assert "'w_scale' is present with A float16" in gemm.presence_error(["float16"] * 4 + [None, "float32"])
+
+
+def test_quantized_by_rule():
+    """A norm's y is float8e4m3fn exactly when y_scale is present (``quantized_by``), else like x;
+    its sum stays like x; the TensorRT I/O combinations follow the number of inputs given."""
+    from optfuse.trt import glue
+
+    for op, n in (("LayerNorm", 3), ("SkipLayerNorm", 4), ("RMSNorm", 2), ("SkipRMSNorm", 3)):
+        spec = get_spec(op)
+        assert spec.outputs[0].quantized_by == "y_scale" and spec.inputs[n].name == "y_scale"
+        assert spec.output_dtype(0, ["bfloat16"] * n + [None]) == "bfloat16"
+        assert spec.output_dtype(0, ["bfloat16"] * n + ["float32"]) == "float8e4m3fn"
+        assert spec.output_dtype(0, ["float16"] * n) == "float16"  # a trailing absent input left out
+        if len(spec.outputs) == 2:
+            assert spec.output_dtype(1, ["float16"] * n + ["float32"]) == "float16"
+        fp8 = glue.io_dtype_combinations(spec, n + 1)
+        assert ("float16",) * n + ("float32", "float8e4m3fn") + (("float16",) if len(spec.outputs) == 2 else ()) in fp8
+        assert all(c[n + 1] == "float8e4m3fn" for c in fp8)
+        assert all("float8e4m3fn" not in c for c in glue.io_dtype_combinations(spec, n))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace("quantized_by: y_scale", "quantized_by: scale"), r"'scale' names no input"),
+        (lambda t: t.replace("{name: y_scale, dtypes: [float32], optional: true,", "{name: y_scale, dtypes: [float32],"),
+         r"input 'y_scale' must be optional and float32"),
+        (lambda t: t.replace("[float32, float16, bfloat16, float8e4m3fn], quantized_by", "[float32, float16], quantized_by"),
+         r"outputs\[0\]\.quantized_by: the output must list exactly one of float8e4m3fn"),
+        (lambda t: t.replace("{name: gamma,", "{name: gamma, quantized_by: y_scale,"),
+         r"inputs\[1\]\.quantized_by: only outputs take a 'quantized_by' rule"),
+    ],
+)
+def test_bad_quantized_by_rules_are_rejected(tmp_path, edit, message):
+    text = edit(ONE_OP)
+    assert text != ONE_OP
+    with pytest.raises(SpecError, match=message):
+        _read(tmp_path, text)
 
 
 def test_plugin_forms_follow_the_output_dtype_rule_and_fp8_combinations():

@@ -67,7 +67,7 @@ def run_onnx_function(function, inputs: Sequence[np.ndarray], attrs: dict, opset
     import onnxruntime as ort
     from onnx import helper
 
-    names = list(function.input)
+    names = list(function.input)[:len(inputs)]  # trailing optional inputs (a norm's y_scale) left out
     # what a fused node carries: the plugin namespace / version the function declares (its spec's)
     plugin = {a.name: a.s.decode() for a in function.attribute_proto if a.name in ("plugin_namespace", "plugin_version")}
     node = helper.make_node(function.name, names, list(function.output), domain=function.domain, **{**plugin, **attrs})
@@ -274,3 +274,53 @@ def run_interpreter_cases(cases: dict[str, tuple], run_case) -> None:
         except Exception:  # reported per case by the parent
             out[name] = traceback.format_exc(limit=3)[-2000:]
     print(json.dumps(out))
+
+
+# -- E4M3 (float8e4m3fn) outputs --------------------------------------------------------------
+def e4m3_grid() -> np.ndarray:
+    """The 127 non-negative finite E4M3 values in bit order (bits 0x00..0x7e: 0x7f is NaN)."""
+    b = np.arange(0x7F)
+    exp, man = b >> 3, b & 7
+    return np.where(exp == 0, man * 2.0**-9, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
+
+
+def e4m3_round64(v: Any) -> np.ndarray:
+    """float64 values rounded to E4M3 directly (no float32 step): nearest, ties to the even bit
+    pattern, saturated to +-448, NaN kept; as float64. Independent of ml_dtypes, for tests."""
+    v = np.asarray(v, np.float64)
+    grid = e4m3_grid()
+    a = np.minimum(np.abs(v), grid[-1])
+    hi = np.clip(np.searchsorted(grid, np.nan_to_num(a), side="left"), 0, len(grid) - 1)
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = np.abs(a - grid[lo]), np.abs(grid[hi] - a)
+    pick = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
+    return np.where(np.isnan(v), np.nan, np.copysign(grid[pick], v))
+
+
+def e4m3_ordinal(bits: Any) -> np.ndarray:
+    """E4M3 bit patterns (uint8 or ml_dtypes float8_e4m3fn) as integers in value order (+0 and -0
+    both 0): neighbouring values differ by one."""
+    b = np.ascontiguousarray(bits).view(np.uint8).astype(np.int16)
+    return np.where(b & 0x80, -(b & 0x7F), b & 0x7F)
+
+
+def check_e4m3(out: Any, ref: Any, what: str = "", max_ulps: int = 1, max_off_fraction: float = 0.01) -> None:
+    """``out`` (E4M3 bits) against ``ref`` (E4M3 values): NaN exactly where ``ref`` is NaN, every
+    other element within ``max_ulps`` E4M3 units in the last place, at most ``max_off_fraction`` of
+    them off at all, and every saturated reference value (+-448) exact."""
+    import ml_dtypes
+
+    got = np.ascontiguousarray(out).view(np.uint8)
+    want = np.asarray(ref).astype(ml_dtypes.float8_e4m3fn)
+    gnan, wnan = np.isnan(got.view(ml_dtypes.float8_e4m3fn).astype(np.float32)), np.isnan(want.astype(np.float32))
+    if (gnan != wnan).any():
+        raise AssertionError(f"{what}: {int((gnan & ~wnan).sum())} NaN outputs where the reference is finite, "
+                             f"{int((~gnan & wnan).sum())} finite where it is NaN")
+    diff = np.abs(e4m3_ordinal(got) - e4m3_ordinal(want))[~wnan]
+    off = float((diff > 0).mean()) if diff.size else 0.0
+    sat = (np.abs(want.astype(np.float32)) == 448.0) & ~wnan
+    if diff.size and (diff.max() > max_ulps or off > max_off_fraction):
+        raise AssertionError(f"{what}: E4M3 outputs up to {int(diff.max())} ulp off (max {max_ulps}), "
+                             f"{off:.2%} off at all (max {max_off_fraction:.2%})")
+    if (got[sat] != want.view(np.uint8)[sat]).any():
+        raise AssertionError(f"{what}: saturated (+-448) outputs differ")

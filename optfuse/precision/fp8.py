@@ -51,6 +51,7 @@ from ..errors import InputError
 from .calibrate import E4M3_MAX, TensorCalibration, calibrate, check_calibrator, quantize_e4m3, weight_scales
 from .fp16 import PrecisionOptions, PrecisionResult, convert_precision
 from .fp8_mha import AttentionTarget, find_attention
+from .fp8_norm import fold_norm_quantize
 
 FP8_OPSET = 19
 PLUGIN_GEMMS = ("GemmEpilogue", "GatedGemm")
@@ -159,6 +160,7 @@ def quantize_fp8(model: onnx.ModelProto, options: PrecisionOptions,
                         f"{sum(g.form == 'qdq' for g in plan.gemms)} Q/DQ)"
                         + (f" and {len(plan.attention)} unfused attention block(s) in TensorRT's FP8 MHA pattern"
                            if plan.attention else "") + f"; the rest in {options.fp8_base}")
+    out = fold_norm_quantize(out, result)  # norms feeding only FP8 GEMMs write E4M3 themselves (.fp8_norm)
     if opset_before < FP8_OPSET:
         result.notes.append(f"default-domain opset raised from {opset_before} to {FP8_OPSET} for FP8 Q/DQ "
                             f"(onnx version converter)")

@@ -76,7 +76,7 @@ def io_dtype_combinations(spec: OpSpec, n_inputs: int) -> list[tuple[str, ...]]:
 
 def _combination(spec: OpSpec, n_inputs: int, c: str, attrs: dict) -> tuple[str, ...] | None:
     try:
-        ys = output_dtypes(spec, [c] * len(spec.inputs), attrs)
+        ys = output_dtypes(spec, [c] * n_inputs, attrs)  # the absent inputs too (a quantized_by scale)
     except ValueError:
         return None
     ins = []

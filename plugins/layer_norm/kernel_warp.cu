@@ -15,10 +15,18 @@
 // 16 bytes of elements), EPS (a float literal), VPT (16-byte accesses per lane), RPB (rows, i.e.
 // warps, per block). x / skip load through the read-only path (an L1/L2 evict_last priority,
 // which the CUDA RMSNorm kernel gains from, measured no faster here: README "Tried").
+// OPTFUSE_FP8_OUT 1: y is float8e4m3fn, saturate(round(y / y_scale)) from the FP32 value (never a
+// 16-bit y rounded first), y_scale a float32 [1] input after beta (sm_89+: plugins/common/e4m3.cuh);
+// the sum output stays in the I/O dtype.
 // Parameter order is TensorRT QDP's: inputs, int32 extra args (rows), outputs.
 // No CUDA headers needed (conversions in inline PTX), so the nvrtc wheel alone builds it.
 
+#ifndef OPTFUSE_FP8_OUT
+#define OPTFUSE_FP8_OUT 0
+#endif
+
 #include "../common/io_dtype.cuh"  // T, to_f32, from_f32
+#include "../common/e4m3.cuh"      // E4M3Vec, quantize_e4m3 (used with OPTFUSE_FP8_OUT only)
 
 constexpr int kVec = 16 / sizeof(T);               // elements per 16-byte access
 constexpr int kNV = HIDDEN / kVec;                 // accesses per row
@@ -52,20 +60,26 @@ __device__ __forceinline__ int access(int lane, int i) {
 }
 __device__ __forceinline__ bool valid(int lane, int i) { return kFull || lane + 32 * i < kNV; }
 
+#if OPTFUSE_FP8_OUT
+typedef unsigned char YT;  // y's element: E4M3 bytes
+#else
+typedef T YT;
+#endif
+
 template <bool SKIP>
 __device__ __forceinline__ void layer_norm_row(const T* x_, const T* skip_, const T* gamma_, const T* beta_,
-                                               int rows, T* y_, T* sum_) {
+                                               const float* y_scale, int rows, YT* y_, T* sum_) {
     const uint4* __restrict__ x = reinterpret_cast<const uint4*>(x_);
     const uint4* __restrict__ skip = reinterpret_cast<const uint4*>(skip_);
     const uint4* __restrict__ gamma = reinterpret_cast<const uint4*>(gamma_);
     const uint4* __restrict__ beta = reinterpret_cast<const uint4*>(beta_);
-    uint4* __restrict__ y = reinterpret_cast<uint4*>(y_);
     uint4* __restrict__ sum = reinterpret_cast<uint4*>(sum_);
 
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * kRPB + threadIdx.x / 32;
     if (row >= rows) return;  // warp-uniform: a row is one warp
     const long long base = row * kNV;
+    const float ys = OPTFUSE_FP8_OUT ? __ldg(y_scale) : 1.f;
 
     // -- loads: the row (and skip), gamma and beta, all issued before any is used --
     Pack a[kVPT], k[kVPT], g[kVPT], b[kVPT];
@@ -120,24 +134,47 @@ __device__ __forceinline__ void layer_norm_row(const T* x_, const T* skip_, cons
 #pragma unroll
     for (int i = 0; i < kVPT; ++i) {
         if (!valid(lane, i)) continue;
-        Pack o;
+        float o[kVec];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j)
-            o.v[j] = from_f32((to_f32(a[i].v[j]) - mean) * rstd * to_f32(g[i].v[j]) + to_f32(b[i].v[j]));
-        y[base + lane + 32 * i] = o.raw;
+        for (int j = 0; j < kVec; ++j) o[j] = (to_f32(a[i].v[j]) - mean) * rstd * to_f32(g[i].v[j]) + to_f32(b[i].v[j]);
+#if OPTFUSE_FP8_OUT
+        reinterpret_cast<E4M3Vec<kVec>*>(y_)[base + lane + 32 * i] = quantize_e4m3<kVec>(o, ys);
+#else
+        Pack p;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) p.v[j] = from_f32(o[j]);
+        reinterpret_cast<uint4*>(y_)[base + lane + 32 * i] = p.raw;
+#endif
     }
 }
 
+#if OPTFUSE_FP8_OUT
+// LayerNorm, FP8 y: inputs (x, gamma, beta, y_scale), extra (rows), outputs (y).
+extern "C" __global__ void __launch_bounds__(RPB * 32)
+layer_norm_warp_fp8_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+                        const float* __restrict__ y_scale, int rows, YT* __restrict__ y) {
+    layer_norm_row<false>(x, nullptr, gamma, beta, y_scale, rows, y, nullptr);
+}
+
+// SkipLayerNorm, FP8 y: inputs (x, skip, gamma, beta, y_scale), extra (rows), outputs (y, sum).
+extern "C" __global__ void __launch_bounds__(RPB * 32)
+skip_layer_norm_warp_fp8_fwd(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma,
+                             const T* __restrict__ beta, const float* __restrict__ y_scale, int rows,
+                             YT* __restrict__ y, T* __restrict__ sum) {
+    layer_norm_row<true>(x, skip, gamma, beta, y_scale, rows, y, sum);
+}
+#else
 // LayerNorm: inputs (x, gamma, beta), extra (rows), outputs (y).
 extern "C" __global__ void __launch_bounds__(RPB * 32)
 layer_norm_warp_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta, int rows,
                     T* __restrict__ y) {
-    layer_norm_row<false>(x, nullptr, gamma, beta, rows, y, nullptr);
+    layer_norm_row<false>(x, nullptr, gamma, beta, nullptr, rows, y, nullptr);
 }
 
 // SkipLayerNorm: inputs (x, skip, gamma, beta), extra (rows), outputs (y, sum).
 extern "C" __global__ void __launch_bounds__(RPB * 32)
 skip_layer_norm_warp_fwd(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma,
                          const T* __restrict__ beta, int rows, T* __restrict__ y, T* __restrict__ sum) {
-    layer_norm_row<true>(x, skip, gamma, beta, rows, y, sum);
+    layer_norm_row<true>(x, skip, gamma, beta, nullptr, rows, y, sum);
 }
+#endif

@@ -10,7 +10,12 @@ Per op (``LayerNorm``, ``SkipLayerNorm``):
   ``+ - *`` and ``cdiv`` over the dynamic row count only, so TensorRT QDP ``aot_impl`` can call it
   with symbolic shapes (hidden must be static: from ``static_shape`` or a constant last dim).
 
-Argument order: inputs (x, [skip], gamma, beta), extra (rows), outputs (y, [sum]).
+FP8 output (``y_scale`` present: ``static_shape['y_scale']``, as :func:`optfuse.trt.glue.static_shape`
+gives every present input): the same kernels built with the FP8 store (``*_fp8_fwd`` entries,
+``-DOPTFUSE_FP8_OUT=1``), y_scale one more input after beta, y E4M3 bytes. It needs sm_89 or later
+(E4M3 conversions): below, kernel_config refuses with a ValueError naming the target.
+
+Argument order: inputs (x, [skip], gamma, beta, [y_scale]), extra (rows), outputs (y, [sum]).
 """
 
 from __future__ import annotations
@@ -34,9 +39,15 @@ MIN_HIDDEN = shared(SPECS, lambda s: s.limits["min_hidden"], "min_hidden")
 MAX_HIDDEN = shared(SPECS, lambda s: s.limits["max_hidden"], "max_hidden")
 DTYPES = shared(SPECS, lambda s: s.inputs[0].dtypes, "the dtypes of x")
 
+#: The first arch with E4M3 conversions (cvt.rn.satfinite.e4m3x2.f32): the FP8-output variant's floor
+FP8_MIN_ARCH = 89
+
 _ENTRY = {"LayerNorm": "layer_norm_fwd", "SkipLayerNorm": "skip_layer_norm_fwd"}
 _WARP_ENTRY = {"LayerNorm": "layer_norm_warp_fwd", "SkipLayerNorm": "skip_layer_norm_warp_fwd"}
-_INPUTS = {op: tuple(t.name for t in s.inputs) for op, s in SPECS.items()}
+_FP8_ENTRY = {"LayerNorm": "layer_norm_fp8_fwd", "SkipLayerNorm": "skip_layer_norm_fp8_fwd"}
+_WARP_FP8_ENTRY = {"LayerNorm": "layer_norm_warp_fp8_fwd", "SkipLayerNorm": "skip_layer_norm_warp_fp8_fwd"}
+#: the kernels' inputs without the FP8 variant's y_scale (spec order)
+_INPUTS = {op: tuple(t.name for t in s.inputs if t.name != "y_scale") for op, s in SPECS.items()}
 _OUTPUTS = {op: tuple(t.name for t in s.outputs) for op, s in SPECS.items()}
 
 
@@ -166,28 +177,47 @@ def _epsilon(attrs: dict | None) -> float:
     return float(DEFAULT_EPSILON if eps is None else eps)
 
 
+def fp8_output(op: str, static_shape: dict) -> bool:
+    """Whether the node has y_scale (its FP8-output form); refuses (ValueError) a known target
+    below sm_89, which has no E4M3 conversions."""
+    if static_shape.get("y_scale") is None:
+        return False
+    arch = static_shape.get("arch")
+    if arch is not None and int(arch) < FP8_MIN_ARCH:
+        raise ValueError(f"{op}: the FP8 output (y_scale) needs E4M3 conversions, sm_{FP8_MIN_ARCH} or later "
+                         f"(target sm_{arch})")
+    return True
+
+
+def _variant_name(op: str, dtype: str, fp8: bool) -> str:
+    return f"layer_norm/{op}/{dtype}{'_to_float8e4m3fn' if fp8 else ''}"
+
+
 def kernel_config(
     op: str, dtype: Any, attrs: dict | None, static_shape: dict, config: LNConfig | LNWarpConfig | None = None
 ) -> KernelSource:
-    """What to compile for ``op`` at ``dtype`` (x's dtype) and ``static_shape['hidden']``."""
+    """What to compile for ``op`` at ``dtype`` (x's dtype) and ``static_shape['hidden']``; with
+    ``static_shape['y_scale']`` (present) the FP8-output variant (:func:`fp8_output`)."""
     _check_op(op)
     dtype = norm_dtype(dtype)
     hidden = static_int(static_shape["hidden"], "hidden")
     cfg = config or choose_config(dtype, hidden, op)
     eps = _epsilon(attrs)
+    fp8 = fp8_output(op, static_shape)
     if isinstance(cfg, LNWarpConfig):
-        return _warp_kernel_source(op, dtype, hidden, eps, cfg)
+        return _warp_kernel_source(op, dtype, hidden, eps, cfg, fp8)
     ty = "*" + TRITON_TYPE[dtype]
     ins, outs = _INPUTS[op], _OUTPUTS[op]
-    signature = {"X": ty, **({"SKIP": ty} if op == "SkipLayerNorm" else {}), "W": ty, "B": ty, "rows": "i32", "Y": ty}
+    signature = {"X": ty, **({"SKIP": ty} if op == "SkipLayerNorm" else {}), "W": ty, "B": ty,
+                 **({"YS": "*fp32"} if fp8 else {}), "rows": "i32", "Y": "*u8" if fp8 else ty}
     if op == "SkipLayerNorm":
         signature["S"] = ty
     return KernelSource(
-        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/{config_name(cfg)}",
+        name=f"{_variant_name(op, dtype, fp8)}/h{hidden}/eps{eps:g}/{config_name(cfg)}",
         lang="triton",
         path=KERNEL_PATH,
-        entry=_ENTRY[op],
-        n_inputs=len(ins),
+        entry=(_FP8_ENTRY if fp8 else _ENTRY)[op],
+        n_inputs=len(ins) + fp8,
         n_extra=1,
         n_outputs=len(outs),
         signature=signature,
@@ -197,29 +227,32 @@ def kernel_config(
         num_warps=cfg.num_warps,
         num_stages=1,
         pointer_align=16 if (hidden * ITEMSIZE[dtype]) % 16 == 0 else ITEMSIZE[dtype],
-        meta={"op": op, "dtype": dtype, "hidden": hidden, "epsilon": eps, "config": asdict(cfg)},
+        meta={"op": op, "dtype": dtype, "hidden": hidden, "epsilon": eps, "config": asdict(cfg),
+              **({"y_dtype": "float8e4m3fn"} if fp8 else {})},
     )
 
 
-def _warp_kernel_source(op: str, dtype: str, hidden: int, eps: float, cfg: LNWarpConfig) -> KernelSource:
+def _warp_kernel_source(op: str, dtype: str, hidden: int, eps: float, cfg: LNWarpConfig, fp8: bool) -> KernelSource:
     if warp_config(dtype, hidden).vpt != cfg.vpt:
         raise ValueError(f"LayerNorm warp kernel: vpt {cfg.vpt} does not cover hidden {hidden} ({dtype})")
     return KernelSource(
-        name=f"layer_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/{config_name(cfg)}",
+        name=f"{_variant_name(op, dtype, fp8)}/h{hidden}/eps{eps:g}/{config_name(cfg)}",
         lang="cuda",
         path=WARP_KERNEL_PATH,
-        entry=_WARP_ENTRY[op],
-        n_inputs=len(_INPUTS[op]),
+        entry=(_WARP_FP8_ENTRY if fp8 else _WARP_ENTRY)[op],
+        n_inputs=len(_INPUTS[op]) + fp8,
         n_extra=1,
         n_outputs=len(_OUTPUTS[op]),
         defines={
             **norm_cuda_defines(dtype, hidden, eps),
             "VPT": str(cfg.vpt),
             "RPB": str(cfg.rpb),
+            **({"OPTFUSE_FP8_OUT": "1"} if fp8 else {}),
         },
         threads=cfg.threads,
         pointer_align=16,
-        meta={"op": op, "dtype": dtype, "hidden": hidden, "epsilon": eps, "config": asdict(cfg)},
+        meta={"op": op, "dtype": dtype, "hidden": hidden, "epsilon": eps, "config": asdict(cfg),
+              **({"y_dtype": "float8e4m3fn"} if fp8 else {})},
     )
 
 

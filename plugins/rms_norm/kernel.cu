@@ -17,14 +17,21 @@
 // until its sum of squares is formed): one read of x (and skip), one write of y (and sum); gamma
 // is loaded together with the row, so no global load waits behind the reduction.
 //
+// OPTFUSE_FP8_OUT 1: y is float8e4m3fn, saturate(round(y / y_scale)) from the FP32 value (never a
+// 16-bit y rounded first), y_scale a float32 [1] input after gamma (sm_89+: plugins/common/e4m3.cuh);
+// the sum output stays in the I/O dtype.
 // Parameter order is TensorRT QDP's: inputs, int32 extra args (rows), outputs.
 // No CUDA headers needed (fp16/bf16 conversions in inline PTX), so the nvrtc wheel alone builds it.
 
 #ifndef RELOAD
 #define RELOAD 0
 #endif
+#ifndef OPTFUSE_FP8_OUT
+#define OPTFUSE_FP8_OUT 0
+#endif
 
 #include "../common/io_dtype.cuh"  // T, to_f32, from_f32
+#include "../common/e4m3.cuh"      // E4M3Vec, quantize_e4m3 (used with OPTFUSE_FP8_OUT only)
 
 template <int BYTES> struct RawOf;
 template <> struct RawOf<16> { typedef uint4 type; };
@@ -147,14 +154,19 @@ __device__ __forceinline__ void load_row(Raw (&a)[kVPT], Raw (&b)[kVPT], const R
     }
 }
 
+#if OPTFUSE_FP8_OUT
+typedef unsigned char YT;  // y's element: E4M3 bytes
+#else
+typedef T YT;
+#endif
+
 template <bool SKIP>
 __device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x_, const T* __restrict__ skip_,
-                                              const T* __restrict__ gamma_, int rows, T* __restrict__ y_,
-                                              T* __restrict__ sum_) {
+                                              const T* __restrict__ gamma_, const float* __restrict__ y_scale,
+                                              int rows, YT* __restrict__ y_, T* __restrict__ sum_) {
     const Raw* __restrict__ x = reinterpret_cast<const Raw*>(x_);
     const Raw* __restrict__ skip = reinterpret_cast<const Raw*>(skip_);
     const Raw* __restrict__ gamma = reinterpret_cast<const Raw*>(gamma_);
-    Raw* __restrict__ y = reinterpret_cast<Raw*>(y_);
     Raw* __restrict__ sum = reinterpret_cast<Raw*>(sum_);
 
     const int t = threadIdx.x % kTPR;
@@ -179,6 +191,7 @@ __device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x_, const T*
     }
 
     const long long base = row * kNV;
+    const float ys = OPTFUSE_FP8_OUT ? __ldg(y_scale) : 1.f;
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kVPT; ++i) {
@@ -208,7 +221,7 @@ __device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x_, const T*
         for (int i = 0; i < kVPT; ++i) {
             const int idx = t + i * kTPR;
             if (kFull || idx < kNV) {
-                Pack p, q, o;
+                Pack p, q;
                 if constexpr (RELOAD != 0) {  // x (and skip) read again: not live across the reduction
                     p.raw = ldx2(x + base + idx);
                     if (SKIP) {
@@ -221,23 +234,47 @@ __device__ __forceinline__ void rms_norm_rows(const T* __restrict__ x_, const T*
                     p.raw = a[i];
                 }
                 q.raw = g[i];
+                float o[kVec];
 #pragma unroll
-                for (int j = 0; j < kVec; ++j) o.v[j] = from_f32(to_f32(p.v[j]) * inv * to_f32(q.v[j]));
-                y[base + idx] = o.raw;
+                for (int j = 0; j < kVec; ++j) o[j] = to_f32(p.v[j]) * inv * to_f32(q.v[j]);
+#if OPTFUSE_FP8_OUT
+                reinterpret_cast<E4M3Vec<kVec>*>(y_)[base + idx] = quantize_e4m3<kVec>(o, ys);
+#else
+                Pack r;
+#pragma unroll
+                for (int j = 0; j < kVec; ++j) r.v[j] = from_f32(o[j]);
+                reinterpret_cast<Raw*>(y_)[base + idx] = r.raw;
+#endif
             }
         }
     }
 }
 
+#if OPTFUSE_FP8_OUT
+// RMSNorm, FP8 y: inputs (x, gamma, y_scale), extra (rows), outputs (y).
+extern "C" __global__ void __launch_bounds__(kThreads)
+rms_norm_fp8_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ y_scale, int rows,
+                 YT* __restrict__ y) {
+    rms_norm_rows<false>(x, nullptr, gamma, y_scale, rows, y, nullptr);
+}
+
+// SkipRMSNorm, FP8 y: inputs (x, skip, gamma, y_scale), extra (rows), outputs (y, sum).
+extern "C" __global__ void __launch_bounds__(kThreads)
+skip_rms_norm_fp8_fwd(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma,
+                      const float* __restrict__ y_scale, int rows, YT* __restrict__ y, T* __restrict__ sum) {
+    rms_norm_rows<true>(x, skip, gamma, y_scale, rows, y, sum);
+}
+#else
 // RMSNorm: inputs (x, gamma), extra (rows), outputs (y).
 extern "C" __global__ void __launch_bounds__(kThreads)
 rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, int rows, T* __restrict__ y) {
-    rms_norm_rows<false>(x, nullptr, gamma, rows, y, nullptr);
+    rms_norm_rows<false>(x, nullptr, gamma, nullptr, rows, y, nullptr);
 }
 
 // SkipRMSNorm: inputs (x, skip, gamma), extra (rows), outputs (y, sum).
 extern "C" __global__ void __launch_bounds__(kThreads)
 skip_rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma, int rows,
                   T* __restrict__ y, T* __restrict__ sum) {
-    rms_norm_rows<true>(x, skip, gamma, rows, y, sum);
+    rms_norm_rows<true>(x, skip, gamma, nullptr, rows, y, sum);
 }
+#endif

@@ -11,7 +11,12 @@ Per op (``RMSNorm``, ``SkipRMSNorm``):
 Layout: 16-byte vector accesses (scalar when hidden is not a multiple of 16 bytes); a warp (or
 a power-of-two slice of one) per row for small rows, a block per row for large ones; each block
 handles ``rpb`` rows (grid = ``cdiv(rows, rpb)``).
-Argument order: inputs (x, [skip], gamma), extra (rows), outputs (y, [sum]).
+FP8 output (``y_scale`` present: ``static_shape['y_scale']``, as :func:`optfuse.trt.glue.static_shape`
+gives every present input): the same kernel built with ``-DOPTFUSE_FP8_OUT=1`` (``*_fp8_fwd``
+entries), y_scale one more input after gamma, y E4M3 bytes. It needs sm_89 or later (E4M3
+conversions): below, kernel_config refuses with a ValueError naming the target.
+
+Argument order: inputs (x, [skip], gamma, [y_scale]), extra (rows), outputs (y, [sum]).
 """
 
 from __future__ import annotations
@@ -32,8 +37,13 @@ MIN_HIDDEN = shared(SPECS, lambda s: s.limits["min_hidden"], "min_hidden")
 MAX_HIDDEN = shared(SPECS, lambda s: s.limits["max_hidden"], "max_hidden")
 DTYPES = shared(SPECS, lambda s: s.inputs[0].dtypes, "the dtypes of x")
 
+#: The first arch with E4M3 conversions (cvt.rn.satfinite.e4m3x2.f32): the FP8-output variant's floor
+FP8_MIN_ARCH = 89
+
 _ENTRY = {"RMSNorm": "rms_norm_fwd", "SkipRMSNorm": "skip_rms_norm_fwd"}
-_N_IO = {op: (len(s.inputs), len(s.outputs)) for op, s in SPECS.items()}
+_FP8_ENTRY = {"RMSNorm": "rms_norm_fp8_fwd", "SkipRMSNorm": "skip_rms_norm_fp8_fwd"}
+#: (inputs without the FP8 variant's y_scale, outputs)
+_N_IO = {op: (sum(t.name != "y_scale" for t in s.inputs), len(s.outputs)) for op, s in SPECS.items()}
 
 
 @dataclass(frozen=True)
@@ -143,22 +153,36 @@ def config_name(cfg: RMSConfig) -> str:
     return f"vec{cfg.vec}_{cfg.tpr}threads_per_row_{cfg.rpb}rows{'_reload' if cfg.reload else ''}"
 
 
+def fp8_output(op: str, static_shape: dict) -> bool:
+    """Whether the node has y_scale (its FP8-output form); refuses (ValueError) a known target
+    below sm_89, which has no E4M3 conversions."""
+    if static_shape.get("y_scale") is None:
+        return False
+    arch = static_shape.get("arch")
+    if arch is not None and int(arch) < FP8_MIN_ARCH:
+        raise ValueError(f"{op}: the FP8 output (y_scale) needs E4M3 conversions, sm_{FP8_MIN_ARCH} or later "
+                         f"(target sm_{arch})")
+    return True
+
+
 def kernel_config(
     op: str, dtype: Any, attrs: dict | None, static_shape: dict, config: RMSConfig | None = None
 ) -> KernelSource:
-    """What to compile for ``op`` at ``dtype`` (x's dtype) and ``static_shape['hidden']``."""
+    """What to compile for ``op`` at ``dtype`` (x's dtype) and ``static_shape['hidden']``; with
+    ``static_shape['y_scale']`` (present) the FP8-output variant (:func:`fp8_output`)."""
     _check_op(op)
     dtype = norm_dtype(dtype)
     hidden = static_int(static_shape["hidden"], "hidden")
     cfg = config or choose_config(dtype, hidden, op)
     eps = _epsilon(attrs)
+    fp8 = fp8_output(op, static_shape)
     n_in, n_out = _N_IO[op]
     return KernelSource(
-        name=f"rms_norm/{op}/{dtype}/h{hidden}/eps{eps:g}/{config_name(cfg)}",
+        name=f"rms_norm/{op}/{dtype}{'_to_float8e4m3fn' if fp8 else ''}/h{hidden}/eps{eps:g}/{config_name(cfg)}",
         lang="cuda",
         path=KERNEL_PATH,
-        entry=_ENTRY[op],
-        n_inputs=n_in,
+        entry=(_FP8_ENTRY if fp8 else _ENTRY)[op],
+        n_inputs=n_in + fp8,
         n_extra=1,
         n_outputs=n_out,
         defines={
@@ -167,10 +191,12 @@ def kernel_config(
             "TPR": str(cfg.tpr),
             "RPB": str(cfg.rpb),
             "RELOAD": str(cfg.reload),
+            **({"OPTFUSE_FP8_OUT": "1"} if fp8 else {}),
         },
         threads=cfg.threads,
         pointer_align=cfg.vec * ITEMSIZE[dtype],
-        meta={"op": op, "dtype": dtype, "hidden": hidden, "epsilon": eps, "config": asdict(cfg)},
+        meta={"op": op, "dtype": dtype, "hidden": hidden, "epsilon": eps, "config": asdict(cfg),
+              **({"y_dtype": "float8e4m3fn"} if fp8 else {})},
     )
 
 
