@@ -28,13 +28,14 @@ Masked and fully masked rows (the defined output):
 FP8 (Q, K, V float8e4m3fn, FP8 constexpr from Q's type; QScale, KScale, VScale float32 scalars):
 - q @ k^T is an E4M3 dot with fp32 accumulation; q_scale * k_scale is folded into the exp2 argument
   (one runtime factor on SCALE * log2(e)); the hot path's max-then-FMA assumes positive scales.
-- p (in [0, 1] after the running max) is multiplied by P_FP8_SCALE = 448 and rounded to E4M3 on
-  chip, so the row max lands on E4M3's largest finite value and small probabilities keep their
-  mantissa bits longer before the subnormals; p @ v is an E4M3 dot (fp32 accumulation). The row sum
-  l comes from the fp32 p, as in FlashAttention-3.
+- p is computed scaled by 448 (LOG2_P_FP8_SCALE = log2(448) taken off the running max inside the exp2
+  argument: no extra multiply) and rounded to E4M3 on chip, so the row max lands on E4M3's largest
+  finite value and small probabilities stay normal longer; p @ v is an E4M3 dot (fp32
+  accumulation). The row sum l comes from the same fp32 p, as in FlashAttention-3, so the 448
+  cancels in acc / l.
 - V comes transposed, [Hkv, D, Skv] per batch with Skv = Sk rounded up to 16 (keys contiguous:
   the K-major B operand of the FP8 tensor-core dot; rows 16-byte aligned for vector loads).
-- the epilogue applies v_scale / 448 once, with the 1 / l normalisation.
+- the epilogue applies v_scale once, with the 1 / l normalisation.
 
 Program order: the 1-D grid walks the query blocks of one (b, h) fastest, so the programs running
 together share K/V of one head (and the G heads of a group) in L2; causal runs the heaviest
@@ -77,8 +78,8 @@ def _scores_log2(qk, SCALE_LOG2: tl.constexpr, SOFTCAP: tl.constexpr):
     return qk * SCALE_LOG2
 
 
-#: FP8: p is scaled by this before its rounding to E4M3 (E4M3's largest finite value)
-P_FP8_SCALE = tl.constexpr(448.0)
+#: FP8: log2 of the scale of p before its rounding to E4M3 (448, E4M3's largest finite value)
+LOG2_P_FP8_SCALE = tl.constexpr(8.807354922057604)
 
 
 @triton.jit
@@ -133,12 +134,18 @@ def _attn_block(acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
         m_ij = tl.maximum(m_i, tl.max(s, 1))
         # A row with no finite score so far: subtract 0 so exp2(-inf - 0) = 0, not NaN.
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(s - m_sub[:, None])
+        if FP8:
+            p = tl.math.exp2(s - (m_sub - LOG2_P_FP8_SCALE)[:, None])  # 448 p
+        else:
+            p = tl.math.exp2(s - m_sub[:, None])
     else:
         # Hot path (no bias, no mask, no cap, scale > 0): max of the raw scores, one FMA per score.
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * sl2)
         m_sub = m_ij
-        p = tl.math.exp2(qk * sl2 - m_sub[:, None])
+        if FP8:
+            p = tl.math.exp2(qk * sl2 - (m_sub - LOG2_P_FP8_SCALE)[:, None])  # 448 p
+        else:
+            p = tl.math.exp2(qk * sl2 - m_sub[:, None])
     # -- rescale what was accumulated under the old max ----------------------------------------
     alpha = tl.math.exp2(m_i - m_sub)
     l_ij = tl.sum(p, 1)
@@ -151,7 +158,7 @@ def _attn_block(acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
         else:
             vt_mask = d_ok[:, None]
         vt = tl.load(v_base + offs_d[:, None] * v_stride + cols[None, :], mask=vt_mask, other=0.0)
-        acc = tl.dot((p * P_FP8_SCALE).to(vt.dtype), tl.trans(vt), acc)
+        acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
     else:
         v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
         if IEEE:
@@ -329,7 +336,7 @@ def _flash_attention_fwd_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if FP8:
-        o = o * (tl.load(VScale) * (1.0 / P_FP8_SCALE))  # v's dequantization and p's scale, once
+        o = o * tl.load(VScale)  # v's dequantization, once (p's 448 cancels in acc / l)
     if SCALAR_BIAS:
         # A bias that broadcasts from one value c shifts every score equally, which softmax
         # ignores; only c = -inf (every score masked: 0) and NaN/+inf (NaN) change the result.

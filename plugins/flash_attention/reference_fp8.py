@@ -64,8 +64,12 @@ def fp8_dequantize_nodes() -> list[onnx.NodeProto]:
         nodes += [mk("Reshape", [s, "scalar_shape"], [f"{s}_s"]),
                   mk("DequantizeLinear", [x, f"{s}_s"], [f"{x}_dq" if x != "v" else "vt_dq"])]
     nodes += [
-        mk("Transpose", ["vt_dq"], ["v_full"], perm=[0, 1, 3, 2]),
-        mk("Shape", ["k"], ["sk_v"], start=2, end=3),
+        # v^T -> v as an Einsum, not a Transpose: with a Transpose here and the graph's
+        # Transpose -> Pad -> QuantizeLinear in front (the precision pass's v), onnxruntime 1.32's
+        # graph optimizations (level basic and up) miscompute the fused LLaMA candidate; it is
+        # right with them disabled, and with the Einsum
+        mk("Einsum", ["vt_dq"], ["v_full"], equation="bhds->bhsd"),
+        mk("Shape", ["k_dq"], ["sk_v"], start=2, end=3),  # a float tensor's: onnxruntime has no FP8 Shape
         mk("Constant", [], ["zero_v"], value=helper.make_tensor("zero_v", TensorProto.INT64, [1], [0])),
         mk("Constant", [], ["axis_v"], value=helper.make_tensor("axis_v", TensorProto.INT64, [1], [2])),
         mk("Slice", ["v_full", "zero_v", "sk_v", "axis_v"], ["v_dq"]),
