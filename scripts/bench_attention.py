@@ -16,6 +16,11 @@ triton.testing.do_bench (L2 flushed between calls).
     python scripts/bench_attention.py --build .optfuse_cache/fa          # CPU: prebuild cubins
     python scripts/bench_attention.py --prebuilt .optfuse_cache/fa --out bench.json   # GPU
     python scripts/bench_attention.py --sweep --prebuilt ... --out sweep.json         # tuning
+    python scripts/bench_attention.py --fp8 [--arch 90] --out fp8.json    # FP8 vs our bf16 kernel
+
+``--fp8`` (scripts/bench_attention_fp8.py) times the FP8 form (E4M3 q, k, v, bf16 output) against
+our bf16 kernel on the same grid in the same run; with ``--build`` it compiles the FP8 artifacts
+too, with ``--sweep`` it times the FP8 candidate configs.
 """
 
 from __future__ import annotations
@@ -387,6 +392,9 @@ def main(argv=None):
     ap.add_argument("--arch", type=int, default=None,
                     help="target arch for the kernel choice (90: the CUDA sm90 kernel where it "
                          "applies, with the Triton kernel timed beside it); default: Triton only")
+    ap.add_argument("--fp8", action="store_true",
+                    help="time the FP8 form vs our bf16 kernel on the grid (--dims/--seqs/--causal/--rounds/"
+                         "--arch apply; --dtypes, --variants and --tuned-from do not)")
     ap.add_argument("--variants", metavar="SPEC[;SPEC]",
                     help="main table: also time the CUDA kernel's default config with these FAConfig "
                          "overrides, in the same rounds (e.g. \"softmax_stream=0;num_stages=3,tma=0\"); "
@@ -395,6 +403,8 @@ def main(argv=None):
     if not set(args.causal.split(",")) <= {"0", "1"}:
         ap.error(f"--causal {args.causal!r}: give 0, 1 or 0,1")
     variants = parse_variants(args.variants)
+    if args.fp8 and (variants or args.tuned_from):
+        ap.error("--fp8 takes neither --variants nor --tuned-from (they pick bf16 CUDA-kernel configs)")
     if variants:
         args.arch = 90
 
@@ -403,6 +413,11 @@ def main(argv=None):
 
         srcs = build_sources(sweep_dtypes=tuple(args.build_sweep_dtypes.split(",")), arch=args.arch,
                              variants=variants)
+        if args.fp8:
+            from optfuse.plugin_dirs import script_module
+
+            srcs += script_module("bench_attention_fp8").fp8_build_sources(
+                [int(d) for d in args.dims.split(",")], sweep=True)
         t0 = time.time()
         KernelCache(args.build).build_many(srcs, 90, jobs=args.jobs)
         print(f"built {len(srcs)} artifacts for sm_90 in {time.time() - t0:.0f}s into {args.build}")
@@ -412,6 +427,10 @@ def main(argv=None):
 
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     runners = [Runner(p) for p in (args.prebuilt or "").split(",")]
+    if args.fp8:
+        from optfuse.plugin_dirs import script_module
+
+        return script_module("bench_attention_fp8").main_fp8(args, runners)
     dtypes = args.dtypes.split(",")
     dims = [int(d) for d in args.dims.split(",")]
     rows = []

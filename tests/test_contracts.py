@@ -8,7 +8,8 @@ Parametrized over ``load_specs()``, so a new op is covered as soon as its spec e
   version;
 * spec vs launch (``launch.py``): it serves the spec's op and every spec dtype and rejects other
   ops; with every input present its kernel takes the spec's input and output counts; attributes
-  left out take the spec's defaults; every limit holds exactly (``max_hidden``:
+  left out take the spec's defaults (``launch.DTYPES``, one tuple or a dict per op, equals the
+  spec's dtypes); every limit holds exactly (``max_hidden``:
   ``max_hidden`` builds, one more does not; ``head_dims`` / ``block_sizes``: exactly those build; ``k_multiple`` /
   ``n_multiple``: an odd multiple of the value builds, one more does not; ``max_k``: the value
   builds, the next multiple does not); a launch constant
@@ -260,8 +261,9 @@ def check_launch(spec: OpSpec, launch) -> None:
     with pytest.raises(ValueError):
         launch.kernel_config(spec.op + "Unknown", "float32", {}, {})
     dtypes = spec.inputs[0].dtypes
-    if hasattr(launch, "DTYPES"):
-        _expect(tuple(launch.DTYPES) == tuple(dtypes), spec, f"launch.DTYPES {tuple(launch.DTYPES)} != spec dtypes {dtypes}")
+    if hasattr(launch, "DTYPES"):  # one tuple for the folder's ops, or a tuple per op
+        served = launch.DTYPES.get(spec.op, ()) if isinstance(launch.DTYPES, dict) else launch.DTYPES
+        _expect(tuple(served) == tuple(dtypes), spec, f"launch.DTYPES {tuple(served)} != spec dtypes {dtypes}")
     cases = _cases(spec)
     for dt, inputs, required, in_dtypes in cases:  # every spec dtype builds, a left-out attribute takes the spec default
         attrs = {**spec.defaults(), **required}

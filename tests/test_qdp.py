@@ -188,20 +188,25 @@ def _fake_trtp(monkeypatch):
 
 def test_autotune_types_keep_the_int32_layout(monkeypatch):
     """BlockSparseAttention's block_offsets / block_indices are int32 in every type combination;
-    the float tensors take each float dtype of the spec."""
+    the float tensors take each float dtype of the spec. FlashAttention with all its inputs is the
+    FP8 form: E4M3 q, k, v, float32 scales, o (and the bias) in each output_dtype."""
     from optfuse.spec import get_spec
     from optfuse.trt import qdp
 
     be, mod = _fake_trtp(monkeypatch)
+    want = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
     for op in ("BlockSparseAttention", "FlashAttention"):
         spec = get_spec(op)
         pid = qdp.register_spec(be, spec, 90)
         n_in = len(spec.inputs)
         combos = mod.registered[pid]["autotune"](*[None] * n_in, [None])
-        want = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
-        assert [c.types for c in combos] == [
-            ", ".join(["INT32" if list(t.dtypes) == ["int32"] else want[d] for t in spec.inputs] + [want[d]])
-            for d in spec.inputs[0].dtypes]
+        if op == "FlashAttention":
+            expected = [", ".join(["FP8"] * 3 + [want[o]] + ["FP32"] * 3 + [want[o]])
+                        for o in ("float16", "bfloat16", "float32")]
+        else:
+            expected = [", ".join(["INT32" if list(t.dtypes) == ["int32"] else want[d] for t in spec.inputs] + [want[d]])
+                        for d in spec.inputs[0].dtypes]
+        assert [c.types for c in combos] == expected
         assert all(c.layouts == "LINEAR" for c in combos)
     spec = get_spec("BlockSparseAttention")
     assert [t.name for t in spec.inputs if list(t.dtypes) == ["int32"]] == ["block_offsets", "block_indices"]

@@ -8,7 +8,7 @@
    has the FP8 inputs, and every unfused ``MatMul``/``Gemm`` with a constant 2-D weight, except what
    ``fp8_exclude`` names (node names or globs, matched against the fused node's name, the names of
    the nodes it replaced and the op type). Everything else stays in the base precision: norms and
-   softmax statistics, optfuse's FlashAttention (no FP8 contract here), the excluded GEMMs;
+   softmax statistics, the excluded GEMMs; optfuse's FlashAttention nodes take their FP8 form (:mod:`.fp8_attention`);
 3. calibrates each quantized GEMM's activation input on the FP32 model
    (:mod:`optfuse.precision.calibrate`): a per-tensor scale amax / 448; weights get per-output-
    channel scales max |W| / 448 from their FP32 values;
@@ -50,6 +50,7 @@ from .. import DOMAIN
 from ..errors import InputError
 from .calibrate import E4M3_MAX, TensorCalibration, calibrate, check_calibrator, quantize_e4m3, weight_scales
 from .fp16 import PrecisionOptions, PrecisionResult, convert_precision
+from .fp8_attention import place_flash_attention
 from .fp8_mha import AttentionTarget, find_attention
 from .fp8_norm import fold_norm_quantize
 
@@ -155,6 +156,7 @@ def quantize_fp8(model: onnx.ModelProto, options: PrecisionOptions,
     check_fp8_io(out)
     result.mode = "fp8"
     result.fp8 = plan.to_dict()
+    place_flash_attention(out, fp32, options, calibration, result)  # optfuse FlashAttention: its FP8 form
     result.notes.append(f"FP8 (E4M3): {len(plan.gemms)} GEMM node(s) quantized "
                         f"({sum(g.form == 'plugin' for g in plan.gemms)} optfuse, "
                         f"{sum(g.form == 'qdq' for g in plan.gemms)} Q/DQ)"

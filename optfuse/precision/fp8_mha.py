@@ -5,7 +5,7 @@ TensorRT fuses an FP8 multi-head attention when both batched GEMMs read Q/DQ'd i
 a per-tensor scale (ModelOpt's ONNX FP8 flow places the same four). :func:`find_attention` finds
 the blocks: from each Softmax back through the score arithmetic (scale, mask, casts) to a MatMul of
 two activations, and forward to the MatMul that reads the probabilities as its first input.
-optfuse's own FlashAttention nodes are not touched (they have no FP8 contract here).
+optfuse's own FlashAttention nodes take their FP8 form instead (:mod:`.fp8_attention`).
 """
 
 from __future__ import annotations

@@ -25,6 +25,18 @@ Masked and fully masked rows (the defined output):
   has no mask) shifts every score equally, which softmax ignores: it is read once, and only -inf
   (output 0) or NaN/+inf (NaN) change the result.
 
+FP8 (Q, K, V float8e4m3fn, FP8 constexpr from Q's type; QScale, KScale, VScale float32 scalars):
+- q @ k^T is an E4M3 dot with fp32 accumulation; q_scale * k_scale is folded into the exp2 argument
+  (one runtime factor on SCALE * log2(e)); the hot path's max-then-FMA assumes positive scales.
+- p is computed scaled by 448 (LOG2_P_FP8_SCALE = log2(448) taken off the running max inside the exp2
+  argument: no extra multiply) and rounded to E4M3 on chip, so the row max lands on E4M3's largest
+  finite value and small probabilities stay normal longer; p @ v is an E4M3 dot (fp32
+  accumulation). The row sum l comes from the same fp32 p, as in FlashAttention-3, so the 448
+  cancels in acc / l.
+- V comes transposed, [Hkv, D, Skv] per batch with Skv = Sk rounded up to 16 (keys contiguous:
+  the K-major B operand of the FP8 tensor-core dot; rows 16-byte aligned for vector loads).
+- the epilogue applies v_scale once, with the 1 / l normalisation.
+
 Program order: the 1-D grid walks the query blocks of one (b, h) fastest, so the programs running
 together share K/V of one head (and the G heads of a group) in L2; causal runs the heaviest
 (last) query blocks first to shorten the tail.
@@ -66,18 +78,23 @@ def _scores_log2(qk, SCALE_LOG2: tl.constexpr, SOFTCAP: tl.constexpr):
     return qk * SCALE_LOG2
 
 
+#: FP8: log2 of the scale of p before its rounding to E4M3 (448, E4M3's largest finite value)
+LOG2_P_FP8_SCALE = tl.constexpr(8.807354922057604)
+
+
 @triton.jit
 def _attn_block(acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
-                rows, offs_n, offs_d, start_n, Sq, Sk, causal_off,
+                rows, offs_n, offs_d, start_n, Sq, Sk, causal_off, qk_dq, v_stride,
                 SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                 WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BIAS_M: tl.constexpr, BIAS_N: tl.constexpr,
-                IEEE: tl.constexpr):
+                IEEE: tl.constexpr, FP8: tl.constexpr):
     """One key block [start_n, start_n + BLOCK_N) into (acc, l_i, m_i).
 
     MASKED blocks check key < Sk and the causal / window limits of each row; the other blocks are
-    known to be fully visible and skip the mask arithmetic (the bulk of the work).
+    known to be fully visible and skip the mask arithmetic (the bulk of the work). FP8: ``qk_dq``
+    = q_scale * k_scale dequantizes q @ k^T, V^T rows are ``v_stride`` keys apart.
     """
     d_ok = offs_d < HEAD_DIM  # all-true unless D is padded to a power of two (80, 96)
     cols = start_n + offs_n
@@ -92,9 +109,16 @@ def _attn_block(acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
+    if FP8:
+        sl2 = qk_dq * SCALE_LOG2  # the dequantization folded into the exp2 argument
+    else:
+        sl2 = SCALE_LOG2
     # -- new row max, in log2 units -------------------------------------------------------------
     if HAS_BIAS or MASKED or SCALE_LOG2 < 0 or SOFTCAP > 0:
-        s = _scores_log2(qk, SCALE_LOG2, SOFTCAP)
+        if FP8:
+            s = _scores_log2(qk * qk_dq, SCALE_LOG2, SOFTCAP)
+        else:
+            s = _scores_log2(qk, SCALE_LOG2, SOFTCAP)
         if HAS_BIAS:
             s += _load_bias(b_base, rows, cols, Sq, Sk, stride_bm, BIAS_M, BIAS_N)
         if MASKED:
@@ -110,22 +134,37 @@ def _attn_block(acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
         m_ij = tl.maximum(m_i, tl.max(s, 1))
         # A row with no finite score so far: subtract 0 so exp2(-inf - 0) = 0, not NaN.
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(s - m_sub[:, None])
+        if FP8:
+            p = tl.math.exp2(s - (m_sub - LOG2_P_FP8_SCALE)[:, None])  # 448 p
+        else:
+            p = tl.math.exp2(s - m_sub[:, None])
     else:
         # Hot path (no bias, no mask, no cap, scale > 0): max of the raw scores, one FMA per score.
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * SCALE_LOG2)
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * sl2)
         m_sub = m_ij
-        p = tl.math.exp2(qk * SCALE_LOG2 - m_sub[:, None])
+        if FP8:
+            p = tl.math.exp2(qk * sl2 - (m_sub - LOG2_P_FP8_SCALE)[:, None])  # 448 p
+        else:
+            p = tl.math.exp2(qk * sl2 - m_sub[:, None])
     # -- rescale what was accumulated under the old max ----------------------------------------
     alpha = tl.math.exp2(m_i - m_sub)
     l_ij = tl.sum(p, 1)
     acc = acc * alpha[:, None]
     # -- acc += p @ v (p rounded to the input dtype, as every FlashAttention does) ---------------
-    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
-    if IEEE:
-        acc = tl.dot(p, v, acc, input_precision="ieee")
+    if FP8:
+        # V^T tile [D, BLOCK_N], keys contiguous; p scaled into E4M3's range, rounded on chip
+        if MASKED:
+            vt_mask = d_ok[:, None] & (cols[None, :] < Sk)
+        else:
+            vt_mask = d_ok[:, None]
+        vt = tl.load(v_base + offs_d[:, None] * v_stride + cols[None, :], mask=vt_mask, other=0.0)
+        acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
     else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
     l_i = l_i * alpha + l_ij
     return acc, l_i, m_ij
 
@@ -133,19 +172,19 @@ def _attn_block(acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q,
                     k_base, v_base, b_base, stride_bm,
-                    rows, offs_n, offs_d, lo, hi, Sq, Sk, causal_off,
+                    rows, offs_n, offs_d, lo, hi, Sq, Sk, causal_off, qk_dq, v_stride,
                     SCALE_LOG2: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BIAS_M: tl.constexpr, BIAS_N: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, FP8: tl.constexpr):
     """Stream key blocks [lo, hi) (lo a multiple of BLOCK_N) into (acc, l_i, m_i)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _attn_block(
             acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm, rows, offs_n, offs_d, start_n,
-            Sq, Sk, causal_off, SCALE_LOG2, HEAD_DIM, BLOCK_N, MASKED, CAUSAL, WINDOW_LEFT,
-            WINDOW_RIGHT, SOFTCAP, HAS_BIAS, BIAS_M, BIAS_N, IEEE)
+            Sq, Sk, causal_off, qk_dq, v_stride, SCALE_LOG2, HEAD_DIM, BLOCK_N, MASKED, CAUSAL,
+            WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_BIAS, BIAS_M, BIAS_N, IEEE, FP8)
     return acc, l_i, m_i
 
 
@@ -166,7 +205,7 @@ def _live_key_range(b_base, Sk, offs_n, BLOCK_N: tl.constexpr, THRESHOLD: tl.con
 
 @triton.jit
 def _flash_attention_fwd_kernel(
-        Q, K, V, Bias, Offsets, Indices, H, Hkv, Sq, Sk, Nnz, Out,
+        Q, K, V, Bias, QScale, KScale, VScale, Offsets, Indices, H, Hkv, Sq, Sk, Nnz, Out,
         SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
@@ -183,11 +222,17 @@ def _flash_attention_fwd_kernel(
     off_b = off_hz // H
     off_h = off_hz % H
     off_kv = off_b * Hkv + off_h // (H // Hkv)  # GQA: index the shared kv head, never copy it
+    FP8: tl.constexpr = Q.dtype.element_ty == tl.float8e4nv
+    qk_dq = 1.0
+    v_stride = Sk  # keys per V head (FP8: the padded row length of V^T)
+    if FP8:
+        qk_dq = tl.load(QScale) * tl.load(KScale)
+        v_stride = tl.multiple_of(tl.cdiv(Sk, 16) * 16, 16)
     # Per-head bases in int64 (B*H*S*D may pass 2**31); offsets inside one head stay int32.
     q_base = Q + off_hz.to(tl.int64) * Sq * HEAD_DIM
     o_base = Out + off_hz.to(tl.int64) * Sq * HEAD_DIM
     k_base = K + off_kv.to(tl.int64) * Sk * HEAD_DIM
-    v_base = V + off_kv.to(tl.int64) * Sk * HEAD_DIM
+    v_base = V + off_kv.to(tl.int64) * v_stride * HEAD_DIM
 
     # -- bias: contiguous, size-1 dims broadcast (stride 0) --------------------------------------
     stride_bm = 0
@@ -231,8 +276,8 @@ def _flash_attention_fwd_kernel(
             for sub in tl.static_range(LAYOUT_BLOCK // BLOCK_N):
                 acc, l_i, m_i = _attn_block(
                     acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm, rows, offs_n, offs_d,
-                    kb * LAYOUT_BLOCK + sub * BLOCK_N, Sq, Sk, causal_off, SCALE_LOG2, HEAD_DIM,
-                    BLOCK_N, True, CAUSAL, -1, -1, SOFTCAP, HAS_BIAS, BIAS_M, BIAS_N, IEEE)
+                    kb * LAYOUT_BLOCK + sub * BLOCK_N, Sq, Sk, causal_off, qk_dq, v_stride, SCALE_LOG2,
+                    HEAD_DIM, BLOCK_N, True, CAUSAL, -1, -1, SOFTCAP, HAS_BIAS, BIAS_M, BIAS_N, IEEE, FP8)
     else:
         # -- key range of the tile: the causal / window limits of its first and last rows --------
         # keys a row may see: [row + off - WINDOW_LEFT, row + off (+ WINDOW_RIGHT)] within [0, Sk)
@@ -273,23 +318,25 @@ def _flash_attention_fwd_kernel(
         # masked left edge, full blocks without mask arithmetic, masked right edge
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
-            rows, offs_n, offs_d, lo, full_lo, Sq, Sk, causal_off,
+            rows, offs_n, offs_d, lo, full_lo, Sq, Sk, causal_off, qk_dq, v_stride,
             SCALE_LOG2, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-            HAS_BIAS, BIAS_M, BIAS_N, IEEE)
+            HAS_BIAS, BIAS_M, BIAS_N, IEEE, FP8)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
-            rows, offs_n, offs_d, full_lo, full_hi, Sq, Sk, causal_off,
+            rows, offs_n, offs_d, full_lo, full_hi, Sq, Sk, causal_off, qk_dq, v_stride,
             SCALE_LOG2, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-            HAS_BIAS, BIAS_M, BIAS_N, IEEE)
+            HAS_BIAS, BIAS_M, BIAS_N, IEEE, FP8)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
-            rows, offs_n, offs_d, full_hi, hi, Sq, Sk, causal_off,
+            rows, offs_n, offs_d, full_hi, hi, Sq, Sk, causal_off, qk_dq, v_stride,
             SCALE_LOG2, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-            HAS_BIAS, BIAS_M, BIAS_N, IEEE)
+            HAS_BIAS, BIAS_M, BIAS_N, IEEE, FP8)
 
     # -- epilogue: normalise; rows with no visible key (l = 0) give 0 -----------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
+    if FP8:
+        o = o * tl.load(VScale)  # v's dequantization, once (p's 448 cancels in acc / l)
     if SCALAR_BIAS:
         # A bias that broadcasts from one value c shifts every score equally, which softmax
         # ignores; only c = -inf (every score masked: 0) and NaN/+inf (NaN) change the result.

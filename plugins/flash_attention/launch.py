@@ -12,8 +12,11 @@
   two launches and a workspace (``workspace_bytes`` over a TensorRT profile); None elsewhere, where
   the one kernel above runs. QDP AOT launches one kernel, so it always takes that one.
 
-Argument order (QDP): inputs q, k, v[, bias], extra int32 (H, Hkv, Sq, Sk), output o. Tensors are
-contiguous; strides are derived from the shapes inside the kernel. H and Hkv are runtime
+Argument order (QDP): inputs q, k, v[, bias][, q_scale, k_scale, v_scale], extra int32 (H, Hkv,
+Sq, Sk), output o. Tensors are contiguous; strides are derived from the shapes inside the kernel.
+The FP8 form (E4M3 q, k, v, their float32 scales, o in ``output_dtype``; v as [B, Hkv, D, Skv])
+runs the Triton kernel on every target (its FP8 branch, kernel.py); so does an o whose dtype is not
+q's. H and Hkv are runtime
 arguments (one integer division per program), so one artifact serves every head count.
 
 Past 500 lines because every entry point (kernel choice, both kernels' sources and launches, the
@@ -50,7 +53,12 @@ SM90_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
 SM90_Q_BUFFERS = 2  # kernel_sm90.cu Q_BUFFERS: Q tiles in shared memory
 SPEC = plugin_spec(__file__, "FlashAttention")
 OP = SPEC.op
-DTYPES = SPEC.inputs[0].dtypes
+#: q's dtypes per op (the FP8 form is FlashAttention's only)
+DTYPES = {op: plugin_spec(__file__, op).inputs[0].dtypes for op in OPS}
+FP8 = "float8e4m3fn"
+#: Targets with E4M3 tensor cores (sm_89 mma, sm_90 wgmma): the FP8 form builds for these (or an
+#: unknown target), never for older ones.
+FP8_ARCHS = (89, 90)
 HEAD_DIMS = tuple(SPEC.limits["head_dims"])
 DEFAULT_CAUSAL = SPEC.attr("causal").default
 @dataclass(frozen=True)
@@ -134,6 +142,11 @@ TUNED: dict[tuple[str, int, bool], FAConfig] = {
     ("half", 64, True): FAConfig(64, 64, 4, 3),
     ("half", 128, False): FAConfig(128, 64, 8, 3),
     ("half", 128, True): FAConfig(128, 64, 8, 4),
+    # FP8 (Triton, E4M3 dots): the half tiles as the starting point, not yet swept on the H200
+    ("fp8", 64, False): FAConfig(128, 64, 8, 3),
+    ("fp8", 64, True): FAConfig(64, 64, 4, 3),
+    ("fp8", 128, False): FAConfig(128, 64, 8, 3),
+    ("fp8", 128, True): FAConfig(128, 64, 8, 4),
 }
 
 
@@ -206,7 +219,7 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, *,
                     and rows_per_tile_by_waves(*q_dims, sm_count or SM90_GRID) == 128)
         return sm90_config(head_dim, causal, keypad=keypad,
                            block_m=128 if layout or short or shared_row or by_waves else None)
-    cls = "float32" if dtype == "float32" else "half"
+    cls = "float32" if dtype == "float32" else "fp8" if dtype == FP8 else "half"
     return TUNED.get((cls, head_dim, bool(causal))) or _default_config(dtype, head_dim, causal)
 
 
@@ -214,6 +227,11 @@ def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None 
     """Configs a tuning sweep tries (the current choice first): the Triton kernel's tiles, warps
     and pipeline depths, or, with ``arch=90`` and a case the CUDA kernel takes, its consumer
     warpgroups (D = 64) and K/V ring depths."""
+    if norm_dtype(dtype) == FP8:
+        C = FAConfig
+        extra = [C(128, 64, 8, 3), C(128, 128, 8, 3), C(128, 64, 8, 4), C(64, 64, 4, 3), C(128, 128, 8, 2)]
+        out = [choose_config(dtype, head_dim, causal)]
+        return out + [c for c in extra if c not in out]
     if sm90_eligible(norm_dtype(dtype), head_dim, None, 1.0, arch):
         stages = (2, 3) if head_dim > 64 else (2, 3, 4)
         out = [sm90_config(head_dim, causal)]
@@ -233,6 +251,26 @@ def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None 
         if c not in out:
             out.append(c)
     return out
+
+
+def output_dtype(op: str, dtype: str, attrs: dict) -> str:
+    """o's dtype: FlashAttention's ``output_dtype`` (like_input: q's; an FP8 q needs one, else
+    ValueError); BlockSparseAttention's is q's."""
+    if op != OP:
+        return dtype
+    return SPEC.output_dtype(0, [dtype], attrs)
+
+
+def _choice_static(dtype: str, out_dtype: str, static_shape: dict | None) -> dict | None:
+    """The static facts the config choice reads: an FP8 q, or o in another dtype than q, runs the
+    Triton kernel whatever the target (the CUDA kernel is fp16/bf16 in and out), so the target is
+    hidden from the choice. An FP8 target older than sm_89 is a ValueError."""
+    arch = (static_shape or {}).get("arch")
+    if dtype == FP8 and arch is not None and int(arch) < min(FP8_ARCHS):
+        raise ValueError(f"FlashAttention: FP8 (E4M3) needs sm_89 or newer, not sm_{arch}")
+    if dtype == FP8 or out_dtype != dtype:
+        return {**(static_shape or {}), "arch": None}
+    return static_shape
 
 
 def _check_op(op: Any) -> str:
@@ -405,7 +443,14 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     pattern = bias_pattern(static_shape.get("bias_shape"))
     mode = _bias_mode(pattern)
     has_bias, scalar_bias = mode == 2, mode == 1
-    cfg = config or _config_for(dtype, head_dim, causal, pattern, scale, static_shape, sp)
+    out_dtype = output_dtype(name, dtype, attrs)
+    fp8 = dtype == FP8
+    if fp8 and name != OP:
+        raise ValueError(f"{name}: no FP8 form (FlashAttention has one)")
+    cfg = config or _config_for(dtype, head_dim, causal, pattern, scale,
+                                _choice_static(dtype, out_dtype, static_shape), sp)
+    if cfg.impl == "sm90" and (fp8 or out_dtype != dtype):
+        raise ValueError(f"FlashAttention sm90 kernel: {dtype} in, {out_dtype} out not supported (use the Triton kernel)")
     if cfg.impl == "sm90":
         return _sm90_source(dtype, head_dim, causal, pattern, scale, cfg,
                             norm_dtype(static_shape.get("bias_dtype") or dtype), sp, name)
@@ -420,10 +465,15 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     signature = {"Q": ty, "K": ty, "V": ty}
     constexprs: dict[str, Any] = {}
     if pattern is not None:
-        bdt = norm_dtype(static_shape.get("bias_dtype") or dtype)
+        bdt = norm_dtype(static_shape.get("bias_dtype") or (out_dtype if fp8 else dtype))  # FP8: o's
         signature["Bias"] = "*" + TRITON_TYPE[bdt]
     else:
         constexprs["Bias"] = None
+    scales = ("QScale", "KScale", "VScale")
+    if fp8:
+        signature.update({s: "*fp32" for s in scales})
+    else:
+        constexprs.update({s: None for s in scales})
     if sp.layout:
         signature.update({"Offsets": "*i32", "Indices": "*i32"})
     else:
@@ -433,7 +483,7 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
         signature["Nnz"] = "i32"
     else:
         constexprs["Nnz"] = None
-    signature["Out"] = ty
+    signature["Out"] = "*" + TRITON_TYPE[out_dtype]
     flags = pattern or (0, 0, 0, 0)
     constexprs.update({
         "SCALE": scale, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
@@ -443,12 +493,13 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
         "WINDOW_LEFT": sp.window_left, "WINDOW_RIGHT": sp.window_right, "SOFTCAP": sp.softcap,
         "LAYOUT": sp.layout, "LAYOUT_HEADS": sp.layout_heads, "LAYOUT_BLOCK": sp.layout_block,
     })
+    dtype_tag = dtype if out_dtype == dtype else f"{dtype}_to_{out_dtype}"
     return KernelSource(
-        name=_source_name(dtype, head_dim, causal, pattern, scale, cfg, sparsity=sp, op=name),
+        name=_source_name(dtype_tag, head_dim, causal, pattern, scale, cfg, sparsity=sp, op=name),
         lang="triton",
         path=KERNEL_PATH,
         entry=ENTRY,
-        n_inputs=3 + (pattern is not None) + 2 * sp.layout,
+        n_inputs=3 + (pattern is not None) + 3 * fp8 + 2 * sp.layout,
         n_extra=4 + sp.layout,
         n_outputs=1,
         signature=signature,
@@ -456,8 +507,8 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pointer_align=16,
-        meta={"op": name, "dtype": dtype, "head_dim": head_dim, "causal": causal, "scale": scale,
-              "bias_pattern": flags if pattern is not None else None, "config": asdict(cfg),
+        meta={"op": name, "dtype": dtype, "out_dtype": out_dtype, "head_dim": head_dim, "causal": causal,
+              "scale": scale, "bias_pattern": flags if pattern is not None else None, "config": asdict(cfg),
               "sparsity": asdict(sp)},
     )
 
@@ -483,7 +534,8 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     n_tensors = len(shapes) - 2 * layout
     bias_shape = (static_shape or {}).get("bias_shape", shapes[3] if n_tensors > 3 else None)
     pattern = bias_pattern(bias_shape)
-    cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), static_shape, sp)
+    choice = _choice_static(dtype, output_dtype(name, dtype, attrs), static_shape)
+    cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), choice, sp)
     nnz = [shapes[-1][1]] if layout else []
     if cfg.impl == "sm90":
         # persistent: a fixed grid walks num_tiles = cdiv(Sq, block_m) * B * H tiles
@@ -511,6 +563,9 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     shapes = list(shapes)
     bias_shape = st.get("bias_shape", shapes[3] if len(shapes) > 3 else None)
     pattern = bias_pattern(bias_shape)
+    dtype = norm_dtype(dtypes[0])
+    if dtype == FP8 or output_dtype(name, dtype, attrs) != dtype:
+        return None  # the decode kernels are not FP8 and write o in q's dtype
     if not decode_applies(name, shapes[0], shapes[1], pattern):
         return None
     head_dim = _head_dim(st) if st else static_int(shapes[0][3], "head_dim")
@@ -533,18 +588,21 @@ def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[int] | None], max_sha
     max_shapes = list(max_shapes)
     bias = max_shapes[3] if len(max_shapes) > 3 else None
     pattern = bias_pattern(bias)
-    if name != OP or not decode_takes_bias(pattern):
+    dtype = norm_dtype(dtypes[0])
+    if name != OP or not decode_takes_bias(pattern) or dtype == FP8 or output_dtype(name, dtype, attrs) != dtype:
         return 0
     return decode_workspace_bound([int(d) for d in min_shapes[0]], [int(d) for d in max_shapes[0]],
                                   [int(d) for d in max_shapes[1]], static_int(max_shapes[0][3], "head_dim"),
                                   norm_dtype(dtypes[0]))
 
 
-def check_shapes(shapes: Sequence[Sequence[int]], attrs: dict) -> None:
-    """Concrete-shape checks (tests, launcher users): GQA, head dim, bias broadcast."""
+def check_shapes(shapes: Sequence[Sequence[int]], attrs: dict, fp8: bool = False) -> None:
+    """Concrete-shape checks (tests, launcher users): GQA, head dim, bias broadcast; ``fp8``: v is
+    [B, Hkv, D, Skv], Skv = Sk rounded up to a multiple of 16 (spec.yaml)."""
     q, k, v = (list(s) for s in shapes[:3])
     B, H, Sq, D = q
-    if len(k) != 4 or k[0] != B or k[3] != D or list(v) != list(k):
+    want_v = [k[0], k[1], k[3], -(-k[2] // 16) * 16] if fp8 and len(k) == 4 else list(k)
+    if len(k) != 4 or k[0] != B or k[3] != D or list(v) != want_v:
         raise ValueError(f"FlashAttention: q{q} k{k} v{v} do not fit [B,H,Sq,D] / [B,Hkv,Sk,D]")
     if H != int(attrs["num_heads"]) or k[1] != int(attrs["num_kv_heads"]) or H % k[1]:
         raise ValueError(f"FlashAttention: heads {H}/{k[1]} vs attrs {attrs}")

@@ -22,6 +22,26 @@ matched subgraph has no additive mask it passes a scalar (rank-0) zero of q's dt
 treats an all-broadcast (scalar) bias as a constant shift, which softmax ignores: it only checks it
 once for -inf / NaN (see launch.py), so the dummy input costs nothing on the GPU.
 The NumPy reference accepts ``bias=None`` as well.
+
+FP8 and the output dtype: function variants
+-------------------------------------------
+Neither o's dtype nor the FP8 dequantization can be picked inside one body, so FlashAttention has
+one function per variant, told apart by the ONNX function ``overload`` (IR >= 10), named by
+:func:`function_overload` from a node's inputs and ``output_dtype``:
+
+    ""                 q, k, v and o one dtype (v2's function)
+    "to_<dtype>"       q, k, v one float dtype, o ``<dtype>`` (a Cast at the end)
+    "fp8_to_<dtype>"   FP8 q, k, v: ``DequantizeLinear`` with the per-tensor scales, v transposed back
+                       from [B, Hkv, D, Skv] and cut to Sk keys, FP32 math, o ``<dtype>``;
+                       default-domain opset >= 19 (FP8 types). onnxruntime has no FP8 MatMul, so it
+                       runs the node as fake-quant: the FP8 values, dequantized, in float32.
+
+The NumPy reference dequantizes the same way (in float64); the kernel's rounding of the
+probabilities to E4M3 for P @ V is a kernel error, not part of the contract. The FP8 pieces
+(rounding, dequantization, the DequantizeLinear nodes) are in reference_fp8.py.
+
+Past 500 lines: both ops' NumPy references and ONNX function bodies (scores, windows, layouts,
+softmax, the variants) share the node helpers here.
 """
 
 from __future__ import annotations
@@ -31,7 +51,10 @@ import onnx
 from onnx import TensorProto, helper
 
 from optfuse.functions import plugin_function
-from optfuse.spec import plugin_spec
+from optfuse.spec import FP8_DTYPES, LIKE_INPUT, plugin_spec
+
+from .reference_fp8 import (FP8_MIN_OPSET, FP8_V_ALIGN, SCALES, dequantize_fp8, fp8_dequantize_nodes,  # noqa: F401
+                            fp8_v_keys, is_fp8, quantize_fp8)
 
 SPEC = plugin_spec(__file__, "FlashAttention")
 OP = SPEC.op
@@ -41,8 +64,7 @@ ABSENT_INPUTS = {"bias": 0.0}
 # The body uses ops whose semantics are the same from opset 15 on (CastLike: 15, Trilu: 14, Shape
 # start/end: 15); it runs under the model's own default-domain opset.
 FUNCTION_OPSET = 17
-
-
+OUTPUT_DTYPES = SPEC.attr("output_dtype").choices
 def _attrs(op, attrs: dict) -> tuple[float, bool, int, int]:
     scale = float(attrs["scale"])
     causal = bool(int(attrs.get("causal", SPEC.attr("causal").default)))
@@ -54,11 +76,14 @@ def _int_attr(attrs: dict, name: str, spec=None) -> int:
     return int(attrs.get(name, spec.attr(name).default))
 
 
-def sample_inputs(op, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
-    """Random float32 inputs in spec order (q, k, v and a full [B, H, Sq, Sk] bias; grouped-query
-    heads, Sk != Sq; BlockSparseAttention: a per-head layout of the spec's default block size over
-    3 x 4 blocks, the last ones partial) and the attributes without a default: what the contract
-    test runs through the ONNX function and this reference."""
+def sample_inputs(op, rng: np.random.Generator, dtype: str = "float32") -> tuple[list[np.ndarray], dict]:
+    """Random inputs in spec order (q, k, v and a full [B, H, Sq, Sk] bias; grouped-query heads,
+    Sk != Sq; FlashAttention's FP8 scales absent; BlockSparseAttention: a per-head layout of the
+    spec's default block size over 3 x 4 blocks, the last ones partial) and the attributes without a
+    default: what the contract test runs through the ONNX function and this reference.
+    ``dtype="float8e4m3fn"`` (FlashAttention): q, k, v rounded to E4M3 from scaled random values, v
+    transposed to [B, Hkv, D, Skv] with padding keys past Sk, float32 scales, ``output_dtype``
+    float32."""
     sparse = _op_name(op) == BLOCK_SPARSE
     block = BLOCK_SPARSE_SPEC.attr("block_size").default
     B, H, Hkv, Sq, Sk, D = 2, 4, 2, 5, 7, SPEC.limits["head_dims"][0]
@@ -71,7 +96,33 @@ def sample_inputs(op, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]
     if sparse:
         offsets, indices = random_layout(rng, H, Sq, Sk, block, density=0.6)
         return [q, k, v, bias, offsets, indices], attrs
-    return [q, k, v, bias], attrs
+    if dtype in FP8_DTYPES:
+        scales = [np.float32(0.02 + 0.05 * rng.random()) for _ in SCALES]
+        q8, k8 = (quantize_fp8(x, s) for x, s in zip((q, k), scales))
+        vt = np.zeros((B, Hkv, D, fp8_v_keys(Sk)), np.float32) + 3.0  # padding keys: never read
+        vt[..., :Sk] = v.transpose(0, 1, 3, 2)
+        v8 = quantize_fp8(vt, scales[2])
+        return [q8, k8, v8, bias, *(np.array(s, np.float32) for s in scales)], {**attrs, "output_dtype": "float32"}
+    if dtype != "float32":
+        raise ValueError(f"FlashAttention sample_inputs: no {dtype} case")
+    return [q, k, v, bias, None, None, None], attrs
+
+
+def _out_np_dtype(q, attrs: dict):
+    """o's NumPy dtype: ``output_dtype`` (like_input: q's; an FP8 q needs a dtype)."""
+    out = attrs.get("output_dtype", LIKE_INPUT)
+    out = out.decode() if isinstance(out, bytes) else str(out)
+    if out not in OUTPUT_DTYPES:
+        raise ValueError(f"FlashAttention: output_dtype {out!r} not in {OUTPUT_DTYPES}")
+    if out == LIKE_INPUT:
+        if is_fp8(q):
+            raise ValueError(f"FlashAttention: an FP8 q needs output_dtype, not {LIKE_INPUT}")
+        return q.dtype
+    if out == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(out)
 
 
 BLOCK_SPARSE = "BlockSparseAttention"
@@ -139,15 +190,23 @@ def visible(sq: int, sk: int, causal: bool, window_left: int = -1, window_right:
 
 
 def reference(op, inputs: list, attrs: dict) -> list[np.ndarray]:
-    """NumPy FlashAttention / BlockSparseAttention in float64; returns o in q's dtype.
+    """NumPy FlashAttention / BlockSparseAttention in float64; returns [o].
 
     ``op``: the op name or OpSpec (None: FlashAttention). ``inputs`` = [q, k, v, bias or None]
-    (+ block_offsets, block_indices for BlockSparseAttention).
+    (FlashAttention: + q_scale, k_scale, v_scale, with FP8 q, k, v; BlockSparseAttention: +
+    block_offsets, block_indices); o in ``output_dtype`` (like_input: q's). FP8 inputs are
+    dequantized (:func:`dequantize_fp8`) and the rest is the same float64 math.
     """
     q, k, v = inputs[0], inputs[1], inputs[2]
     bias = inputs[3] if len(inputs) > 3 else None
     sparse = _op_name(op) == BLOCK_SPARSE
     spec = BLOCK_SPARSE_SPEC if sparse else SPEC
+    scales = [None] * 3 if sparse else (list(inputs[4:7]) + [None] * 3)[:3]
+    out_dtype = q.dtype if sparse else _out_np_dtype(q, attrs)
+    if is_fp8(q):
+        q, k, v = dequantize_fp8(q, k, v, scales)
+    elif any(s is not None for s in scales) or is_fp8(k) or is_fp8(v):
+        raise ValueError(f"FlashAttention: {', '.join(SCALES)} and FP8 k, v come only with an FP8 q")
     scale, causal, h, hkv = _attrs(op, attrs)
     softcap = float(attrs.get("softcap", spec.attr("softcap").default))
     wl = -1 if sparse else _int_attr(attrs, "window_left")
@@ -182,7 +241,7 @@ def reference(op, inputs: list, attrs: dict) -> list[np.ndarray]:
         l = p.sum(axis=-1, keepdims=True)
         o = (p @ vf) / np.where(dead, 1.0, l)
     o = np.where(dead, 0.0, o)
-    return [o.astype(q.dtype)]
+    return [o.astype(out_dtype)]
 
 
 def _attr_ref(name: str, ref: str, kind: int) -> onnx.AttributeProto:
@@ -383,29 +442,93 @@ def _softmax_nodes() -> list[onnx.NodeProto]:
     ]
 
 
-def onnx_function(op=None, opset: int = FUNCTION_OPSET) -> onnx.FunctionProto:
-    """``optfuse::FlashAttention(q, k, v, bias) -> o`` or ``optfuse::BlockSparseAttention(q, k, v,
-    bias, block_offsets, block_indices) -> o`` as an ONNX function onnxruntime can run.
+def function_overload(op, inputs, attrs: dict | None = None) -> str:
+    """The function variant (ONNX ``overload``) of a node: ``inputs`` are its input names in spec
+    order ("" or missing: absent), ``attrs`` its attributes (``output_dtype``). FP8 is told by the
+    presence of ``q_scale``; an FP8 node with ``output_dtype`` like_input is a ValueError.
+    BlockSparseAttention has one function ("")."""
+    name = _op_name(op)
+    if name == BLOCK_SPARSE:
+        return ""
+    if name != OP:
+        raise ValueError(f"flash_attention plugin has no op {name!r}")
+    out = (attrs or {}).get("output_dtype", SPEC.attr("output_dtype").default)
+    out = out.decode() if isinstance(out, bytes) else str(out)
+    if out not in OUTPUT_DTYPES:
+        raise ValueError(f"{OP}: output_dtype {out!r} not in {OUTPUT_DTYPES}")
+    i = SPEC.input_index("q_scale")
+    if i < len(inputs) and bool(inputs[i]):
+        if out == LIKE_INPUT:
+            raise ValueError(f"{OP}: an FP8 node (q_scale present) needs output_dtype, not {LIKE_INPUT}")
+        return f"fp8_to_{out}"
+    return "" if out == LIKE_INPUT else f"to_{out}"
+
+
+def function_overloads(op) -> tuple[str, ...]:
+    """Every variant :func:`function_overload` names for ``op``."""
+    if _op_name(op) == BLOCK_SPARSE:
+        return ("",)
+    dts = [d for d in OUTPUT_DTYPES if d != LIKE_INPUT]
+    return ("", *(f"to_{d}" for d in dts), *(f"fp8_to_{d}" for d in dts))
+
+
+def _rename_inputs(nodes: list[onnx.NodeProto], names: dict[str, str]) -> list[onnx.NodeProto]:
+    """``nodes`` reading ``names[x]`` wherever they read x (the body over dequantized q, k, v)."""
+    for n in nodes:
+        for j, x in enumerate(n.input):
+            if x in names:
+                n.input[j] = names[x]
+    return nodes
+
+
+def _onnx_type(name: str) -> int:
+    return {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[name]
+
+
+def onnx_function(op=None, opset: int = FUNCTION_OPSET, overload: str = "") -> onnx.FunctionProto:
+    """``optfuse::FlashAttention(q, k, v, bias, q_scale, k_scale, v_scale) -> o`` or
+    ``optfuse::BlockSparseAttention(q, k, v, bias, block_offsets, block_indices) -> o`` as an ONNX
+    function onnxruntime can run; ``overload`` is the FlashAttention variant
+    (:func:`function_overload`: "", ``to_<dtype>``, ``fp8_to_<dtype>``).
 
     ``opset`` is the default-domain opset the body imports; onnx.checker wants it equal to the
-    model's (>= 15), so the rewrite stage passes the model's opset.
+    model's (>= 15; an ``fp8_to_*`` variant needs >= 19, ``FP8_MIN_OPSET``), so the rewrite stage
+    passes the model's opset.
 
     bias is required here (see the module docstring); it broadcasts to [B, H, Sq, Sk] and may be
     a scalar zero. GQA repeats kv heads with Unsqueeze/Expand/Reshape; softcap is applied with
     Where on the attribute (Div by 1 when it is 0); the causal / window visibility is built from the
     shapes (Range over i and j, offset Sk - Sq), so any sequence length works; BlockSparseAttention
     expands its layout into the [Hl, Sq, Sk] visibility (see `_layout_nodes`). Rows whose every
-    score is -inf are set to 0 after Softmax (which would give NaN).
+    score is -inf are set to 0 after Softmax (which would give NaN). The FP8 variant runs the same
+    body on the dequantized float32 q, k, v (``fp8_dequantize_nodes``); ``to_*`` variants cast o.
+    The scales are unused inputs of the other variants (absent on their nodes).
     """
     sparse = _op_name(op) == BLOCK_SPARSE
     spec = BLOCK_SPARSE_SPEC if sparse else SPEC
+    if overload not in function_overloads(op):
+        raise ValueError(f"{spec.op}: no function overload {overload!r} (have {function_overloads(op)})")
+    fp8 = overload.startswith("fp8_")
+    if fp8 and opset < FP8_MIN_OPSET:
+        raise ValueError(f"{spec.op}: an FP8 node needs default-domain opset >= {FP8_MIN_OPSET} (float8e4m3fn "
+                         f"DequantizeLinear); the model has opset {opset}")
     nodes = _scores_nodes()
     if sparse:
         nodes.append(helper.make_node("Constant", [], ["zero_1"], value=_i64("zero_1", [0])))
     nodes += _layout_nodes() if sparse else _window_nodes()
     nodes += _softmax_nodes()
+    if fp8:
+        nodes = fp8_dequantize_nodes() + _rename_inputs(nodes, {"q": "q_dq", "k": "k_dq", "v": "v_dq"})
+    if overload:
+        nodes[-1].output[0] = "o_body"  # the last node (p @ v) writes o
+        nodes.append(helper.make_node("Cast", ["o_body"], ["o"], to=_onnx_type(overload.split("to_")[-1])))
     doc = ("softmax(cap(scale * q @ k^T) + bias [+ causal mask]) @ v over the key blocks the BSR layout lists"
            if sparse else "softmax(cap(scale * q @ k^T) + bias [+ causal / window mask]) @ v")
-    return plugin_function(spec, nodes, opset,
-                           doc=doc + "; GQA by repeating kv heads; bias is required (a scalar 0 when the fused "
-                                     "graph has none).")
+    if fp8:
+        doc += " on q * q_scale, k * k_scale, v^T[..., :Sk] * v_scale (FP8 dequantized, float32)"
+    fn = plugin_function(spec, nodes, opset,
+                         doc=doc + "; GQA by repeating kv heads; bias is required (a scalar 0 when the fused "
+                                   "graph has none).")
+    if overload:
+        fn.overload = overload
+    return fn

@@ -69,3 +69,29 @@ def test_aot_compile_decode_plan(tmp_path, arch, dtype, D, bias_shape, Sq):
     if dtype != "float32":
         assert "cp.async" in split.ptx  # the K/V loads are software-pipelined
         assert "mma.sync" in split.ptx  # packed rows on the tensor cores (M = 16 .. 64: no wgmma)
+
+
+@pytest.mark.parametrize("arch,D,causal,bias_shape,out_dtype", [
+    (90, 128, 0, None, "bfloat16"),
+    (90, 64, 1, (), "float16"),
+    (89, 128, 1, (-1, 1, 1, -1), "bfloat16"),
+    (89, 80, 0, None, "float32"),
+])
+def test_aot_compile_fp8(tmp_path, arch, D, causal, bias_shape, out_dtype):
+    """The FP8 form compiles for sm_90 and sm_89 without a GPU, in QDP argument order (q, k, v[,
+    bias], q_scale, k_scale, v_scale, H, Hkv, Sq, Sk, o): both dots on E4M3 tensor cores (wgmma on
+    sm_90, mma.sync on sm_89) and p rounded to E4M3 with cvt.rn.satfinite."""
+    attrs = {"scale": D ** -0.5, "causal": causal, "num_heads": 8, "num_kv_heads": 2, "output_dtype": out_dtype}
+    src = L.kernel_config("FlashAttention", L.FP8, attrs, {"head_dim": D, "bias_shape": bias_shape, "arch": arch})
+    art = KernelCache(tmp_path).build(src, arch)
+    n_in = 6 + (bias_shape is not None)
+    assert (art.n_inputs, art.n_extra, art.n_outputs) == (n_in, 4, 1) and art.cubin and art.arch == arch
+    assert 0 < art.shared_mem <= SMEM_LIMIT[arch]
+    params = _entry_param_types(art)
+    assert params == ["u64"] * n_in + ["u32"] * 4 + ["u64"] + ["u64"] * art.n_scratch
+    mma = re.findall(r"(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)", art.ptx)
+    if arch == 90:
+        assert mma and all(m.startswith("wgmma") and m.endswith(".f32.e4m3.e4m3") for m in mma), sorted(set(mma))
+    else:
+        assert mma and all(m.startswith("mma.sync") and ".e4m3.e4m3." in m for m in mma), sorted(set(mma))
+    assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx

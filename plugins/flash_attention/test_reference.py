@@ -129,13 +129,13 @@ def test_onnx_function_matches_reference(B, H, Hkv, Sq, Sk, D, causal, bias_shap
 
 
 @pytest.mark.parametrize("op,inputs", [
-    ("FlashAttention", ["q", "k", "v", "bias"]),
+    ("FlashAttention", ["q", "k", "v", "bias", "q_scale", "k_scale", "v_scale"]),
     ("BlockSparseAttention", ["q", "k", "v", "bias", "block_offsets", "block_indices"]),
 ])
 def test_function_signature_follows_spec(op, inputs):
     spec = R.SPEC if op == "FlashAttention" else R.BLOCK_SPARSE_SPEC
     spec_attrs = {"scale", "causal", "num_heads", "num_kv_heads", "softcap"}
-    spec_attrs |= {"window_left", "window_right"} if op == "FlashAttention" else {"block_size"}
+    spec_attrs |= {"window_left", "window_right", "output_dtype"} if op == "FlashAttention" else {"block_size"}
     assert {a.name for a in spec.attributes} == spec_attrs
     fn = R.onnx_function(op)
     assert (fn.domain, fn.name) == ("optfuse", op)

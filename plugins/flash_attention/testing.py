@@ -8,7 +8,10 @@
   a case (launch.py's ``launch_plan``), its artifacts, its steps run as Triton functions with a
   poisoned workspace;
 * :func:`prebuilt_artifact` / :func:`get_artifact` -- an artifact compiled elsewhere (this repo's
-  CPU machine: Triton 3.9 cubins for sm_90), looked up by its spec, else compiled here.
+  CPU machine: Triton 3.9 cubins for sm_90), looked up by its spec, else compiled here;
+* :func:`fp8_inputs` / :func:`fp8_reference_of` / :func:`check_close_fp8` -- the FP8 form: q, k, v
+  quantized per tensor (v transposed and padded as the spec says), its float64 reference of the
+  dequantized math, and the error bounds of E4M3 probabilities.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def case_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict
         static["layout_heads"] = int(layout[0].shape[0]) != 1
     src = L.kernel_config(op, dtype, attrs, static, config=config)
     shp = [list(s) for s in shapes[:3]] + ([list(bias)] if bias is not None else [])
+    if dtype == L.FP8:  # spec order: the scales after the (possibly absent) bias
+        shp = shp[:3] + [None if bias is None else list(bias)] + [[1], [1], [1]]
     if layout is not None:
         shp += [list(layout[0].shape), list(layout[1].shape)]
     params = L.launch_params(op, shp, [dtype], attrs, config=config, static_shape=static)
@@ -272,6 +277,96 @@ def check_close(out, ref, dtype: str, what: str = "") -> tuple[float, float]:
     if rel > tr or mx > ta:
         raise AssertionError(f"{what}: rel L2 {rel:.2e} (<= {tr}), max abs {mx:.2e} (<= {ta})")
     return rel, mx
+
+
+def fp8_inputs(q, k, v, margin: float = 1.0):
+    """(q8, k8, vt8, [q_scale, k_scale, v_scale]) of float torch q, k, v: per-tensor scales
+    amax / (448 * margin) (margin < 1 saturates the largest values to +-448), values rounded to
+    E4M3 with saturation, v transposed to [B, Hkv, D, Skv] with Skv = Sk rounded up to 16 (the
+    padding keys hold NaN: the kernel must never read them)."""
+    import torch
+
+    R = reference_mod()
+    out, scales = [], []
+    for x in (q, k, v):
+        amax = float(x.detach().float().abs().max())
+        s = torch.tensor([max(amax, 1e-30) / (448.0 * margin)], dtype=torch.float32, device=x.device)
+        scales.append(s)
+        out.append((x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn))
+    B, Hkv, Sk, D = v.shape
+    vt = torch.full((B, Hkv, D, R.fp8_v_keys(Sk)), float("nan"), dtype=torch.float32, device=v.device)
+    vt[..., :Sk] = out[2].float().transpose(2, 3)
+    return out[0], out[1], vt.to(torch.float8_e4m3fn), scales
+
+
+def _fp8_numpy(t):
+    """A torch float8_e4m3fn tensor as an ml_dtypes array (the reference's FP8 input)."""
+    import ml_dtypes
+    import torch
+
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+
+
+def fp8_reference_of(q8, k8, vt8, bias, scales, attrs):
+    """The float64 reference of an FP8 case (the spec's dequantized math)."""
+    import numpy as np
+
+    ins = [_fp8_numpy(q8), _fp8_numpy(k8), _fp8_numpy(vt8), to_numpy64(bias)]
+    ins += [s.detach().cpu().numpy() for s in scales]
+    o = reference_mod().reference(OP, ins, {**attrs, "output_dtype": "float32"})[0]
+    return np.asarray(o, dtype=np.float64)
+
+
+#: FP8 error bounds vs the float64 reference of the dequantized math. q, k, v are the same E4M3
+#: values in both, so the kernel's error is p rounded to E4M3 for p @ v (3 mantissa bits: relative
+#: error <= 2^-4 per probability, uniform-ish, rms about 2^-4 / sqrt(3) ~ 0.036 at a power of two
+#: and less above it) plus o's rounding. Relative L2 of o ~ that rms (zero-mean v); bound 0.05.
+#: Max abs: each probability's relative error <= 2^-4, so |do| <= 2^-4 max|v| for normal ones;
+#: those below E4M3's normal range (448 p < 2^-6) err by <= 2^-10 / 448 absolute each, at most
+#: Sk of them over a row sum l >= 1; plus o's own rounding (2^-8 |o| in bf16).
+FP8_REL_L2 = 5e-2
+
+
+def fp8_max_abs_bound(v_absmax: float, sk: int, out_dtype: str, o_absmax: float) -> float:
+    """The max abs error bound of an FP8 case (see FP8_REL_L2)."""
+    out_ulp = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[out_dtype]
+    return (2.0 ** -4 + sk * 2.0 ** -10 / 448.0) * v_absmax + out_ulp * o_absmax + 1e-6
+
+
+def check_close_fp8(out, ref, v_absmax: float, sk: int, out_dtype: str, what: str = "") -> tuple[float, float]:
+    import numpy as np
+
+    o = out.detach().float().cpu().double().numpy()
+    if np.isnan(o).any():
+        raise AssertionError(f"{what}: {int(np.isnan(o).sum())} NaN outputs (unwritten, padding keys read, or bad math)")
+    rel = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
+    mx = float(np.abs(o - ref).max()) if o.size else 0.0
+    bound = fp8_max_abs_bound(v_absmax, sk, out_dtype, float(np.abs(ref).max()) if ref.size else 0.0)
+    if rel > FP8_REL_L2 or mx > bound:
+        raise AssertionError(f"{what}: rel L2 {rel:.2e} (<= {FP8_REL_L2}), max abs {mx:.2e} (<= {bound:.2e})")
+    return rel, mx
+
+
+def exact_fp8_rounding_in_interpreter() -> None:
+    """Make the Triton interpreter round fp32 / fp16 -> E4M3 as the GPU does (cvt.rn.satfinite:
+    nearest even, saturated to +-448, NaN kept). Triton 3.9's interpreter loses the carry when
+    rounding up crosses a power of two (124.8 -> 64 instead of 128) and truncates subnormals; the
+    FP8 interpreter tests run the kernel, not that conversion. Call it in the interpreter child."""
+    import ml_dtypes
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16):
+            x = np.frombuffer(data.tobytes(), dtype=np.float32 if input_dtype == tl.float32 else np.float16)
+            y = np.clip(x.astype(np.float32), -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+            return y.view(np.uint8).reshape(data.shape)
+        return original(data, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert
 
 
 def cache_root_default() -> Path:

@@ -1,0 +1,178 @@
+"""Precision fp8: optfuse's FlashAttention nodes in their FP8 form (FlashAttention spec v3).
+
+Each ``FlashAttention`` node whose spec has the FP8 form (``q_scale`` and an FP8 ``q``), that
+``precision.fp8_exclude`` does not name, takes E4M3 q, k, v directly (no DequantizeLinear in front
+of the plugin), like the optfuse GEMMs:
+
+- q, k, v are calibrated per tensor on the FP32 model like GEMM activations (the recipe's
+  calibrator; scale amax / 448, rounded to the base type so the Q and the plugin hold one value);
+- ``QuantizeLinear(q)``, ``QuantizeLinear(k)`` (E4M3, one per tensor, shared by the nodes reading
+  it); v goes through ``Transpose(0, 1, 3, 2)`` and a ``Pad`` of its key axis to a multiple of 16
+  (the spec's [B, Hkv, D, Skv] layout: keys contiguous for the FP8 tensor cores) before its
+  ``QuantizeLinear``;
+- the node reads ``q8, k8, vt8, bias, q_scale, k_scale, v_scale`` (float32 [1] scales) and writes
+  o in the base precision (``output_dtype``); its reference function (``fp8_to_<dtype>``)
+  dequantizes, so onnxruntime runs the candidate as fake-quant.
+
+The softmax probabilities are rounded to E4M3 inside the kernel (scale 1 / 448, TensorRT's FP8
+MHA convention); the fake-quant model keeps them in float32, so onnxruntime measures the q, k, v
+quantization only. Nodes that stay in the base precision are listed with why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .. import DOMAIN
+from ..errors import InputError
+
+FLASH_OP = "FlashAttention"
+#: FP8 v's key axis is padded to a multiple of this (the spec's Skv)
+V_KEY_ALIGN = 16
+
+
+@dataclass
+class Fp8FlashAttention:
+    """One FlashAttention node in its FP8 form: q, k, v's amax, scale and source."""
+
+    name: str
+    tensors: list[dict]  # {"role": q|k|v, "tensor", "amax", "scale", "source"}
+
+
+def flash_fp8_ready() -> bool:
+    """Whether the FlashAttention spec has the FP8 form (a ``q_scale`` input, an FP8 ``q``)."""
+    from ..spec import get_spec
+
+    spec = get_spec(FLASH_OP)
+    return "q_scale" in [t.name for t in spec.inputs] and "float8e4m3fn" in spec.inputs[0].dtypes
+
+
+def flash_targets(model: onnx.ModelProto, exclude: Sequence[str] = ()) -> tuple[list[onnx.NodeProto], list[dict]]:
+    """The FlashAttention nodes to put in FP8 form, and those kept in the base precision with why."""
+    from .fp8 import excluded_by
+
+    inits = {t.name for t in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == FLASH_OP]
+    if nodes and not flash_fp8_ready():
+        return [], [{"name": n.name, "op": FLASH_OP, "reason": "the FlashAttention spec has no FP8 form"} for n in nodes]
+    targets, kept = [], []
+    for n in nodes:
+        pattern = excluded_by(n, exclude)
+        if pattern is not None:
+            kept.append({"name": n.name, "op": FLASH_OP, "reason": f"excluded by precision.fp8_exclude ({pattern!r})"})
+        elif any(not x or x in inits for x in n.input[:3]):
+            kept.append({"name": n.name, "op": FLASH_OP, "reason": "q, k or v is a constant"})
+        elif any(n.input[4:]):
+            kept.append({"name": n.name, "op": FLASH_OP, "reason": "already in FP8 form"})
+        else:
+            targets.append(n)
+    return targets, kept
+
+
+def place_flash_attention(out: onnx.ModelProto, fp32: onnx.ModelProto, options, calibration, result) -> None:
+    """Put `out`'s FlashAttention nodes (the base-precision model of :func:`fp8.quantize_fp8`) in
+    their FP8 form, calibrated on `fp32`; `result.fp8` gains ``flash_attention`` (the nodes and
+    their scales) and ``flash_attention_kept`` (the others, with why), and its ``kept`` entry for
+    FlashAttention counts only those others."""
+    from .calibrate import calibrate
+
+    targets, kept = flash_targets(fp32, options.fp8_exclude)
+    if result.fp8 is not None:
+        result.fp8["flash_attention_kept"] = kept
+        by_policy = result.fp8.setdefault("kept", {})
+        by_policy.pop(FLASH_OP, None)
+        if kept:  # the count and why, in place of the policy's "no FP8 contract"
+            reasons = sorted({k["reason"] for k in kept})
+            by_policy[FLASH_OP] = [len(kept), "attention: " + "; ".join(reasons)]
+    if not targets:
+        return
+    cal = calibrate(fp32, [x for n in targets for x in n.input[:3]], calibration, options.calibrator,
+                    options.percentile)
+    placed = _place(out, targets, cal, options.fp8_base)
+    _check_io(out, {p.name for p in placed})
+    if result.fp8 is not None:
+        result.fp8["flash_attention"] = [asdict(p) for p in placed]
+    result.notes.append(f"FP8 (E4M3): {len(placed)} optfuse FlashAttention node(s) take E4M3 q, k, v with per-tensor "
+                        f"scales (v transposed to [B, Hkv, D, Skv]); probabilities rounded to E4M3 in the kernel")
+
+
+def _place(out: onnx.ModelProto, targets: Sequence[onnx.NodeProto], cal: Mapping, base: str) -> list[Fp8FlashAttention]:
+    from ..rewrite import add_functions
+    from .fp8 import BASE_TYPES, OUTPUT_DTYPE, _Builder, _insert, _source, round_to
+    from .fp16 import _tensor_types
+
+    types = _tensor_types(out)
+    b = _Builder(out)
+    by_name = {n.name: n for n in out.graph.node}
+    base_type = BASE_TYPES[base]
+    transposed: dict[str, str] = {}
+    placed = []
+    for t in targets:
+        node = by_name[t.name]
+        dtype = types.get(node.input[0], base_type)
+        quantized, scales, entries = [], [], []
+        for idx, role in enumerate("qkv"):
+            act = node.input[idx]
+            c = cal[t.input[idx]]
+            scale = float(round_to(np.array([c.scale]), types.get(act, dtype))[0])
+            src = act if role != "v" else transposed.setdefault(act, _v_transposed(b, act, types.get(act, dtype), node.name))
+            quantized.append(b.quantize(src, scale, types.get(act, dtype), node.name)[0])
+            scales.append(b.constant(f"{node.name}/{role}_scale", np.array([scale], np.float32), TensorProto.FLOAT))
+            entries.append({"role": role, "tensor": t.input[idx], "amax": c.amax, "scale": scale, "source": _source(c)})
+        bias = node.input[3] if len(node.input) > 3 and node.input[3] else \
+            b.constant(f"{node.name}/bias", np.zeros((), np.float32), dtype)
+        del node.input[:]
+        node.input.extend([*quantized, bias, *scales])
+        for a in list(node.attribute):
+            if a.name == "output_dtype":
+                node.attribute.remove(a)
+        node.attribute.append(helper.make_attribute("output_dtype", OUTPUT_DTYPE[types.get(node.output[0], dtype)]))
+        placed.append(Fp8FlashAttention(node.name, entries))
+    _insert(out, b)
+    add_functions(out)  # each node's variant (fp8_to_<dtype>) re-embedded
+    return placed
+
+
+def _v_transposed(b, v: str, dtype: int, before: str) -> str:
+    """``Pad(Transpose(v, 0 1 3 2), key axis to a multiple of 16)``: v as [B, Hkv, D, Skv]."""
+    vt = b.unique(f"{v}/transposed")
+    b.add_node(before, helper.make_node("Transpose", [v], [vt], perm=[0, 1, 3, 2], name=b.unique(f"{v}/Transpose")), dtype)
+    sk, neg, pad, pads, out = (b.unique(f"{v}/{s}") for s in ("keys", "neg_keys", "key_pad", "pads", "transposed_padded"))
+    align, zeros = _int64(b, f"{v}/key_align", [V_KEY_ALIGN]), _int64(b, f"{v}/pads_head", [0] * 7)
+    b.add_node(before, helper.make_node("Shape", [v], [sk], start=2, end=3, name=b.unique(f"{v}/Shape")), TensorProto.INT64)
+    b.add_node(before, helper.make_node("Neg", [sk], [neg], name=b.unique(f"{v}/Neg")), TensorProto.INT64)
+    b.add_node(before, helper.make_node("Mod", [neg, align], [pad], name=b.unique(f"{v}/Mod")), TensorProto.INT64)
+    # pads for all four axes (no ``axes`` input: onnxruntime's transpose optimizer permutes a Pad's
+    # pads as if they covered every axis, and fails on the short form)
+    b.add_node(before, helper.make_node("Concat", [zeros, pad], [pads], axis=0, name=b.unique(f"{v}/Concat")), TensorProto.INT64)
+    b.add_node(before, helper.make_node("Pad", [vt, pads], [out], name=b.unique(f"{v}/Pad")), dtype)
+    return out
+
+
+def _int64(b, base: str, values: list[int]) -> str:
+    """A new int64 vector initializer holding `values`."""
+    name = b.unique(base)
+    b.inits.append(numpy_helper.from_array(np.array(values, np.int64), name))
+    return name
+
+
+def _check_io(model: onnx.ModelProto, names: set[str]) -> None:
+    """The FP8 contract of each placed node: q, k, v float8e4m3fn, the scales float32."""
+    from .fp16 import _tensor_types
+
+    types = _tensor_types(model)
+    bad = []
+    for n in model.graph.node:
+        if n.name not in names:
+            continue
+        if any(types.get(i) != TensorProto.FLOAT8E4M3FN for i in n.input[:3]):
+            bad.append(f"{n.name}: q, k, v not all float8e4m3fn")
+        if any(types.get(i) != TensorProto.FLOAT for i in n.input[4:7]):
+            bad.append(f"{n.name}: q_scale, k_scale, v_scale not all float32")
+    if bad:
+        raise InputError("precision fp8 left FlashAttention nodes breaking their FP8 contract:\n  " + "\n  ".join(bad))
