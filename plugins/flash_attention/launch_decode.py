@@ -33,17 +33,21 @@ DECODE_MAX_QUERIES = 16
 #: Keys from which they run: two splits or more. Below, one split would leave the combine launch
 #: as pure overhead; those caches stay on the one-kernel path (kernel.py / kernel_sm90.cu).
 DECODE_MIN_KEYS = 512
-#: Keys per split. B = 1, Hkv = 8, Sk = 8k gives 256 programs: about two per SM of an H200 (132
-#: SMs), all resident at once (the default config's split kernel takes 70 KB of shared memory at
-#: D = 128: three fit an SM), each streaming 128 KB of K/V in four 64-key blocks; the partials a
-#: split writes (G * Sq rows of D + 2 floats) are G * Sq / 256 of the K/V it reads (1.6 % at GQA
-#: 32/8, Sq = 1), read once more by the combine. The workspace bound of a profile takes this size.
+#: Keys per split of DecodeConfig's default (a sweep's base).
 SPLIT_KEYS = 256
-#: Keys per split where the programs still fill two waves of SMs with it (decode_config): fewer
-#: partials and a longer stream per program. H200, CUDA-graph timings: 0.87-0.98x the time of
-#: 256-key splits on every benchmark row that fills the waves (B = 1 at 32k-128k keys, B = 16..256),
-#: 1.02-1.37x where it does not (B = 1, Sk <= 8k).
-LONG_SPLIT_KEYS = 512
+#: Keys per split the plan picks from (split_keys_for; each size is a kernel specialization). A
+#: split writes G * Sq rows of D + 2 floats of partials, G * Sq / size of the K/V it reads (GQA
+#: 32/8, Sq = 1, 128 keys: 3 %), read once more by the combine; a profile's workspace bound takes
+#: the smallest size, whose partials are the most.
+SPLIT_SIZES = (128, 256, 512, 1024, 2048)
+#: The split kernel's programs the size leaves at least: about two per SM of an H200, all resident
+#: at once (70 KB of shared memory each at D = 128: three fit an SM). H200 sweep, CUDA-graph
+#: timings: the largest size keeping 256 programs was the fastest or within 2 % on every decode
+#: row; B = 1 at 1k / 2k keys (64 / 128 programs even at 128 keys) took the smallest size.
+MIN_PROGRAMS = 256
+#: 2048-key splits only while their programs stay within this (B = 16..64 at 4k-16k keys, 1024
+#: programs and more: 0.95x the speed of 1024-key splits).
+LONGEST_SPLIT_MAX_PROGRAMS = 512
 #: SMs of an H100 SXM / H200, the waves' unit.
 SM_COUNT = 132
 #: Most packed rows (G * Sq) per program: M beyond it takes cdiv(M, 64) row blocks per split,
@@ -70,19 +74,32 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: block_n {self.block_n} does not divide split_keys {self.split_keys}")
 
 
-def decode_config(dtype: Any, head_dim: int, programs_at_long_split: int | None = None) -> DecodeConfig:
+def split_keys_for(units: int, Sk: int) -> int:
+    """Keys per split for a split kernel of ``units`` = row blocks * B * Hkv programs per split:
+    the largest of SPLIT_SIZES whose grid units * cdiv(Sk, size) keeps MIN_PROGRAMS (the largest
+    size only within LONGEST_SPLIT_MAX_PROGRAMS), the smallest where none does. Longer splits
+    stream more keys per program and leave fewer partials for the combine."""
+    best = SPLIT_SIZES[0]
+    for size in SPLIT_SIZES:
+        programs = units * _cdiv(Sk, size)
+        if programs < MIN_PROGRAMS or (size == SPLIT_SIZES[-1] and programs > LONGEST_SPLIT_MAX_PROGRAMS):
+            break
+        best = size
+    return best
+
+
+def decode_config(dtype: Any, head_dim: int, units: int | None = None, Sk: int | None = None) -> DecodeConfig:
     """fp16/bf16: 64-key blocks, 3 stages (D = 128: 16 KB each of K and V per block); D = 256:
-    32-key blocks (the same bytes per block); fp32 (IEEE dots): 32-key blocks, 2 stages. Splits of
-    LONG_SPLIT_KEYS where ``programs_at_long_split`` (the split kernel's grid with them, at concrete
-    shapes) fills two waves of SM_COUNT, else SPLIT_KEYS."""
+    32-key blocks (the same bytes per block); fp32 (IEEE dots): 32-key blocks, 2 stages. With the
+    concrete ``units`` (row blocks * B * Hkv) and ``Sk``, split_keys_for's split size, else SPLIT_KEYS."""
     if norm_dtype(dtype) == "float32":
         cfg = DecodeConfig(block_n=32, num_stages=2)
     elif next_pow2(head_dim) > 128:
         cfg = DecodeConfig(block_n=32)
     else:
         cfg = DecodeConfig()
-    if programs_at_long_split is not None and programs_at_long_split >= 2 * SM_COUNT:
-        cfg = replace(cfg, split_keys=LONG_SPLIT_KEYS)
+    if units is not None and Sk is not None:
+        cfg = replace(cfg, split_keys=split_keys_for(units, Sk))
     return cfg
 
 
@@ -230,8 +247,7 @@ def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_d
     group = H // Hkv
     if cfg is None:
         block_m = packed_block_m(group * Sq, decode_config(dtype, head_dim))
-        programs = _cdiv(group * Sq, block_m) * _cdiv(Sk, LONG_SPLIT_KEYS) * (B * Hkv)
-        cfg = decode_config(dtype, head_dim, programs)
+        cfg = decode_config(dtype, head_dim, _cdiv(group * Sq, block_m) * B * Hkv, Sk)
     block_m = packed_block_m(group * Sq, cfg)
     part, row_max, row_sum, total = workspace_layout(B, H, Sq, Sk, head_dim, cfg)
     partials = [Buffer("workspace", part), Buffer("workspace", row_max), Buffer("workspace", row_sum)]
@@ -249,8 +265,9 @@ def decode_workspace_bound(min_q: Sequence[int], max_q: Sequence[int], max_k: Se
                            dtype: Any, cfg: DecodeConfig | None = None) -> int:
     """The largest decode workspace over a profile whose q runs from ``min_q`` to ``max_q`` and k
     up to ``max_k``: 0 when no shape of it decodes (Sq_min > DECODE_MAX_QUERIES or Sk_max <
-    DECODE_MIN_KEYS), else the workspace at (B_max, min(Sq_max, DECODE_MAX_QUERIES), Sk_max)."""
+    DECODE_MIN_KEYS), else the workspace at (B_max, min(Sq_max, DECODE_MAX_QUERIES), Sk_max) with
+    the smallest split size (the most partials any split size makes there or below)."""
     if min_q[2] > DECODE_MAX_QUERIES or max_k[2] < DECODE_MIN_KEYS:
         return 0
-    cfg = cfg or decode_config(dtype, head_dim)
+    cfg = cfg or replace(decode_config(dtype, head_dim), split_keys=SPLIT_SIZES[0])
     return int(workspace_layout(max_q[0], max_q[1], min(max_q[2], DECODE_MAX_QUERIES), max_k[2], head_dim, cfg)[3])

@@ -37,12 +37,14 @@ def test_decode_shapes_take_the_plan(Sq, Sk, bias):
     assert combine.outputs == [Buffer("output", 0)]
     rows = 4 * Sq  # G = 32 / 8 query heads per kv head, Sq rows each
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    # 512-key splits where their programs fill two waves of 132 SMs (B = 3: 131072 keys, or 16 rows
-    # over 8192), 256 elsewhere
-    long_programs = -(-rows // block_m) * -(-Sk // LD.LONG_SPLIT_KEYS) * B * 8
-    split_keys = LD.LONG_SPLIT_KEYS if long_programs >= 2 * LD.SM_COUNT else LD.SPLIT_KEYS
+    # the largest split size keeping >= 256 programs (2048 keys: <= 512), else 128 keys
+    units = -(-rows // block_m) * B * 8
+    fits = [s for s in LD.SPLIT_SIZES if units * -(-Sk // s) >= LD.MIN_PROGRAMS
+            and (s < 2048 or units * -(-Sk // s) <= LD.LONGEST_SPLIT_MAX_PROGRAMS)]
+    split_keys = max(fits, default=128)
     assert split.source.constexprs["SPLIT_KEYS"] == split_keys
-    assert split_keys == (LD.LONG_SPLIT_KEYS if (Sq, Sk) in ((1, 131072), (16, 8192)) else LD.SPLIT_KEYS)
+    want = {(1, 512): 128, (1, 131072): 1024, (4, 1025): 128, (16, 8192): 512, (16, 600): 128}
+    assert split_keys == want[(Sq, Sk)]
     n_split = -(-Sk // split_keys)
     assert split.source.constexprs["BLOCK_M"] == block_m
     assert split.params.grid == (-(-rows // block_m) * n_split * B * 8, 1, 1)
@@ -209,11 +211,11 @@ def _dyn(lo, hi, dtype="BF16"):
 
 def test_classic_plugin_workspace_size_from_the_profile():
     """get_workspace_size: the decode partials at the profile's largest decoding shape (Sq capped
-    at 16, B and Sk at their max), 0 for a prefill-only profile."""
+    at 16, B and Sk at their max) with the smallest split size, 0 for a prefill-only profile."""
     plugin = _classic_plugin()
     kv_lo, kv_hi = [1, 8, 1, 128], [4, 8, 32768, 128]
     decode = [_dyn([1, 32, 1, 128], [4, 32, 64, 128]), _dyn(kv_lo, kv_hi), _dyn(kv_lo, kv_hi)]
-    want = LD.workspace_layout(4, 32, 16, 32768, 128)[3]
+    want = LD.workspace_layout(4, 32, 16, 32768, 128, LD.DecodeConfig(split_keys=LD.SPLIT_SIZES[0]))[3]
     assert plugin.get_workspace_size(decode, []) == want > 0
     prefill = [_dyn([1, 32, 64, 128], [4, 32, 4096, 128]), _dyn(kv_lo, kv_hi), _dyn(kv_lo, kv_hi)]
     assert plugin.get_workspace_size(prefill, []) == 0
