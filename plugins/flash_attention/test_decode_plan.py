@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from optfuse.kernels.artifact import Buffer, KernelArtifact, LaunchPlan
+from optfuse.kernels.artifact import Buffer, LaunchPlan
 from optfuse.kernels.registry import plugin_module
 from optfuse.kernels.testing import SymDim, sym_cdiv
 
@@ -140,25 +140,7 @@ def test_decode_config_checks_its_tiles():
 
 
 # -- glue, launcher and the classic plugin, with the compile and CUDA stubbed out ---------------
-def _fake_artifact(src, arch=None, cache=None):
-    return KernelArtifact(name=src.entry, arch=90, cubin=None, ptx=None, threads=32 * src.num_warps,
-                          shared_mem=0, n_inputs=src.n_inputs, n_extra=src.n_extra, n_outputs=src.n_outputs)
-
-
-@pytest.fixture
-def stub_cuda(monkeypatch):
-    """build_kernel -> a fake artifact; launcher.launch records (kernel, params, inputs, outputs)."""
-    import optfuse.kernels as kernels
-    from optfuse.kernels import launcher
-
-    calls = []
-    monkeypatch.setattr(kernels, "build_kernel", _fake_artifact)
-    monkeypatch.setattr(launcher, "launch", lambda art, params, ins, outs, stream=0, **kw:
-                        calls.append((art.name, params, list(ins), list(outs))))
-    monkeypatch.setattr(launcher, "current_device_arch", lambda: 90)
-    return calls
-
-
+# (plugins/conftest.py: stub_cuda, fake_artifact, classic_plugin)
 def test_glue_resolve_plan_one_kernel_or_two(stub_cuda):
     from optfuse.trt import glue
 
@@ -176,12 +158,12 @@ def test_glue_resolve_plan_one_kernel_or_two(stub_cuda):
     assert glue.workspace_size("LayerNorm", [[1, 64], [64], [64]], [[4, 64], [64], [64]], ["float16"] * 3, {}) == 0
 
 
-def test_launch_plan_resolves_buffers_in_order(stub_cuda):
+def test_launch_plan_resolves_buffers_in_order(stub_cuda, fake_artifact):
     from optfuse.kernels import launcher
 
     plan = _plan(1, 8, 2, 1, 1024, D=64, bias=(1, 1, 1, 1024), dtype="float16")
     for step in plan.steps:
-        step.artifact = _fake_artifact(step.source)
+        step.artifact = fake_artifact(step.source)
     launcher.launch_plan(plan, [0x1000, 0x2000, 0x3000, 0x4000], [0x9000], workspace=0x100000, stream=7)
     (n1, _, ins1, outs1), (n2, _, ins2, outs2) = stub_cuda
     offsets = [b.index for b in plan.steps[0].outputs]
@@ -195,24 +177,19 @@ def test_launch_plan_resolves_buffers_in_order(stub_cuda):
         launcher.launch_plan(unbuilt, [], [])
 
 
-def _classic_plugin():
-    from optfuse.spec import get_spec
-    from optfuse.trt import plugins
-
-    bases = {name: type(name, (), {"__init__": lambda self, *a, **k: None})
-             for name in ("IPluginV3", "IPluginV3OneCore", "IPluginV3OneBuild", "IPluginV3OneRuntime")}
-    fake = types.SimpleNamespace(**bases, DimsExprs=list)
-    return plugins._plugin_class(fake, get_spec(L.OP))(T.attrs_for(32, 8, 128, 1))
+@pytest.fixture
+def fa_plugin(classic_plugin):
+    return classic_plugin(L.OP, T.attrs_for(32, 8, 128, 1))
 
 
 def _dyn(lo, hi, dtype="BF16"):
     return types.SimpleNamespace(min=lo, max=hi, desc=types.SimpleNamespace(type=types.SimpleNamespace(name=dtype)))
 
 
-def test_classic_plugin_workspace_size_from_the_profile():
+def test_classic_plugin_workspace_size_from_the_profile(fa_plugin):
     """get_workspace_size: the decode partials at the profile's largest decoding shape (Sq capped
     at 16, B and Sk at their max) with the smallest split size, 0 for a prefill-only profile."""
-    plugin = _classic_plugin()
+    plugin = fa_plugin
     kv_lo, kv_hi = [1, 8, 1, 128], [4, 8, 32768, 128]
     decode = [_dyn([1, 32, 1, 128], [4, 32, 64, 128]), _dyn(kv_lo, kv_hi), _dyn(kv_lo, kv_hi)]
     want = LD.workspace_layout(4, 32, 16, 32768, 128, LD.DecodeConfig(split_keys=LD.SPLIT_SIZES[0]))[3]
@@ -221,8 +198,8 @@ def test_classic_plugin_workspace_size_from_the_profile():
     assert plugin.get_workspace_size(prefill, []) == 0
 
 
-def test_classic_plugin_enqueue_runs_both_kernels(stub_cuda):
-    plugin = _classic_plugin()
+def test_classic_plugin_enqueue_runs_both_kernels(stub_cuda, fa_plugin):
+    plugin = fa_plugin
     bf16 = types.SimpleNamespace(name="BF16")
     descs = [types.SimpleNamespace(dims=d, type=bf16) for d in ([2, 32, 1, 128], [2, 8, 5000, 128], [2, 8, 5000, 128])]
     plugin.enqueue(descs, [], [0x1000, 0x2000, 0x3000], [0x9000], 0x200000, 5)

@@ -237,45 +237,14 @@ def test_other_output_dtype_runs_the_triton_kernel_on_sm90():
     assert src.lang == "triton" and src.signature["Y"] == "*fp32" and src.signature["Bias"] == "*fp32"
 
 
-# -- the classic plugin at run time: the small-M plans through enqueue (compile and CUDA stubbed) --
-def _classic_plugin(attrs):
-    import types
-
-    from optfuse.spec import get_spec
-    from optfuse.trt import plugins
-
-    bases = {name: type(name, (), {"__init__": lambda self, *a, **k: None})
-             for name in ("IPluginV3", "IPluginV3OneCore", "IPluginV3OneBuild", "IPluginV3OneRuntime")}
-    fake = types.SimpleNamespace(**bases, DimsExprs=list)
-    return plugins._plugin_class(fake, get_spec("GemmEpilogue"))(attrs)
-
-
-@pytest.fixture
-def stub_cuda(monkeypatch):
-    """build_kernel -> a fake artifact; launcher.launch records (entry, params, inputs, outputs)."""
-    import optfuse.kernels as kernels
-    from optfuse.kernels import launcher
-    from optfuse.kernels.artifact import KernelArtifact
-
-    def fake_build(src, arch=None, cache=None):
-        return KernelArtifact(name=src.entry, arch=90, cubin=None, ptx=None, threads=src.threads, shared_mem=0,
-                              n_inputs=src.n_inputs, n_extra=src.n_extra, n_outputs=src.n_outputs)
-
-    calls = []
-    monkeypatch.setattr(kernels, "build_kernel", fake_build)
-    monkeypatch.setattr(launcher, "launch", lambda art, params, ins, outs, stream=0, **kw:
-                        calls.append((art.name, params, list(ins), list(outs))))
-    monkeypatch.setattr(launcher, "current_device_arch", lambda: 90)
-    return calls
-
-
-def test_classic_plugin_runs_split_k_at_small_m(stub_cuda):
+# -- the classic plugin at run time: the small-M plans through enqueue (plugins/conftest.py stubs) --
+def test_classic_plugin_runs_split_k_at_small_m(stub_cuda, classic_plugin):
     """BERT-base FFN down + residual: the workspace of the profile is the split-K bound; at M = 512
     enqueue launches the split-K GEMM into the workspace, then the reduce into y; at M = 32768 the
     one kernel, no workspace."""
     import types
 
-    plugin = _classic_plugin({"activation": "none", "residual_position": "after_activation"})
+    plugin = classic_plugin("GemmEpilogue", {"activation": "none", "residual_position": "after_activation"})
     f16 = types.SimpleNamespace(name="HALF")
 
     def dyn(lo, hi):
