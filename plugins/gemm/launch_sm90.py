@@ -141,8 +141,8 @@ def launch(impl: str, op: str, m: Any, stages: int, residual_mode: str, static: 
 
 
 # -- split-K (launch.launch_plan: chosen at run time, when M is known) ---------------------------
-#: Work units of a split-K launch: at most one per CTA of the grid (two would take turns on the
-#: tensor cores, as no pingpong overlap pays for a unit that short).
+# A split-K launch has at most one work unit per CTA of the grid: two units of one CTA would take
+# turns on its tensor cores, with no epilogue worth overlapping between them.
 #: A unit's k-blocks: at least this many, so that its mainloop outweighs filling the ring and
 #: writing the 64 KB partial tile.
 SPLIT_K_MIN_BLOCKS = 8
