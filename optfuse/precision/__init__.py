@@ -6,7 +6,10 @@
   the tensors to quantize as extra outputs, and the max / percentile / MSE calibrators;
 - :mod:`.fp8`: the ``fp8`` mode (E4M3): which GEMMs run FP8 and why the others do not, the Q/DQ
   placement (optfuse GEMM nodes take FP8 tensors and their scales directly; unfused MatMul/Gemm
-  get TensorRT's explicit-quantization Q/DQ pattern), everything else through the FP16/BF16 path.
+  get TensorRT's explicit-quantization Q/DQ pattern), everything else through the FP16/BF16 path;
+  :mod:`.fp8_attention` (optfuse FlashAttention nodes take their FP8 form), :mod:`.fp8_mha`
+  (TensorRT's FP8 MHA pattern on unfused attention), :mod:`.fp8_norm` (norms write E4M3 y, their
+  Q folded in) and :mod:`.fp8_nodes` (the Q/DQ builder and helpers these share).
 
 :func:`apply_precision` is the stage's entry point: it takes the model, :class:`PrecisionOptions`
 and, for ``fp8`` only, the calibration feeds (the pipeline makes them); it returns the converted

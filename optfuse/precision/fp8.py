@@ -32,13 +32,11 @@
    the Q in front of it hold the same value and weights are quantized with the scale they are
    dequantized with.
 
-One module over ~500 lines: the placement's steps share its node builder and the plan they fill.
+The Q/DQ node builder and the helpers the FlashAttention placement shares are in :mod:`.fp8_nodes`.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -52,6 +50,8 @@ from .calibrate import E4M3_MAX, TensorCalibration, calibrate, check_calibrator,
 from .fp16 import PrecisionOptions, PrecisionResult, convert_precision
 from .fp8_attention import place_flash_attention
 from .fp8_mha import AttentionTarget, find_attention
+from .fp8_nodes import (BASE_TYPES, OUTPUT_DTYPE, QdqBuilder, calibration_source, excluded_by, insert_nodes,
+                        replaced_names, round_to)
 from .fp8_norm import fold_norm_quantize
 
 FP8_OPSET = 19
@@ -63,8 +63,6 @@ KEPT_BY_POLICY = {
     "Softmax": "softmax statistics", "LogSoftmax": "softmax statistics",
     "FlashAttention": "attention: optfuse's FlashAttention has no FP8 contract placed here; it runs in the base precision",
 }
-BASE_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
-OUTPUT_DTYPE = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16", TensorProto.FLOAT: "float32"}
 
 
 @dataclass
@@ -212,26 +210,6 @@ def fp8_ready(op: str) -> bool:
     return "a_scale" in names and "float8e4m3fn" in spec.inputs[0].dtypes
 
 
-def replaced_names(node: onnx.NodeProto) -> list[str]:
-    """The original node names a fused node replaced (its ``optfuse.replaced`` metadata)."""
-    for p in node.metadata_props:
-        if p.key == "optfuse.replaced":
-            try:
-                return [str(n) for n in json.loads(p.value)]
-            except ValueError:
-                return []
-    return []
-
-
-def excluded_by(node: onnx.NodeProto, patterns: Sequence[str]) -> str | None:
-    """The first ``fp8_exclude`` entry naming the node (its name, an original name, its op type)."""
-    names = [node.name, *replaced_names(node)]
-    for p in patterns:
-        if p == node.op_type or any(n and (n == p or fnmatch.fnmatchcase(n, p)) for n in names):
-            return p
-    return None
-
-
 def plan_targets(model: onnx.ModelProto, exclude: Sequence[str] = ()) -> tuple[list[_Target], list[Fp8Skip]]:
     """The GEMMs to quantize, and the GEMM-like nodes that stay in the base precision with why."""
     inits = {t.name: t for t in model.graph.initializer}
@@ -316,91 +294,12 @@ def _kept_by_policy(model: onnx.ModelProto) -> dict[str, list]:
 # ------------------------------------------------------------------------------------------------
 # placement
 # ------------------------------------------------------------------------------------------------
-class _Builder:
-    """New initializers, nodes and value_info for the base model, with unique names."""
-
-    def __init__(self, model: onnx.ModelProto):
-        self.model = model
-        self.names = {t.name for t in model.graph.initializer} | {o for n in model.graph.node for o in n.output}
-        self.names |= {n.name for n in model.graph.node}
-        self.inits: list[TensorProto] = []
-        self.value_info: list[onnx.ValueInfoProto] = []
-        self.new_nodes: dict[str, list[onnx.NodeProto]] = {}  # node name -> nodes to insert before it
-        self.quantized: dict[str, tuple[str, str]] = {}  # activation -> (its Q output, the Q's scale)
-        self.dequantized: dict[str, str] = {}  # activation -> its Q -> DQ output
-
-    def unique(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.names:
-            name, i = f"{base}_{i}", i + 1
-        self.names.add(name)
-        return name
-
-    def constant(self, base: str, array: np.ndarray, data_type: int) -> str:
-        name = self.unique(base)
-        self.inits.append(_tensor(name, array, data_type))
-        return name
-
-    def add_node(self, before: str, node: onnx.NodeProto, output_type: int) -> None:
-        self.new_nodes.setdefault(before, []).append(node)
-        self.value_info.append(helper.make_tensor_value_info(node.output[0], output_type, None))
-
-    def quantize(self, act: str, scale: float, dtype: int, before: str) -> tuple[str, str]:
-        """``QuantizeLinear(act)`` to E4M3 (one per tensor, placed before node `before` the first
-        time): its output and its scale initializer (of type `dtype`, the activation's)."""
-        if act not in self.quantized:
-            s = self.constant(f"{act}/fp8_scale", np.array(scale, np.float32), dtype)
-            zp = self.constant(f"{act}/fp8_zero_point", np.zeros((), np.float32), TensorProto.FLOAT8E4M3FN)
-            q = self.unique(f"{act}/fp8")
-            self.add_node(before, helper.make_node("QuantizeLinear", [act, s, zp], [q],
-                                                   name=self.unique(f"{act}/QuantizeLinear")), TensorProto.FLOAT8E4M3FN)
-            self.quantized[act] = (q, s)
-        return self.quantized[act]
-
-    def qdq(self, act: str, scale: float, dtype: int, before: str) -> str:
-        """``DequantizeLinear(QuantizeLinear(act))`` (TensorRT's activation pattern), one per tensor."""
-        q, s = self.quantize(act, scale, dtype, before)
-        if act not in self.dequantized:
-            dq = self.unique(f"{act}/fp8_dq")
-            zp = self.constant(f"{act}/fp8_dq_zero_point", np.zeros((), np.float32), TensorProto.FLOAT8E4M3FN)
-            self.add_node(before, helper.make_node("DequantizeLinear", [q, s, zp], [dq],
-                                                   name=self.unique(f"{act}/DequantizeLinear")), dtype)
-            self.dequantized[act] = dq
-        return self.dequantized[act]
-
-
-def _tensor(name: str, array: np.ndarray, data_type: int) -> TensorProto:
-    """A TensorProto of `array` in `data_type` (FLOAT, FLOAT16, BFLOAT16 or FLOAT8E4M3FN)."""
-    import ml_dtypes
-
-    if data_type == TensorProto.FLOAT8E4M3FN:
-        arr = np.asarray(array)
-        if arr.dtype != ml_dtypes.float8_e4m3fn:
-            arr = arr.astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
-        return helper.make_tensor(name, data_type, list(arr.shape), arr.view(np.uint8).tobytes(), raw=True)
-    np_type = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16,
-               TensorProto.BFLOAT16: ml_dtypes.bfloat16}[data_type]
-    return numpy_helper.from_array(np.asarray(array, np.float32).astype(np_type), name)
-
-
-def round_to(values: np.ndarray, data_type: int) -> np.ndarray:
-    """Scales as the base type holds them (float32 values), kept at or above its smallest normal."""
-    import ml_dtypes
-
-    v = np.asarray(values, np.float32)
-    if data_type == TensorProto.FLOAT16:
-        return np.maximum(v, np.float32(np.finfo(np.float16).tiny)).astype(np.float16).astype(np.float32)
-    if data_type == TensorProto.BFLOAT16:
-        return np.maximum(v, np.float32(np.finfo(np.float32).tiny)).astype(ml_dtypes.bfloat16).astype(np.float32)
-    return v
-
-
 def _place(base: onnx.ModelProto, fp32: onnx.ModelProto, targets: Sequence[_Target],
            cal: Mapping[str, TensorCalibration], plan: Fp8Plan) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(base)
     g = out.graph
-    b = _Builder(out)
+    b = QdqBuilder(out)
     by_name = {n.name: n for n in g.node}
     base_inits = {t.name: t for t in g.initializer}
     fp32_inits = {t.name: t for t in fp32.graph.initializer}
@@ -432,7 +331,7 @@ def _place(base: onnx.ModelProto, fp32: onnx.ModelProto, targets: Sequence[_Targ
                                                 name=b.unique(f"{w}/DequantizeLinear"), axis=axis), dtype)
             node.input[1] = wdq
         all_scales = np.concatenate(scales)
-        plan.gemms.append(Fp8Gemm(t.node, t.op, t.form, t.activation, c.amax, a_scale, _source(c), list(t.weights),
+        plan.gemms.append(Fp8Gemm(t.node, t.op, t.form, t.activation, c.amax, a_scale, calibration_source(c), list(t.weights),
                                   channels, [float(all_scales.min()), float(all_scales.max())]))
     _rebuild(out, b)
     return out
@@ -445,7 +344,7 @@ def _place_attention(out: onnx.ModelProto, attention: Sequence[AttentionTarget],
         return
     from .fp16 import _tensor_types
 
-    b = _Builder(out)
+    b = QdqBuilder(out)
     types = _tensor_types(out)
     by_name = {n.name: n for n in out.graph.node}
     for a in attention:
@@ -457,18 +356,12 @@ def _place_attention(out: onnx.ModelProto, attention: Sequence[AttentionTarget],
             c = cal[tensor]
             scale = float(round_to(np.array([c.scale]), dtype)[0])
             node.input[idx] = b.qdq(act, scale, dtype, consumer)
-            entries.append({"role": role, "tensor": tensor, "amax": c.amax, "scale": scale, "source": _source(c)})
+            entries.append({"role": role, "tensor": tensor, "amax": c.amax, "scale": scale, "source": calibration_source(c)})
         plan.attention.append(Fp8Attention(a.softmax, list(a.matmuls), entries))
-    _insert(out, b)
+    insert_nodes(out, b)
 
 
-def _source(c: TensorCalibration) -> str:
-    what = {"max": "max |x|", "percentile": "percentile of |x|", "mse": "E4M3 MSE-optimal clip"}[c.method]
-    clip = f"; clips max |x| {c.max_abs:.4g}" if c.method != "max" and c.amax < c.max_abs else ""
-    return f"{what} over {c.batches} calibration batch(es){clip}"
-
-
-def _to_plugin(node: onnx.NodeProto, b: _Builder, q: str, a_scale: float,
+def _to_plugin(node: onnx.NodeProto, b: QdqBuilder, q: str, a_scale: float,
                fp8_weights: list[tuple[str, str, np.ndarray, int]], dtype: int) -> None:
     """Rewrite an optfuse GEMM node into its FP8 form: inputs in the (v2) spec's order."""
     from ..plugin_dirs import plugin_module
@@ -499,26 +392,13 @@ def _to_plugin(node: onnx.NodeProto, b: _Builder, q: str, a_scale: float,
                            helper.make_attribute("output_dtype", OUTPUT_DTYPE[dtype])])
 
 
-def _insert(model: onnx.ModelProto, b: _Builder) -> None:
-    """The builder's nodes (each before the node it names), initializers and value_info, into `model`."""
-    g = model.graph
-    nodes = []
-    for n in g.node:
-        nodes.extend(b.new_nodes.get(n.name, ()))
-        nodes.append(n)
-    del g.node[:]
-    g.node.extend(nodes)
-    g.initializer.extend(b.inits)
-    g.value_info.extend(b.value_info)
-
-
-def _rebuild(model: onnx.ModelProto, b: _Builder) -> None:
+def _rebuild(model: onnx.ModelProto, b: QdqBuilder) -> None:
     """Insert the Q/DQ nodes before their GEMMs, add the new tensors, drop the weights no node reads
     any more, and re-embed the reference functions of the optfuse GEMMs (their FP8 form)."""
     from ..rewrite import add_functions
 
     g = model.graph
-    _insert(model, b)
+    insert_nodes(model, b)
     read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
     read |= {i for n in g.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH for m in a.g.node
              for i in m.input}

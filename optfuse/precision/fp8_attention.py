@@ -30,6 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .. import DOMAIN
 from ..errors import InputError
+from .fp8_nodes import BASE_TYPES, OUTPUT_DTYPE, QdqBuilder, calibration_source, excluded_by, insert_nodes, round_to
 
 FLASH_OP = "FlashAttention"
 #: FP8 v's key axis is padded to a multiple of this (the spec's Skv)
@@ -54,7 +55,6 @@ def flash_fp8_ready() -> bool:
 
 def flash_targets(model: onnx.ModelProto, exclude: Sequence[str] = ()) -> tuple[list[onnx.NodeProto], list[dict]]:
     """The FlashAttention nodes to put in FP8 form, and those kept in the base precision with why."""
-    from .fp8 import excluded_by
 
     inits = {t.name for t in model.graph.initializer}
     nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == FLASH_OP]
@@ -103,11 +103,10 @@ def place_flash_attention(out: onnx.ModelProto, fp32: onnx.ModelProto, options, 
 
 def _place(out: onnx.ModelProto, targets: Sequence[onnx.NodeProto], cal: Mapping, base: str) -> list[Fp8FlashAttention]:
     from ..rewrite import add_functions
-    from .fp8 import BASE_TYPES, OUTPUT_DTYPE, _Builder, _insert, _source, round_to
     from .fp16 import _tensor_types
 
     types = _tensor_types(out)
-    b = _Builder(out)
+    b = QdqBuilder(out)
     by_name = {n.name: n for n in out.graph.node}
     base_type = BASE_TYPES[base]
     transposed: dict[str, str] = {}
@@ -123,7 +122,7 @@ def _place(out: onnx.ModelProto, targets: Sequence[onnx.NodeProto], cal: Mapping
             src = act if role != "v" else transposed.setdefault(act, _v_transposed(b, act, types.get(act, dtype), node.name))
             quantized.append(b.quantize(src, scale, types.get(act, dtype), node.name)[0])
             scales.append(b.constant(f"{node.name}/{role}_scale", np.array([scale], np.float32), TensorProto.FLOAT))
-            entries.append({"role": role, "tensor": t.input[idx], "amax": c.amax, "scale": scale, "source": _source(c)})
+            entries.append({"role": role, "tensor": t.input[idx], "amax": c.amax, "scale": scale, "source": calibration_source(c)})
         bias = node.input[3] if len(node.input) > 3 and node.input[3] else \
             b.constant(f"{node.name}/bias", np.zeros((), np.float32), dtype)
         del node.input[:]
@@ -133,7 +132,7 @@ def _place(out: onnx.ModelProto, targets: Sequence[onnx.NodeProto], cal: Mapping
                 node.attribute.remove(a)
         node.attribute.append(helper.make_attribute("output_dtype", OUTPUT_DTYPE[types.get(node.output[0], dtype)]))
         placed.append(Fp8FlashAttention(node.name, entries))
-    _insert(out, b)
+    insert_nodes(out, b)
     add_functions(out)  # each node's variant (fp8_to_<dtype>) re-embedded
     return placed
 
