@@ -61,3 +61,19 @@ def rows_of(shape: Sequence[Any]) -> Any:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+#: The first arch with E4M3 conversions (cvt.rn.satfinite.e4m3x2.f32): the norms' FP8-output floor.
+FP8_OUTPUT_MIN_ARCH = 89
+
+
+def fp8_output(op: str, static_shape: dict) -> bool:
+    """Whether a norm node has y_scale (its FP8-output form); refuses (ValueError) a known target
+    below sm_89, which has no E4M3 conversions."""
+    if static_shape.get("y_scale") is None:
+        return False
+    arch = static_shape.get("arch")
+    if arch is not None and int(arch) < FP8_OUTPUT_MIN_ARCH:
+        raise ValueError(f"{op}: the FP8 output (y_scale) needs E4M3 conversions, sm_{FP8_OUTPUT_MIN_ARCH} or later "
+                         f"(target sm_{arch})")
+    return True

@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
-from optfuse.kernels.util import ITEMSIZE, cdiv as _cdiv, next_pow2, norm_cuda_defines, norm_dtype, rows_of, static_int
+from optfuse.kernels.util import (
+    FP8_OUTPUT_MIN_ARCH, ITEMSIZE, cdiv as _cdiv, fp8_output, next_pow2, norm_cuda_defines, norm_dtype, rows_of,
+    static_int,
+)
 from optfuse.spec import plugin_specs, shared
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.cu")
@@ -37,8 +40,7 @@ MIN_HIDDEN = shared(SPECS, lambda s: s.limits["min_hidden"], "min_hidden")
 MAX_HIDDEN = shared(SPECS, lambda s: s.limits["max_hidden"], "max_hidden")
 DTYPES = shared(SPECS, lambda s: s.inputs[0].dtypes, "the dtypes of x")
 
-#: The first arch with E4M3 conversions (cvt.rn.satfinite.e4m3x2.f32): the FP8-output variant's floor
-FP8_MIN_ARCH = 89
+FP8_MIN_ARCH = FP8_OUTPUT_MIN_ARCH  # the FP8-output variant's floor (E4M3 conversions)
 
 _ENTRY = {"RMSNorm": "rms_norm_fwd", "SkipRMSNorm": "skip_rms_norm_fwd"}
 _FP8_ENTRY = {"RMSNorm": "rms_norm_fp8_fwd", "SkipRMSNorm": "skip_rms_norm_fp8_fwd"}
@@ -151,18 +153,6 @@ def _epsilon(attrs: dict | None) -> float:
 def config_name(cfg: RMSConfig) -> str:
     """The config in words, e.g. ``vec8_256threads_per_row_1rows_reload``."""
     return f"vec{cfg.vec}_{cfg.tpr}threads_per_row_{cfg.rpb}rows{'_reload' if cfg.reload else ''}"
-
-
-def fp8_output(op: str, static_shape: dict) -> bool:
-    """Whether the node has y_scale (its FP8-output form); refuses (ValueError) a known target
-    below sm_89, which has no E4M3 conversions."""
-    if static_shape.get("y_scale") is None:
-        return False
-    arch = static_shape.get("arch")
-    if arch is not None and int(arch) < FP8_MIN_ARCH:
-        raise ValueError(f"{op}: the FP8 output (y_scale) needs E4M3 conversions, sm_{FP8_MIN_ARCH} or later "
-                         f"(target sm_{arch})")
-    return True
 
 
 def kernel_config(
