@@ -153,11 +153,15 @@ def _attn_block(acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm,
     # -- acc += p @ v (p rounded to the input dtype, as every FlashAttention does) ---------------
     if FP8:
         # V^T tile [D, BLOCK_N], keys contiguous; p scaled into E4M3's range, rounded on chip
+        # (masked blocks: loaded up to the padded row end, a multiple of 16 keys, so the loads stay
+        # 16-byte vectors; the padding keys past Sk hold any bits and are zeroed in registers)
         if MASKED:
-            vt_mask = d_ok[:, None] & (cols[None, :] < Sk)
+            vt_mask = d_ok[:, None] & (cols[None, :] < v_stride)
         else:
             vt_mask = d_ok[:, None]
         vt = tl.load(v_base + offs_d[:, None] * v_stride + cols[None, :], mask=vt_mask, other=0.0)
+        if MASKED:
+            vt = tl.where(cols[None, :] < Sk, vt, tl.zeros_like(vt))
         acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
     else:
         v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
@@ -178,9 +182,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q,
                     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BIAS_M: tl.constexpr, BIAS_N: tl.constexpr,
                     IEEE: tl.constexpr, FP8: tl.constexpr):
-    """Stream key blocks [lo, hi) (lo a multiple of BLOCK_N) into (acc, l_i, m_i)."""
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+    """Stream key blocks [lo, hi) (lo a multiple of BLOCK_N, or lo == hi) into (acc, l_i, m_i).
+
+    The loop runs over block indices, so every start_n is a product of BLOCK_N the compiler can
+    see: the bounds are clamped to Sk, which has no known alignment, and a loop variable's
+    alignment is that of its bounds (``tl.multiple_of`` on it is dropped). FP8's V^T tiles are
+    keys-contiguous, so their loads vectorize (and pipeline as cp.async) only with it.
+    """
+    for blk in range(tl.cdiv(lo, BLOCK_N), tl.cdiv(hi, BLOCK_N)):
+        start_n = blk * BLOCK_N
         acc, l_i, m_i = _attn_block(
             acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm, rows, offs_n, offs_d, start_n,
             Sq, Sk, causal_off, qk_dq, v_stride, SCALE_LOG2, HEAD_DIM, BLOCK_N, MASKED, CAUSAL,
