@@ -417,7 +417,7 @@ def main(argv=None):
             from optfuse.plugin_dirs import script_module
 
             srcs += script_module("bench_attention_fp8").fp8_build_sources(
-                [int(d) for d in args.dims.split(",")], sweep=True)
+                [int(d) for d in args.dims.split(",")], sweep=True, arch=args.arch)
         t0 = time.time()
         KernelCache(args.build).build_many(srcs, 90, jobs=args.jobs)
         print(f"built {len(srcs)} artifacts for sm_90 in {time.time() - t0:.0f}s into {args.build}")

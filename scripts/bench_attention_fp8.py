@@ -4,7 +4,9 @@ The dense grid of bench_attention.py (B*S = 16k tokens, H*D = 2048, S 512..16k, 
 and not). Per shape, in interleaved rounds (medians of triton.testing.do_bench, L2 flushed):
 
 * ``fp8``: the FP8 form (E4M3 q, k, v quantized per tensor from the bf16 inputs, v transposed to
-  [B, H, D, S], bf16 output) -- the Triton kernel's FP8 branch through the launcher;
+  [B, H, D, S], bf16 output) -- the kernel launch.py picks for FP8 on the target (``--arch 90``,
+  D = 128: the CUDA kernel's FP8 path, with the Triton kernel's FP8 branch timed beside it as
+  ``fp8_triton``; elsewhere the Triton kernel), through the launcher;
 * ``bf16``: the kernel launch.py picks for bf16 on the target (``--arch 90``: the CUDA sm90 kernel,
   with the bf16 Triton kernel timed beside it as ``bf16_triton``; default: the Triton kernel).
 
@@ -33,20 +35,21 @@ TARGET_SPEEDUP = 1.5
 TARGET_TFS = 900.0
 
 
-def fp8_source_for(S: int, D: int, causal, config=None):
-    """KernelSource + LaunchParams of the FP8 form on a dense-grid shape (bf16 output)."""
+def fp8_source_for(S: int, D: int, causal, config=None, arch=None):
+    """KernelSource + LaunchParams of the FP8 form on a dense-grid shape (bf16 output), the
+    choice for ``arch`` unless ``config`` is given."""
     bench = script_module("bench_attention")
     B, H = bench.shape_of(S, D)
     attrs = {**T.attrs_for(H, H, D, causal), "output_dtype": OUT_DTYPE}
     skv = plugin_module("flash_attention", "reference").fp8_v_keys(S)
     shapes = [(B, H, S, D), (B, H, S, D), (B, H, D, skv), None]
-    return T.case_sources(L.FP8, shapes, attrs, config=config)
+    return T.case_sources(L.FP8, shapes, attrs, config=config, arch=arch)
 
 
-def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False) -> list:
+def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False, arch=None) -> list:
     """The FP8 sources a device run needs: each (D, causal) config launch.py picks (one per
     (D, causal): kernel_config cannot see S), the GPU tests' cases, and with ``sweep`` every
-    candidate config."""
+    candidate config (``arch`` 90: the CUDA kernel's and the Triton kernel's)."""
     srcs = {}
     gpu = plugin_module("flash_attention", "test_kernel_fp8_gpu")
     for case in gpu.CASES:
@@ -55,16 +58,27 @@ def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False) -> list:
         attrs["output_dtype"] = out_dtype
         skv = plugin_module("flash_attention", "reference").fp8_v_keys(Sk)
         bias_dtype = None if bias_shape is None else ("bfloat16" if out_dtype == "bfloat16" else "float16")
-        s, _ = T.case_sources(L.FP8, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, D, skv), bias_shape], attrs,
-                              bias_dtype=bias_dtype)
-        srcs[s.name] = s
+        for a in {None, arch}:
+            s, _ = T.case_sources(L.FP8, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, D, skv), bias_shape], attrs,
+                                  bias_dtype=bias_dtype, arch=a)
+            srcs[s.name] = s
+    if arch == 90:  # test_fp8_sm90_variants
+        for causal, out in ((1, "bfloat16"), (0, "float16")):
+            for kw in ({"tma": False}, {"stages": 2}, {"stages": 4}):
+                cfg = L.sm90_config(128, causal, fp8=True, **kw)
+                attrs = {**T.attrs_for(8, 2, 128, causal), "output_dtype": out}
+                s, _ = T.case_sources(L.FP8, [(2, 8, 517, 128), (2, 2, 1031, 128), (2, 2, 128, 1040),
+                                              None if causal else ()], attrs, config=cfg, arch=90,
+                                      bias_dtype=None if causal else out)
+                srcs[s.name] = s
     for D in dims:
         for causal in (0, 1):
             for S in seqs:
-                cfgs = [None] + (L.candidate_configs(L.FP8, D, causal) if sweep else [])
-                for cfg in cfgs:
-                    s, _ = fp8_source_for(S, D, causal, cfg)
-                    srcs[s.name] = s
+                cfgs = [None] + (candidates(D, causal, arch) if sweep else [])
+                for a in {None, arch}:
+                    for cfg in cfgs:
+                        s, _ = fp8_source_for(S, D, causal, cfg, arch=a)
+                        srcs[s.name] = s
     return list(srcs.values())
 
 
@@ -81,7 +95,7 @@ def run_fp8_shape(runner, S: int, D: int, causal, arch=None, rounds: int = 3, co
     q8, k8, vt8, scales = T.fp8_inputs(q, k, v)
     stream = torch.cuda.current_stream().cuda_stream
     fl = bench.flops(B, H, S, D, causal)
-    src8, params8 = fp8_source_for(S, D, causal, config)
+    src8, params8 = fp8_source_for(S, D, causal, config, arch=arch)
     art8, where = runner.artifact(src8)
     ins8 = [q8, k8, vt8, *scales]
     out8 = torch.full_like(q, float("nan"))
@@ -90,6 +104,14 @@ def run_fp8_shape(runner, S: int, D: int, causal, arch=None, rounds: int = 3, co
            "artifact": where, "smem": art8.shared_mem}
     fns = {"fp8": lambda: launch(art8, params8, ins8, [out8], stream)}
     outs = {}
+    if config is None and src8.lang == "cuda":  # the Triton kernel's FP8 branch beside it
+        srct, paramst = fp8_source_for(S, D, causal)
+        artt, _ = runner.artifact(srct)
+        outt = torch.full_like(q, float("nan"))
+        launch(artt, paramst, ins8, [outt], stream, sync=True)
+        row["fp8_triton_kernel"] = srct.name
+        outs["fp8_triton"] = outt
+        fns["fp8_triton"] = lambda: launch(artt, paramst, ins8, [outt], stream)
     for name, a in (("bf16", arch), ("bf16_triton", None)):
         if name == "bf16_triton" and arch is None:
             continue
@@ -103,15 +125,18 @@ def run_fp8_shape(runner, S: int, D: int, causal, arch=None, rounds: int = 3, co
         row[f"{name}_kernel"] = src.name
         fns[name] = (lambda a_, p_, o_: lambda: launch(a_, p_, [q, k, v], [o_], stream))(art, params, o)
     ref = outs["bf16"].float()
-    err = float((out8.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-    row["fp8_rel_max_err_vs_bf16"] = err
-    if not err <= FP8_CHECK:
-        row["error"] = f"FP8 output differs from the bf16 kernel's by {err:.3g} of max |o| (> {FP8_CHECK})"
+    for name, o8 in (("fp8", out8), ("fp8_triton", outs.get("fp8_triton"))):
+        if o8 is None:
+            continue
+        err = float((o8.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        row[f"{name}_rel_max_err_vs_bf16"] = err
+        if not err <= FP8_CHECK:
+            row["error"] = f"{name} output differs from the bf16 kernel's by {err:.3g} of max |o| (> {FP8_CHECK})"
     times = bench.interleaved(fns, rounds)
     for name, t in times.items():
         row[f"{name}_ms"] = t
         row[f"{name}_tfs"] = fl / t * 1e-9
-    best16 = max(row[f"{n}_tfs"] for n in times if n != "fp8")
+    best16 = max(row[f"{n}_tfs"] for n in times if not n.startswith("fp8"))
     row["speedup"] = row["fp8_tfs"] / best16
     row["rounds"] = rounds
     torch.cuda.empty_cache()
@@ -126,11 +151,18 @@ def misses(rows) -> list[dict]:
 
 def print_rows(rows) -> None:
     fmt = script_module("bench_attention").fmt
-    print(f"{'S':>6} {'D':>4} {'c':>2} {'fp8':>7} {'bf16':>7} {'bf16tr':>7} {'x':>6} {'err':>7}  kernel")
+    print(f"{'S':>6} {'D':>4} {'c':>2} {'fp8':>7} {'fp8tr':>7} {'bf16':>7} {'bf16tr':>7} {'x':>6} {'err':>7}  kernel")
     for r in rows:
-        print(f"{r['S']:6d} {r['D']:4d} {r['causal']:2d} {fmt(r.get('fp8_tfs'))} {fmt(r.get('bf16_tfs'))} "
-              f"{fmt(r.get('bf16_triton_tfs'))} {fmt(r.get('speedup'), '6.2f')} "
+        print(f"{r['S']:6d} {r['D']:4d} {r['causal']:2d} {fmt(r.get('fp8_tfs'))} {fmt(r.get('fp8_triton_tfs'))} "
+              f"{fmt(r.get('bf16_tfs'))} {fmt(r.get('bf16_triton_tfs'))} {fmt(r.get('speedup'), '6.2f')} "
               f"{fmt(r.get('fp8_rel_max_err_vs_bf16'), '7.4f')}  {r.get('error') or r.get('kernel', '')}")
+
+
+def candidates(D: int, causal, arch=None) -> list:
+    """What a sweep times: the target's FP8 candidates (sm_90, D = 128: the CUDA kernel's) and the
+    Triton kernel's."""
+    out = L.candidate_configs(L.FP8, D, causal, arch=arch)
+    return out + [c for c in L.candidate_configs(L.FP8, D, causal) if c not in out]
 
 
 def sweep_fp8(runner, dims, seqs, arch=None) -> list[dict]:
@@ -139,7 +171,7 @@ def sweep_fp8(runner, dims, seqs, arch=None) -> list[dict]:
     for D in dims:
         for causal in (0, 1):
             for S in seqs:
-                for cfg in L.candidate_configs(L.FP8, D, causal):
+                for cfg in candidates(D, causal, arch):
                     try:
                         r = run_fp8_shape(runner, S, D, causal, arch=arch, rounds=1, config=cfg)
                     except Exception as e:
@@ -162,7 +194,7 @@ def main_fp8(args, runners) -> int:
     bench = script_module("bench_attention")
     dims = [int(d) for d in args.dims.split(",")]
     seqs = [int(s) for s in args.seqs.split(",")]
-    bench.prebuild_missing(runners, fp8_build_sources(dims, seqs, sweep=args.sweep))
+    bench.prebuild_missing(runners, fp8_build_sources(dims, seqs, sweep=args.sweep, arch=args.arch))
     if args.sweep:
         rows = sweep_fp8(runners[0], dims, bench.SWEEP_SEQS if args.seqs == ",".join(map(str, bench.SEQS)) else seqs,
                          arch=args.arch)

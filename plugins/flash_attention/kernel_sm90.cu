@@ -3,10 +3,12 @@
 //
 //     o[b, h] = softmax(cap(scale * q[b, h] @ k[b, h // G]^T) (+ key bias) (+ causal / window mask)) @ v[b, h // G]
 //
-// q, o: [B, H, Sq, D]; k, v: [B, Hkv, Sk, D]; contiguous fp16/bf16; D in {64, 128}.
-// Arguments (TensorRT QDP order): q, k, v[, bias][, block_offsets, block_indices], H, Hkv, Sq, Sk,
-// num_tiles[, nnz] (int32), o; num_tiles = cdiv(Sq, BLOCK_M) * B * H, grid = one CTA per SM
-// (persistent). The layout arguments are BlockSparseAttention's (LAYOUT).
+// q, o: [B, H, Sq, D]; k, v: [B, Hkv, Sk, D]; contiguous fp16/bf16; D in {64, 128}. FP8 (FlashAttention
+// v3's FP8 form, D = 128): q, k E4M3 as above, v E4M3 transposed, [B, Hkv, D, Skv] (Skv = Sk rounded
+// up to 16), float32 per-tensor scales, o fp16/bf16 (OPTFUSE_DTYPE).
+// Arguments (TensorRT QDP order): q, k, v[, bias][, q_scale, k_scale, v_scale][, block_offsets,
+// block_indices], H, Hkv, Sq, Sk, num_tiles[, nnz] (int32), o; num_tiles = cdiv(Sq, BLOCK_M) * B * H,
+// grid = one CTA per SM (persistent). The layout arguments are BlockSparseAttention's (LAYOUT).
 //
 // Sparsity (sm90/sparsity.cuh): a tile visits only the key blocks its rows can see -- the causal
 // and window limits, the live range of a key-padding bias, the blocks a layout lists -- and masks
@@ -36,7 +38,8 @@
 // producer, consumers, epilogue) in one piece because both roles share the tile order, the
 // barriers and the ring positions; the building blocks are in sm90/*.cuh by role.
 //
-// Compile-time specialization (-D): OPTFUSE_DTYPE (1 fp16, 2 bf16), HEAD_DIM (64|128), CAUSAL,
+// Compile-time specialization (-D): OPTFUSE_DTYPE (1 fp16, 2 bf16: q, k, v and o; FP8: o), FP8,
+// HEAD_DIM (64|128), CAUSAL,
 // BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
 // SCALE_LOG2 (scale * log2(e)), STAGES (K/V ring depth), CONSUMERS (2|3), TMA, KV_ONE_FULL,
@@ -54,6 +57,26 @@ typedef unsigned short u16;
 #ifndef OPTFUSE_DTYPE
 #define OPTFUSE_DTYPE 2
 #endif
+// FP8 (1): q, k, v in E4M3 with per-tensor scales (a value is the E4M3 number times its scale).
+// Both products run E4M3 wgmma (k = 32 per instruction, twice the 16-bit rate); 8-bit operands
+// have no transposed mode, so P V reads V^T, whose keys are contiguous (the contract's layout).
+// q_scale * k_scale joins the score scale at run time; p is computed scaled by 448 (E4M3's
+// largest value: small probabilities stay normal longer) and rounded on chip; v_scale comes in
+// with 1 / l. Lazy rescaling is off (its margin would let p exceed 448).
+#ifndef FP8
+#define FP8 0
+#endif
+#if FP8
+typedef unsigned char elem_t;  // E4M3 bits
+#define ELEM_BYTES 1
+#define P_LOG2_SCALE 8.807354922057604f  // log2(448)
+#else
+typedef u16 elem_t;
+#define ELEM_BYTES 2
+#endif
+// One 128-byte swizzle chunk holds CHUNK_ELEMS elements of a row; a D-element row is D_CHUNKS of them.
+#define CHUNK_ELEMS (128 / ELEM_BYTES)
+#define D_CHUNKS (HEAD_DIM * ELEM_BYTES / 128)
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
 #endif
@@ -86,7 +109,7 @@ typedef unsigned short u16;
 // maximum exceeds its stored one by more than 2^LAZY_MARGIN (log2 units), so the O rescale (D / 2
 // FMULs a thread) is skipped for most blocks. Exponents stay <= LAZY_MARGIN: p <= 2^8 fits
 // fp16/bf16 and the fp32 sums; the final 1 / l cancels the stale offset.
-#define LAZY_MARGIN 8
+#define LAZY_MARGIN (FP8 ? 0 : 8)
 // TMA loads (1): the producer's K / V / Q copies are tensor-memory-accelerator transfers, one
 // instruction per 64-column box issued by one thread, instead of 16-byte cp.async by 128 threads
 // (16 per thread and tile at D = 64). The tensor maps they need are built on the device (a QDP
@@ -120,7 +143,9 @@ typedef unsigned short u16;
 #if HEAD_DIM != 64 && HEAD_DIM != 128
 #error "HEAD_DIM must be 64 or 128"
 #endif
-#define BLOCK_N 128  // keys per block: the score wgmma is m64n128k16
+#define BLOCK_N 128  // keys per block: the score wgmma is m64n128k16 (FP8: k32)
+// P V's k-steps per key block (16 keys per 16-bit wgmma, 32 per E4M3 one): P's A fragments
+#define P_KSTEPS (BLOCK_N * ELEM_BYTES / 32)
 
 // Consumer warpgroups (2 or 3), 64 query rows each. Three give each warpgroup's softmax the time of
 // two others' MMAs instead of one (FlashAttention-3's choice at D = 64, where the exponentials of
@@ -133,6 +158,9 @@ typedef unsigned short u16;
 #endif
 #if CONSUMERS == 3 && HEAD_DIM != 64
 #error "three consumer warpgroups only at D = 64 (at D = 128, 160 registers spill)"
+#endif
+#if FP8 && (HEAD_DIM != 128 || defined(SOFTCAP_IN) || SOFTMAX_STREAM || (defined(LAYOUT) && LAYOUT))
+#error "FP8: D = 128 (one 128-byte chunk per row), no soft-cap, no softmax stream, no layout"
 #endif
 #define BLOCK_M (64 * CONSUMERS)         // query rows per CTA
 #define D HEAD_DIM
@@ -158,11 +186,13 @@ typedef unsigned short u16;
 #endif
 
 // Shared memory: every tile is stored in 128-byte swizzle atoms, the layout wgmma reads with a
-// "128B swizzle" descriptor: the tile's head dim is cut into 64-element (128-byte) chunks; chunk c
-// holds all rows, row r at r * 128 bytes, its 16-byte unit u at position u ^ (r % 8), so the 8
-// rows a wgmma core matrix reads hit 8 different bank groups. Chunks are 1024-byte aligned.
+// "128B swizzle" descriptor: the tile's head dim is cut into 128-byte chunks (64 16-bit or 128
+// E4M3 elements); chunk c holds all rows, row r at r * 128 bytes, its 16-byte unit u at position
+// u ^ (r % 8), so the 8 rows a wgmma core matrix reads hit 8 different bank groups. Chunks are
+// 1024-byte aligned. FP8's V^T tile is [D rows, BLOCK_N keys], one chunk. A Q slot holds 16-bit
+// rows whatever the input type: the epilogue stages o (fp16/bf16) through it.
 #define Q_BYTES (BLOCK_M * D * 2)
-#define KV_BYTES (BLOCK_N * D * 2)
+#define KV_BYTES (BLOCK_N * D * ELEM_BYTES)
 #define BIAS_STAGE_BYTES (BLOCK_N * 4)   // key bias of one tile, fp32, log2 units
 // Two Q tiles: the next tile's Q loads while the consumers finish this one, and the epilogue
 // stages this tile's output through its own slot (released only after the epilogue).
@@ -198,6 +228,9 @@ typedef unsigned short u16;
 #include "sm90/barriers.cuh"  // mbarriers, proxy fence, turn-taking named barriers
 #include "sm90/loads.cuh"     // producer: TMA with device-built tensor maps, cp.async fallback
 #include "sm90/wgmma.cuh"     // mainloop MMAs: descriptors, wgmma, S = Q K^T and O += P V
+#if FP8
+#include "../common/e4m3.cuh"  // e4m3x2: two floats -> two E4M3 bytes
+#endif
 #include "sm90/softmax.cuh"   // consumers: online softmax, rescale, packing
 #include "sm90/sparsity.cuh"  // the key blocks a tile visits (windows, key padding, layouts), masks, soft-cap
 
@@ -220,6 +253,11 @@ typedef unsigned short u16;
 #define KEYPAD_RANGE
 #define KEYPAD_STATE const KeyLive live = {Sk, -1, false};
 #endif
+#if FP8
+#define PACK_P(s, p) pack_p_fp8(s, p, q4)
+#else
+#define PACK_P(s, p) pack_p(s, p)
+#endif
 #if LAYOUT
 #define LAYOUT_ARGS(h) , Offsets, Indices, nnz, (h)
 #else
@@ -232,9 +270,12 @@ typedef unsigned short u16;
 // ahead into the next tile (its Q and first K/V tiles load while the consumers finish the current
 // one), which hides the per-tile prologue and epilogue that dominate short sequences.
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
-    const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
+    const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
 #if BIAS_MODE != 0
     const void* __restrict__ Bias,
+#endif
+#if FP8
+    const float* __restrict__ QScale, const float* __restrict__ KScale, const float* __restrict__ VScale,
 #endif
 #if LAYOUT
     const int* __restrict__ Offsets, const int* __restrict__ Indices,
@@ -286,6 +327,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     const int n_tiles = num_m * BH;
     (void)n_tiles;
     const int causal_off = Sk - Sq;
+    // V's keys per row: FP8's V^T rows are Skv = Sk rounded up to 16 long
+    const int v_keys = FP8 ? (Sk + 15) / 16 * 16 : Sk;
+    (void)v_keys;
     // warpgroup index, broadcast from lane 0 so that ptxas knows it is warp-uniform (without it,
     // values derived from it -- Q offsets, row limits -- were per-thread, and each branch on them
     // a divergent one: README "Tried")
@@ -405,9 +449,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     asm volatile("st.shared.u32 [%0], %1;" ::"r"(stage + 128 * i + 4 * ptid), "r"(0u) : "memory");
                 __syncwarp();
                 if (ptid == 0) {
-                    tmap_encode(stage, Q, Sq, BH, 64);  // Q: one 64-row box per consumer warpgroup
-                    tmap_encode(stage + 128, K, Sk, B * Hkv, BLOCK_N);
-                    tmap_encode(stage + 256, V, Sk, B * Hkv, BLOCK_N);
+                    // Q: one 64-row box per consumer warpgroup
+                    tmap_encode(stage, Q, D, Sq, BH, 64, D * ELEM_BYTES);
+                    tmap_encode(stage + 128, K, D, Sk, B * Hkv, BLOCK_N, D * ELEM_BYTES);
+#if FP8
+                    tmap_encode(stage + 256, V, Sk, D, B * Hkv, D, v_keys);  // V^T: the keys are the columns
+#else
+                    tmap_encode(stage + 256, V, D, Sk, B * Hkv, BLOCK_N, D * 2);
+#endif
                 }
                 __syncwarp();
                 for (int i = 0; i < 3; ++i) tmap_publish(tmaps + 128 * i, stage + 128 * i);
@@ -430,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             PROF(PR_WAIT_Q)
             if (use_tma) {
                 if (ptid == 0) {
-                    mbar_expect_tx(BAR_Q_FULL(qs), nc * 64 * D * 2);
+                    mbar_expect_tx(BAR_Q_FULL(qs), nc * 64 * D * ELEM_BYTES);
                     for (int w = 0; w < nc; ++w)  // one 64-row box per active consumer warpgroup
                         tma_load_rows(Q_SLOT(qs) + w * (64 * 128), BLOCK_M * 128, tmaps, m0 + 64 * w, bh, BAR_Q_FULL(qs));
                 }
@@ -447,8 +496,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             ++tc;
             PROF_COUNT(PR_TILES);
             PROF(PR_ISSUE)
-            const u16* k_g = K + (long long)kvh * Sk * D;
-            const u16* v_g = V + (long long)kvh * Sk * D;
+            const elem_t* k_g = K + (long long)kvh * Sk * D;
+            const elem_t* v_g = V + (long long)kvh * v_keys * D;
 #if LAYOUT
             int kb_next = n_blocks > 0 ? block_at(kbs, 0) : 0;  // the layout's indices, loaded a block ahead
 #endif
@@ -487,12 +536,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 PROF(PR_ISSUE)
                 mbar_wait(BAR_EMPTY_V(s), ph ^ 1);
                 PROF(PR_WAIT_KV)
+#if FP8
+                if (use_tma) {
+                    if (ptid == 0) tma_load_vt(base + OFF_V + s * KV_BYTES, tmaps + 256, kv0, kvh, BAR_FULL_V(s));
+                } else {
+                    load_vt_tile(base + OFF_V + s * KV_BYTES, v_g + kv0, v_keys, Sk - kv0, ptid);
+                    cp_async_arrive(BAR_FULL_V(s));
+                }
+#else
                 if (use_tma) {
                     if (ptid == 0) tma_load_kv(base + OFF_V + s * KV_BYTES, tmaps + 256, kv0, kvh, BAR_FULL_V(s));
                 } else {
                     load_tile<BLOCK_N>(base + OFF_V + s * KV_BYTES, v_g + (long long)kv0 * D, Sk - kv0, ptid);
                     cp_async_arrive(BAR_FULL_V(s));
                 }
+#endif
                 PROF_COUNT(PR_BLOCKS);
                 PROF(PR_ISSUE)
             }
@@ -510,6 +568,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         const u32 q_wg = cw * 64 * 128;  // this warpgroup's rows inside each Q chunk
         int it = 0, tc = 0;
         const KeyLive live = {Sk, -1, false};  // the blocks of a key-padding tile come from the producer
+        // raw score -> log2 units (FP8: the inputs' dequantization joins the score scale)
+#if FP8
+        const float sl2 = SCALE_LOG2 * (QScale[0] * KScale[0]);
+        const float v_scale = VScale[0];
+#else
+        const float sl2 = SCORE_LOG2;
+#endif
 #undef LIVE_UPDATE
 #define LIVE_UPDATE
         if (cw == nc - 1) named_arrive(1);  // warpgroup 0 issues first
@@ -521,7 +586,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #pragma unroll
             for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
             float s[64];
-            u32 p[8][4];
+            u32 p[P_KSTEPS][4];
             float m_0 = NEG_INF, m_1 = NEG_INF, l0 = 0.f, l1 = 0.f, a0, a1;
             int qs = -1;  // the Q slot this tile uses (none when every row is dead)
 
@@ -578,23 +643,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     {
                         float ms0, ms1;
                         if (kbs.bias) {
-                            softmax_max<true, true>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
-                            softmax_exp_pack<true, true>(s, p, ms0, ms1, a0, a1, l0, l1);
+                            softmax_max<true, true>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + s0 * BLOCK_N, q4, sl2);
+                            softmax_exp_pack<true, true>(s, p, ms0, ms1, a0, a1, l0, l1, sl2);
                         } else {
-                            softmax_max<true, false>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring, q4);
-                            softmax_exp_pack<true, false>(s, p, ms0, ms1, a0, a1, l0, l1);
+                            softmax_max<true, false>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring, q4, sl2);
+                            softmax_exp_pack<true, false>(s, p, ms0, ms1, a0, a1, l0, l1, sl2);
                         }
                     }
                     mbar_arrive_warp(BAR_EMPTY_K(s0));
                     PROF(PR_SOFTMAX)
 #else
                     if (kbs.bias)
-                        softmax_block<true, true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + s0 * BLOCK_N, q4);
+                        softmax_block<true, true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + s0 * BLOCK_N, q4, sl2);
                     else
-                        softmax_block<true, false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring, q4);
+                        softmax_block<true, false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring, q4, sl2);
                     mbar_arrive_warp(BAR_EMPTY_K(s0));
                     PROF(PR_SOFTMAX)
-                    pack_p(s, p);
+                    PACK_P(s, p);
 #endif
                     PROF_COUNT(PR_BLOCKS);
                     PROF(PR_POST)
@@ -643,28 +708,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #if SOFTMAX_STREAM
                     float ms0, ms1;
                     const bool resc =
-                        kbs.bias ? softmax_max<false, true>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + sj * BLOCK_N, q4)
-                                 : softmax_max<false, false>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring, q4);
+                        kbs.bias ? softmax_max<false, true>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring + sj * BLOCK_N, q4, sl2)
+                                 : softmax_max<false, false>(s, m_0, m_1, ms0, ms1, a0, a1, bias_ring, q4, sl2);
                     PROF(PR_SOFTMAX)
                     PV_DONE(sp);
                     // before the exponentials, not among them: unconditional there (alpha = 1 where
                     // the warp kept its maxima), it cost 5-8 % at D = 128 (README "Tried")
                     if (resc) rescale(o, a0, a1);
                     if (kbs.bias)
-                        softmax_exp_pack<false, true>(s, p, ms0, ms1, a0, a1, l0, l1);
+                        softmax_exp_pack<false, true>(s, p, ms0, ms1, a0, a1, l0, l1, sl2);
                     else
-                        softmax_exp_pack<false, false>(s, p, ms0, ms1, a0, a1, l0, l1);
+                        softmax_exp_pack<false, false>(s, p, ms0, ms1, a0, a1, l0, l1, sl2);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
                     PROF(PR_SOFTMAX)
 #else
                     const bool resc =
-                        kbs.bias ? softmax_block<false, true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4)
-                                 : softmax_block<false, false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring, q4);
+                        kbs.bias ? softmax_block<false, true>(s, m_0, m_1, l0, l1, a0, a1, bias_ring + sj * BLOCK_N, q4, sl2)
+                                 : softmax_block<false, false>(s, m_0, m_1, l0, l1, a0, a1, bias_ring, q4, sl2);
                     mbar_arrive_warp(BAR_EMPTY_K(sj));
                     PROF(PR_SOFTMAX)
                     PV_DONE(sp);
                     if (resc) rescale(o, a0, a1);
-                    pack_p(s, p);
+                    PACK_P(s, p);
 #endif
                     PROF_COUNT(PR_BLOCKS);
                     PROF(PR_POST)
@@ -700,8 +765,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             l0 = quad_sum(l0);
             l1 = quad_sum(l1);
 #endif
+#if FP8
+            float inv0 = l0 == 0.f ? 0.f : v_scale / l0;  // p's 448 cancels in O / l
+            float inv1 = l1 == 0.f ? 0.f : v_scale / l1;
+#else
             float inv0 = l0 == 0.f ? 0.f : 1.f / l0;
             float inv1 = l1 == 0.f ? 0.f : 1.f / l1;
+#endif
             float add = 0.f;
 #if BIAS_MODE == 1
             {

@@ -15,9 +15,10 @@
 Argument order (QDP): inputs q, k, v[, bias][, q_scale, k_scale, v_scale], extra int32 (H, Hkv,
 Sq, Sk), output o. Tensors are contiguous; strides are derived from the shapes inside the kernel.
 The FP8 form (E4M3 q, k, v, their float32 scales, o in ``output_dtype``; v as [B, Hkv, D, Skv])
-runs the Triton kernel on every target (its FP8 branch, kernel.py); so does an o whose dtype is not
-q's. H and Hkv are runtime
-arguments (one integer division per program), so one artifact serves every head count.
+runs the CUDA kernel's FP8 path on sm_90 at D = 128 with an fp16/bf16 o (no soft-cap), the Triton
+kernel's FP8 branch (kernel.py) everywhere else; a float q whose o has another dtype runs the
+Triton kernel. H and Hkv are runtime arguments (one integer division per program), so one artifact
+serves every head count.
 
 Past 500 lines because every entry point (kernel choice, both kernels' sources and launches, the
 decode dispatch) reads the same bias-pattern, head-dim and sparsity facts defined here; the decode
@@ -42,8 +43,11 @@ KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
 ENTRY = "_flash_attention_fwd_kernel"
 SM90_PATH = str(Path(__file__).resolve().parent / "kernel_sm90.cu")
 SM90_ENTRY = "flash_attention_sm90"
-#: The CUDA kernel's own head dims (wgmma tiles), a subset of the spec's head_dims.
+#: The CUDA kernel's own head dims (wgmma tiles), a subset of the spec's head_dims; its FP8 path's
+#: (one 128-byte swizzle chunk per E4M3 row) and that path's o dtypes.
 SM90_HEAD_DIMS = (64, 128)
+SM90_FP8_HEAD_DIMS = (128,)
+SM90_FP8_OUTPUTS = ("float16", "bfloat16")
 #: Persistent grid of the sm90 kernel: one CTA per SM of an H100 SXM / H200 (132 SMs); the
 #: static shape's ``sm_count`` overrides it. A fixed number, because QDP launch parameters may
 #: only combine the dynamic dims with + - * and cdiv (no min): a GPU with fewer SMs runs the
@@ -111,9 +115,14 @@ def is_keypad(pattern) -> bool:
     return _bias_mode(pattern) == 2
 
 
+#: The CUDA kernel's FP8 path (D = 128, two consumer warpgroups): K/V ring depth; E4M3 K and V^T
+#: tiles are 16 KB each, so 3 stages fit beside the two Q slots (160 KB).
+SM90_FP8_STAGES = 3
+
+
 def sm90_config(head_dim: int, causal: bool, stages: int | None = None, *, keypad: bool = False,
                 block_m: int | None = None, tma: bool | None = None, kv_one_full: bool | None = None,
-                softmax_stream: bool | None = None) -> FAConfig:
+                softmax_stream: bool | None = None, fp8: bool = False) -> FAConfig:
     """The CUDA kernel's config: 128 x 128 tiles with 3 warpgroups (producer + 2 consumers) or, at
     D = 64, 192 x 128 with 4; a K/V ring of ``stages`` (D = 128: 2-3 fit in shared memory; D = 64:
     2-4); unset fields from SM90_DEFAULTS. At D = 64 the row sums come from the tensor cores
@@ -121,7 +130,13 @@ def sm90_config(head_dim: int, causal: bool, stages: int | None = None, *, keypa
     barrier per stage (``kv_one_full``: 1.01x at D = 64; with the 2-stage ring of D = 128 it cost
     4-20 %). The softmax runs as one instruction stream (``softmax_stream``) at D = 64 and for
     D = 128 non-causal without a key bias (1.01-1.05x and 1.00-1.03x there; neutral at D = 128
-    causal, 0.97-0.99x on the D = 128 mask rows)."""
+    causal, 0.97-0.99x on the D = 128 mask rows). ``fp8``: the FP8 path's defaults (128 rows,
+    SM90_FP8_STAGES, TMA, no softmax stream: its packing is FP8's own)."""
+    if fp8:
+        st = SM90_FP8_STAGES if stages is None else stages
+        return FAConfig(128 if block_m is None else block_m, 128, 12, st, impl="sm90",
+                        tma=True if tma is None else tma,
+                        kv_one_full=st >= 3 if kv_one_full is None else kv_one_full)
     d_bm, d_stages, d_tma = (SM90_DEFAULTS.get((head_dim, bool(causal), keypad))
                              or SM90_DEFAULTS.get((head_dim, bool(causal), True))
                              or (128, 2 if head_dim > 64 else 3, True))
@@ -166,8 +181,13 @@ def _default_config(dtype: str, head_dim: int, causal: bool) -> FAConfig:
 
 def sm90_eligible(dtype: str, head_dim: int, pattern: tuple[int, int, int, int] | None,
                   scale: float, arch: int | None) -> bool:
-    """The CUDA kernel takes fp16/bf16, D 64/128, a positive scale, and no bias, a scalar bias or
-    a key-padding bias ([B|1, 1, 1, Sk]); it needs sm_90 (wgmma)."""
+    """The CUDA kernel takes fp16/bf16 at D 64/128, a positive scale, and no bias, a scalar bias or
+    a key-padding bias ([B|1, 1, 1, Sk]); E4M3 (FP8) at D = 128 with no bias or a scalar one (and an
+    fp16/bf16 o, no soft-cap: _choice_static). It needs sm_90 (wgmma)."""
+    if dtype == FP8:
+        # no key padding: with its bias ring that build spills (24-27 local stores in either role
+        # at every register split tried), so FP8 key padding runs the Triton kernel
+        return arch == 90 and head_dim in SM90_FP8_HEAD_DIMS and scale > 0 and _bias_mode(pattern) < 2
     return (arch == 90 and dtype in ("float16", "bfloat16") and head_dim in SM90_HEAD_DIMS
             and scale > 0 and (pattern is None or pattern[1:3] == (0, 0)))
 
@@ -212,6 +232,8 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, *,
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
     keypad = is_keypad(pattern)
+    if dtype == FP8 and sm90_eligible(dtype, head_dim, pattern, scale, arch) and not layout:
+        return sm90_config(head_dim, causal, keypad=keypad, fp8=True)
     if sm90_eligible(dtype, head_dim, pattern, scale, arch) and SM90_DEFAULTS.get((head_dim, bool(causal), keypad)):
         # a layout's 128-row blocks are the tiles of two consumer warpgroups
         short = 0 <= window_left < SM90_SHORT_WINDOW
@@ -229,6 +251,8 @@ def candidate_configs(dtype: Any, head_dim: int, causal: bool, arch: int | None 
     """Configs a tuning sweep tries (the current choice first): the Triton kernel's tiles, warps
     and pipeline depths, or, with ``arch=90`` and a case the CUDA kernel takes, its consumer
     warpgroups (D = 64) and K/V ring depths."""
+    if norm_dtype(dtype) == FP8 and sm90_eligible(FP8, head_dim, None, 1.0, arch):
+        return [sm90_config(head_dim, causal, st, fp8=True) for st in (SM90_FP8_STAGES, 2, 4)]
     if norm_dtype(dtype) == FP8:
         C = FAConfig
         extra = [C(128, 128, 8, 3), C(128, 128, 8, 4), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 64, 8, 4),
@@ -264,14 +288,20 @@ def output_dtype(op: str, dtype: str, attrs: dict) -> str:
     return SPEC.output_dtype(0, [dtype], attrs)
 
 
-def _choice_static(dtype: str, out_dtype: str, static_shape: dict | None) -> dict | None:
-    """The static facts the config choice reads: an FP8 q, or o in another dtype than q, runs the
-    Triton kernel whatever the target (the CUDA kernel is fp16/bf16 in and out), so the target is
-    hidden from the choice. An FP8 target older than sm_89 is a ValueError."""
+def _choice_static(dtype: str, out_dtype: str, static_shape: dict | None,
+                   sparsity: Sparsity = Sparsity()) -> dict | None:
+    """The static facts the config choice reads: o in another dtype than q runs the Triton kernel
+    whatever the target (the CUDA kernel writes q's dtype, or with FP8 fp16/bf16, and its FP8 path
+    has no soft-cap), so the target is hidden from the choice. An FP8 target older than sm_89 is a
+    ValueError."""
     arch = (static_shape or {}).get("arch")
     if dtype == FP8 and arch is not None and int(arch) < min(FP8_ARCHS):
         raise ValueError(f"FlashAttention: FP8 (E4M3) needs sm_89 or newer, not sm_{arch}")
-    if dtype == FP8 or out_dtype != dtype:
+    if dtype == FP8:
+        if out_dtype not in SM90_FP8_OUTPUTS or sparsity.softcap:
+            return {**(static_shape or {}), "arch": None}
+        return static_shape
+    if out_dtype != dtype:
         return {**(static_shape or {}), "arch": None}
     return static_shape
 
@@ -329,11 +359,12 @@ def _known_q_dims(static_shape: dict) -> tuple[int, int, int] | None:
     return dims if all(d > 0 for d in dims) else None
 
 
-def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int) -> int:
-    """Dynamic shared memory of kernel_sm90.cu (its SMEM_BYTES): the two Q tiles, the K/V ring,
-    the ones tile (ones_sum), the key bias ring, the mbarriers, and 1024 bytes to align the base."""
+def sm90_shared_mem(head_dim: int, cfg: FAConfig, bias_mode: int, elem_bytes: int = 2) -> int:
+    """Dynamic shared memory of kernel_sm90.cu (its SMEM_BYTES): the two Q tiles (16-bit rows:
+    they stage o), the K/V ring (``elem_bytes`` per element: 1 with FP8), the ones tile
+    (ones_sum), the key bias ring, the mbarriers, and 1024 bytes to align the base."""
     q = cfg.block_m * head_dim * 2
-    kv = cfg.block_n * head_dim * 2
+    kv = cfg.block_n * head_dim * elem_bytes
     bias = cfg.num_stages * cfg.block_n * 4 if bias_mode == 2 else 0
     ones = cfg.block_n * 128 if cfg.ones_sum else 0
     kv_full_bars = 1 if cfg.kv_one_full else 2  # K and V "full" barriers per stage, or one for both
@@ -383,10 +414,16 @@ def _source_name(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
 
 
 def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float, cfg: FAConfig,
-                 bias_dtype: str, sparsity: Sparsity = Sparsity(), op: str = OP) -> KernelSource:
+                 bias_dtype: str, sparsity: Sparsity = Sparsity(), op: str = OP,
+                 out_dtype: str | None = None) -> KernelSource:
+    fp8 = dtype == FP8
     if not sm90_eligible(dtype, head_dim, pattern, scale, 90):
         raise ValueError(f"FlashAttention sm90 kernel: {dtype} D={head_dim} bias {pattern} "
                          f"scale {scale} not supported (use the Triton kernel)")
+    if fp8 and (sparsity.softcap or sparsity.layout or cfg.block_m != 128 or cfg.ones_sum
+                or cfg.softmax_stream):
+        raise ValueError(f"FlashAttention sm90 kernel, FP8: 128-row tiles without soft-cap, layout, "
+                         f"ones_sum or softmax stream ({cfg}, {sparsity})")
     if (cfg.block_m, cfg.block_n, cfg.num_warps) not in ((128, 128, 12), (192, 128, 16)):
         raise ValueError(f"FlashAttention sm90 kernel: config {cfg} (tiles are 128 x 128 with 12 "
                          f"warps or 192 x 128 with 16)")
@@ -400,8 +437,10 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
                          f"(block_m {cfg.block_m}, block_size {sparsity.layout_block})")
     mode = _bias_mode(pattern)
     scale_log2 = scale * 1.4426950408889634
+    out_dtype = out_dtype or dtype
     defines = {
-        "OPTFUSE_DTYPE": str(CUDA_DTYPE_CODE[dtype]), "HEAD_DIM": str(head_dim),
+        "OPTFUSE_DTYPE": str(CUDA_DTYPE_CODE[out_dtype]), "HEAD_DIM": str(head_dim),
+        **({"FP8": "1"} if fp8 else {}),
         "CAUSAL": str(int(causal)), "BIAS_MODE": str(mode),
         "BIAS_BATCH": str(pattern[0] if mode == 2 else 0), "BIAS_DTYPE": str(CUDA_DTYPE_CODE[bias_dtype]),
         "SCALE_LOG2": f"{scale_log2!r}f", "STAGES": str(cfg.num_stages),
@@ -413,21 +452,21 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         **sm90_defines(sparsity, scale),
     }
     return KernelSource(
-        name=_source_name(dtype, head_dim, causal, pattern, scale, cfg, tma=_sm90_tma(cfg, mode),
-                          sparsity=sparsity, op=op),
+        name=_source_name(dtype if out_dtype == dtype else f"{dtype}_to_{out_dtype}", head_dim, causal,
+                          pattern, scale, cfg, tma=_sm90_tma(cfg, mode), sparsity=sparsity, op=op),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,
-        n_inputs=3 + (pattern is not None) + 2 * sparsity.layout,
+        n_inputs=3 + (pattern is not None) + 3 * fp8 + 2 * sparsity.layout,
         n_extra=5 + sparsity.layout,
         n_outputs=1,
         defines=defines,
         threads=32 * cfg.num_warps,
         pointer_align=16,
         arch_suffix="a",
-        meta={"op": op, "dtype": dtype, "head_dim": head_dim, "causal": causal, "scale": scale,
-              "bias_pattern": pattern, "bias_dtype": bias_dtype if pattern is not None else None,
-              "config": asdict(cfg), "shared_mem": sm90_shared_mem(head_dim, cfg, mode),
+        meta={"op": op, "dtype": dtype, "out_dtype": out_dtype, "head_dim": head_dim, "causal": causal,
+              "scale": scale, "bias_pattern": pattern, "bias_dtype": bias_dtype if pattern is not None else None,
+              "config": asdict(cfg), "shared_mem": sm90_shared_mem(head_dim, cfg, mode, 1 if fp8 else 2),
               "sparsity": asdict(sparsity)},
     )
 
@@ -451,12 +490,12 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     if fp8 and name != OP:
         raise ValueError(f"{name}: no FP8 form (FlashAttention has one)")
     cfg = config or _config_for(dtype, head_dim, causal, pattern, scale,
-                                _choice_static(dtype, out_dtype, static_shape), sp)
-    if cfg.impl == "sm90" and (fp8 or out_dtype != dtype):
+                                _choice_static(dtype, out_dtype, static_shape, sp), sp)
+    if cfg.impl == "sm90" and (out_dtype not in SM90_FP8_OUTPUTS if fp8 else out_dtype != dtype):
         raise ValueError(f"FlashAttention sm90 kernel: {dtype} in, {out_dtype} out not supported (use the Triton kernel)")
     if cfg.impl == "sm90":
         return _sm90_source(dtype, head_dim, causal, pattern, scale, cfg,
-                            norm_dtype(static_shape.get("bias_dtype") or dtype), sp, name)
+                            norm_dtype(static_shape.get("bias_dtype") or out_dtype), sp, name, out_dtype)
     if sp.layout and (sp.layout_block % cfg.block_m or sp.layout_block % cfg.block_n):
         raise ValueError(f"{name}: Triton tiles {cfg.block_m} x {cfg.block_n} do not divide the "
                          f"{sp.layout_block}-blocks of the layout")
@@ -537,7 +576,7 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     n_tensors = len(shapes) - 2 * layout
     bias_shape = (static_shape or {}).get("bias_shape", shapes[3] if n_tensors > 3 else None)
     pattern = bias_pattern(bias_shape)
-    choice = _choice_static(dtype, output_dtype(name, dtype, attrs), static_shape)
+    choice = _choice_static(dtype, output_dtype(name, dtype, attrs), static_shape, sp)
     cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), choice, sp)
     nnz = [shapes[-1][1]] if layout else []
     if cfg.impl == "sm90":
@@ -545,7 +584,7 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
         return LaunchParams(
             grid=(int((static_shape or {}).get("sm_count") or SM90_GRID), 1, 1),
             block=(32 * cfg.num_warps, 1, 1),
-            shared_mem=sm90_shared_mem(head_dim, cfg, _bias_mode(pattern)),
+            shared_mem=sm90_shared_mem(head_dim, cfg, _bias_mode(pattern), 1 if dtype == FP8 else 2),
             extra_args=[H, Hkv, Sq, Sk, cdiv(Sq, cfg.block_m) * (B * H)] + nnz,
         )
     return LaunchParams(

@@ -72,13 +72,13 @@ def test_aot_compile_decode_plan(tmp_path, arch, dtype, D, bias_shape, Sq):
 
 
 @pytest.mark.parametrize("arch,D,causal,bias_shape,out_dtype", [
-    (90, 128, 0, None, "bfloat16"),
+    (90, 128, 0, (-1, 1, 1, -1), "bfloat16"),  # key padding: the Triton kernel on sm_90 at D = 128 too
     (90, 64, 1, (), "float16"),
     (89, 128, 1, (-1, 1, 1, -1), "bfloat16"),
     (89, 80, 0, None, "float32"),
 ])
 def test_aot_compile_fp8(tmp_path, arch, D, causal, bias_shape, out_dtype):
-    """The FP8 form compiles for sm_90 and sm_89 without a GPU, in QDP argument order (q, k, v[,
+    """The Triton kernel's FP8 form compiles for sm_90 and sm_89 without a GPU, in QDP argument order (q, k, v[,
     bias], q_scale, k_scale, v_scale, H, Hkv, Sq, Sk, o): both dots on E4M3 tensor cores (wgmma on
     sm_90, mma.sync on sm_89) and p rounded to E4M3 with cvt.rn.satfinite."""
     attrs = {"scale": D ** -0.5, "causal": causal, "num_heads": 8, "num_kv_heads": 2, "output_dtype": out_dtype}

@@ -172,13 +172,50 @@ ATTRS = {"scale": 0.125, "causal": 1, "num_heads": 8, "num_kv_heads": 2, "output
 
 
 @pytest.mark.parametrize("arch", [None, 89, 90])
-def test_fp8_runs_the_triton_kernel_on_fp8_targets(arch):
-    src = L.kernel_config("FlashAttention", L.FP8, ATTRS, {"head_dim": 128, "bias_shape": (), "arch": arch})
+def test_fp8_triton_kernel_where_the_cuda_one_does_not_apply(arch):
+    """The Triton kernel's FP8 branch: every FP8 target but sm_90 at D = 128 (there with a key-padding
+    bias only: the CUDA kernel's FP8 path takes none or a scalar)."""
+    bias = (-1, 1, 1, -1) if arch == 90 else ()
+    src = L.kernel_config("FlashAttention", L.FP8, ATTRS, {"head_dim": 128, "bias_shape": bias, "arch": arch})
     assert src.lang == "triton" and src.n_inputs == 7
     assert list(src.signature) == ["Q", "K", "V", "Bias", "QScale", "KScale", "VScale", "H", "Hkv", "Sq", "Sk", "Out"]
     assert src.signature["Q"] == "*fp8e4nv" and src.signature["Bias"] == "*bf16" and src.signature["Out"] == "*bf16"
     assert "float8e4m3fn_to_bfloat16" in src.name and src.meta["out_dtype"] == "bfloat16"
     assert L.choose_config(L.FP8, 128, True) == L.TUNED[("fp8", 128, True)]
+
+
+@pytest.mark.parametrize("bias", [None, ()])
+def test_fp8_cuda_kernel_on_sm90(bias):
+    """sm_90, D = 128, no bias or a scalar one, o fp16/bf16: the CUDA kernel's FP8 path, in the
+    Triton kernel's argument order plus num_tiles (q, k, v[, bias], q_scale, k_scale, v_scale, H,
+    Hkv, Sq, Sk, num_tiles, o); o's dtype is the 16-bit type the kernel is built for."""
+    for out in ("bfloat16", "float16"):
+        attrs = {**ATTRS, "output_dtype": out}
+        src = L.kernel_config("FlashAttention", L.FP8, attrs, {"head_dim": 128, "bias_shape": bias, "arch": 90})
+        assert src.lang == "cuda" and src.n_inputs == 6 + (bias is not None) and src.n_extra == 5
+        assert src.defines["FP8"] == "1" and src.defines["OPTFUSE_DTYPE"] == ("2" if out == "bfloat16" else "1")
+        assert "SOFTMAX_STREAM" not in src.defines and "ONES_SUM" not in src.defines
+        assert f"float8e4m3fn_to_{out}" in src.name and "fa_sm90_d128" in src.name
+        cfg = L.FAConfig(**src.meta["config"])
+        shapes = [[2, 8, 300, 128], [2, 2, 517, 128], [2, 2, 128, 528], bias and list(bias), [1], [1], [1]]
+        p = L.launch_params("FlashAttention", [s for s in shapes if s is not None], [L.FP8], attrs,
+                            static_shape={"head_dim": 128, "bias_shape": bias, "arch": 90})
+        assert p.grid == (L.SM90_GRID, 1, 1) and p.block == (384, 1, 1)
+        assert list(p.extra_args) == [8, 2, 300, 517, 3 * 2 * 8]
+        # E4M3 K and V^T tiles: half the 16-bit ring; the Q slots stay 16-bit (o is staged there)
+        assert p.shared_mem == L.sm90_shared_mem(128, cfg, 0 if bias is None else 1, 1)
+        assert p.shared_mem < L.sm90_shared_mem(128, cfg, 0 if bias is None else 1)
+    assert L.candidate_configs(L.FP8, 128, False, arch=90)[0] == L.choose_config(L.FP8, 128, False, arch=90)
+
+
+@pytest.mark.parametrize("static,attrs", [
+    ({"head_dim": 64, "bias_shape": None}, {}),                        # D = 64: one chunk per row is D = 128's
+    ({"head_dim": 128, "bias_shape": None}, {"output_dtype": "float32"}),  # o not 16-bit
+    ({"head_dim": 128, "bias_shape": None}, {"softcap": 30.0}),        # soft-cap
+])
+def test_fp8_cuda_kernel_refusals_pick_triton(static, attrs):
+    src = L.kernel_config("FlashAttention", L.FP8, {**ATTRS, **attrs}, {**static, "arch": 90})
+    assert src.lang == "triton"
 
 
 def test_fp8_refusals_and_plans():

@@ -45,6 +45,9 @@ CASES = [
     (2, 4, 2, 700, 700, 64, 1, None, "float16", {"magnitude": 1e-4}),    # scales ~ 1e-6
     (2, 4, 2, 700, 700, 128, 1, None, "float32", {"magnitude": 3e4}),    # scales ~ 300
     (1, 8, 8, 4096, 4096, 128, 0, None, "bfloat16", {}),                 # the benchmark's shape class
+    # sm_90's CUDA kernel (D = 128, no bias / scalar): fewer keys than a block, a 2-row query
+    (2, 4, 2, 129, 45, 128, 0, None, "bfloat16", {}),
+    (3, 2, 1, 2, 1000, 128, 1, (), "float16", {}),
 ]
 
 
@@ -86,6 +89,18 @@ def test_fp8_sweep_configs(config, seed):
         check_fp8_case(case, seed, arch=_device_arch(), config=config)
 
 
+@pytest.mark.parametrize("variant", ["cp.async", "2stages", "4stages"])
+def test_fp8_sm90_variants(variant, seed):
+    """The CUDA kernel's FP8 path with its other load mode and ring depths (the sweep's), on a
+    ragged causal and a non-causal case."""
+    if not torch.cuda.is_available() or _device_arch() != 90:
+        pytest.skip("needs an sm_90 device")
+    for case in [(2, 8, 2, 517, 1031, 128, 1, None, "bfloat16", {}), (2, 4, 4, 300, 300, 128, 0, (), "float16", {})]:
+        kw = {"tma": False} if variant == "cp.async" else {"stages": int(variant[0])}
+        cfg = L.sm90_config(128, case[6], fp8=True, **kw)
+        check_fp8_case(case, seed, arch=90, config=cfg)
+
+
 def check_fp8_case(case, seed, arch=None, config=None):
     from optfuse.kernels import launch
 
@@ -103,7 +118,7 @@ def check_fp8_case(case, seed, arch=None, config=None):
     src, params = T.case_sources(L.FP8, [q8.shape, k8.shape, vt8.shape, None if bias is None else bias.shape],
                                  attrs, config=config, arch=arch,
                                  bias_dtype=None if bias is None else str(bias.dtype))
-    assert src.lang == "triton" and src.signature["Q"] == "*fp8e4nv", src.name
+    assert src.meta["dtype"] == L.FP8, src.name
     art = T.get_artifact(src, arch)
     ins = [t.cuda() for t in (q8, k8, vt8)] + ([bias.cuda()] if bias is not None else []) + [s.cuda() for s in scales]
     out = torch.full(q8.shape, float("nan"), dtype=getattr(torch, out_dtype), device="cuda")

@@ -220,6 +220,32 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum, tma):
         assert ("UTMALDG.3D" in sass) == tma
 
 
+@pytest.mark.parametrize("causal,bias,tma", [(0, None, True), (1, (), True), (1, None, False)])
+def test_sm90a_compile_fp8(tmp_path, causal, bias, tma):
+    """The FP8 path (E4M3 q, k, V^T; bf16 o): both products on E4M3 wgmma (QGMMA in SASS, no
+    16-bit HGMMA), q_scale / k_scale / v_scale after the bias in the parameters, no spills."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    attrs = {**_attrs(128, causal), "output_dtype": "bfloat16"}
+    cfg = dataclasses.replace(L.sm90_config(128, causal, fp8=True), tma=tma)
+    src = L.kernel_config(OP, L.FP8, attrs, {"head_dim": 128, "bias_shape": bias, "arch": 90}, config=cfg)
+    art = KernelCache(tmp_path).build(src, 90)
+    entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
+    params = re.findall(r"\.param\s+\.(\w+)", entry)
+    assert params == ["u64"] * (6 + (bias is not None)) + ["u32"] * 5 + ["u64"]
+    mma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.[\w.]+", art.ptx))
+    assert mma == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}, mma
+    assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
+    assert ("cp.async.bulk.tensor.3d" in art.ptx) == tma
+    tool = _cuobjdump()
+    if tool:
+        cubin = tmp_path / "k.cubin"
+        cubin.write_bytes(art.cubin)
+        res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        assert "STACK:0" in res and "LOCAL:0" in res, res
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
+        assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass
+
+
 def test_bench_variants():
     bench = script_module("bench_attention")
     variants = bench.parse_variants("softmax_stream=0;block_m=192,num_warps=16")

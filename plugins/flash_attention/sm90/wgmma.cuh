@@ -1,5 +1,5 @@
-// kernel_sm90.cu, the mainloop's MMAs: the m64nN instructions and the S = Q K^T / O += P V issue
-// loops over one key block (fences, waits and descriptors: plugins/common/sm90.cuh).
+// kernel_sm90.cu, the mainloop's MMAs: the m64nN instructions (16-bit and, FP8, E4M3) and the
+// S = Q K^T / O += P V issue loops over one key block (fences, waits and descriptors: plugins/common/sm90.cuh).
 
 // fence_regs (plugins/common/sm90.cuh) for the packed P registers.
 template <int N>
@@ -57,23 +57,63 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
 }
 
-// S = Q K^T for this warpgroup's 64 rows: D / 16 wgmmas over the head dim.
+#if FP8
+// E4M3 (FP8: 8-bit operands have no transposed mode, so B is K-major in both products).
+// d (+)= A[64 x 32] (smem, K-major) @ B[32 x 128] (smem, K-major); SCALE_D 0 overwrites d.
+template <int SCALE_D>
+__device__ __forceinline__ void wgmma_ss_n128_e4m3(float (&d)[64], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" ACC_REGS_64
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : ACC_OPS_64
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D));
+}
+
+// d += A[64 x 32] (registers) @ B[32 x 128] (smem, K-major: V^T's keys contiguous).
+__device__ __forceinline__ void wgmma_rs_n128_e4m3(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" ACC_REGS_64
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : ACC_OPS_64
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+#endif
+
+// S = Q K^T for this warpgroup's 64 rows: one wgmma per 32 bytes of the head dim (D / 16 at 16
+// bits, D / 32 in E4M3); the k-step's offset in bytes is the same for both.
 __device__ __forceinline__ void issue_qk(float (&s)[64], u32 q_s, u32 k_s) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < D * ELEM_BYTES / 32; ++kk) {
         const u32 koff = (kk & 3) * 32;  // within a 128-byte chunk
         const u64 da = make_desc(q_s + (kk >> 2) * (BLOCK_M * 128) + koff, 16, 1024);
         const u64 db = make_desc(k_s + (kk >> 2) * (BLOCK_N * 128) + koff, 16, 1024);
+#if FP8
+        if (kk == 0)
+            wgmma_ss_n128_e4m3<0>(s, da, db);
+        else
+            wgmma_ss_n128_e4m3<1>(s, da, db);
+#else
         if (kk == 0)
             wgmma_ss_n128<0>(s, da, db);
         else
             wgmma_ss_n128<1>(s, da, db);
+#endif
     }
 }
 
+#if FP8
+// O += P V^T^T: BLOCK_N / 32 E4M3 wgmmas over the keys; the V^T tile is [D rows, BLOCK_N keys],
+// one 128-byte chunk, read K-major like K in S = Q K^T.
+__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[P_KSTEPS][4], u32 v_s, u32 = 0) {
+#pragma unroll
+    for (int kk = 0; kk < P_KSTEPS; ++kk) wgmma_rs_n128_e4m3(o, p[kk], make_desc(v_s + kk * 32, 16, 1024));
+}
+#else
 // O += P V: BLOCK_N / 16 wgmmas over the keys; V is N-major (head dim contiguous).
 // lbo: from V's first 64-column chunk to its second (D = 128) or to the ones tile (ONES_SUM).
-__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[8][4], u32 v_s, u32 lbo = BLOCK_N * 128) {
+__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[P_KSTEPS][4], u32 v_s, u32 lbo = BLOCK_N * 128) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         const u64 db = make_desc(v_s + kk * 16 * 128, lbo, 1024);
@@ -86,3 +126,4 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[8][4
 #endif
     }
 }
+#endif
