@@ -63,13 +63,15 @@ def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False, arch=None) -> lis
                                   bias_dtype=bias_dtype, arch=a)
             srcs[s.name] = s
     if arch == 90:  # test_fp8_sm90_variants
-        for causal, out in ((1, "bfloat16"), (0, "float16")):
-            for kw in ({"tma": False}, {"stages": 2}, {"stages": 4}):
-                cfg = L.sm90_config(128, causal, fp8=True, **kw)
-                attrs = {**T.attrs_for(8, 2, 128, causal), "output_dtype": out}
-                s, _ = T.case_sources(L.FP8, [(2, 8, 517, 128), (2, 2, 1031, 128), (2, 2, 128, 1040),
-                                              None if causal else ()], attrs, config=cfg, arch=90,
-                                      bias_dtype=None if causal else out)
+        for kw in gpu.SM90_VARIANTS.values():
+            for case in gpu.SM90_VARIANT_CASES:
+                B, H, Hkv, Sq, Sk, D, causal, bias_shape, out_dtype, extra = case
+                attrs, _ = T.sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra)
+                attrs["output_dtype"] = out_dtype
+                skv = plugin_module("flash_attention", "reference").fp8_v_keys(Sk)
+                s, _ = T.case_sources(L.FP8, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, D, skv), bias_shape],
+                                      attrs, config=L.sm90_config(D, causal, fp8=True, **kw), arch=90,
+                                      bias_dtype=None if bias_shape is None else out_dtype)
                 srcs[s.name] = s
     for D in dims:
         for causal in (0, 1):

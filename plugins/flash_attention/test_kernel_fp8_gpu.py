@@ -89,16 +89,19 @@ def test_fp8_sweep_configs(config, seed):
         check_fp8_case(case, seed, arch=_device_arch(), config=config)
 
 
-@pytest.mark.parametrize("variant", ["cp.async", "2stages", "4stages"])
+#: The CUDA kernel's FP8 options beside its default (launch.candidate_configs: what a sweep times)
+SM90_VARIANTS = {"cp.async": {"tma": False}, "2stages": {"stages": 2}, "4stages": {"stages": 4}}
+SM90_VARIANT_CASES = [(2, 8, 2, 517, 1031, 128, 1, None, "bfloat16", {}), (2, 4, 4, 300, 300, 128, 0, (), "float16", {})]
+
+
+@pytest.mark.parametrize("variant", list(SM90_VARIANTS))
 def test_fp8_sm90_variants(variant, seed):
-    """The CUDA kernel's FP8 path with its other load mode and ring depths (the sweep's), on a
-    ragged causal and a non-causal case."""
+    """The CUDA kernel's FP8 path with its other load mode and ring depths, on a ragged causal and a
+    non-causal case."""
     if not torch.cuda.is_available() or _device_arch() != 90:
         pytest.skip("needs an sm_90 device")
-    for case in [(2, 8, 2, 517, 1031, 128, 1, None, "bfloat16", {}), (2, 4, 4, 300, 300, 128, 0, (), "float16", {})]:
-        kw = {"tma": False} if variant == "cp.async" else {"stages": int(variant[0])}
-        cfg = L.sm90_config(128, case[6], fp8=True, **kw)
-        check_fp8_case(case, seed, arch=90, config=cfg)
+    for case in SM90_VARIANT_CASES:
+        check_fp8_case(case, seed, arch=90, config=L.sm90_config(128, case[6], fp8=True, **SM90_VARIANTS[variant]))
 
 
 def check_fp8_case(case, seed, arch=None, config=None):
