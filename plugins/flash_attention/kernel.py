@@ -184,17 +184,26 @@ def _attn_fwd_inner(acc, l_i, m_i, q,
                     IEEE: tl.constexpr, FP8: tl.constexpr):
     """Stream key blocks [lo, hi) (lo a multiple of BLOCK_N, or lo == hi) into (acc, l_i, m_i).
 
-    The loop runs over block indices, so every start_n is a product of BLOCK_N the compiler can
-    see: the bounds are clamped to Sk, which has no known alignment, and a loop variable's
-    alignment is that of its bounds (``tl.multiple_of`` on it is dropped). FP8's V^T tiles are
-    keys-contiguous, so their loads vectorize (and pipeline as cp.async) only with it.
+    FP8 loops over block indices, so every start_n is a product of BLOCK_N the compiler can see:
+    the bounds are clamped to Sk, which has no known alignment, a loop variable's alignment is that
+    of its bounds, and ``tl.multiple_of`` on it is dropped; FP8's V^T tiles are keys-contiguous, so
+    their loads vectorize (and pipeline as cp.async) only with it (H200: 328-352 -> 650-693 TF/s).
+    The 16-bit loads are contiguous along D and need no key alignment: that loop (and its SASS)
+    stays as it was.
     """
-    for blk in range(tl.cdiv(lo, BLOCK_N), tl.cdiv(hi, BLOCK_N)):
-        start_n = blk * BLOCK_N
-        acc, l_i, m_i = _attn_block(
-            acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm, rows, offs_n, offs_d, start_n,
-            Sq, Sk, causal_off, qk_dq, v_stride, SCALE_LOG2, HEAD_DIM, BLOCK_N, MASKED, CAUSAL,
-            WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_BIAS, BIAS_M, BIAS_N, IEEE, FP8)
+    if FP8:
+        for blk in range(tl.cdiv(lo, BLOCK_N), tl.cdiv(hi, BLOCK_N)):
+            acc, l_i, m_i = _attn_block(
+                acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm, rows, offs_n, offs_d, blk * BLOCK_N,
+                Sq, Sk, causal_off, qk_dq, v_stride, SCALE_LOG2, HEAD_DIM, BLOCK_N, MASKED, CAUSAL,
+                WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_BIAS, BIAS_M, BIAS_N, IEEE, FP8)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _attn_block(
+                acc, l_i, m_i, q, k_base, v_base, b_base, stride_bm, rows, offs_n, offs_d, start_n,
+                Sq, Sk, causal_off, qk_dq, v_stride, SCALE_LOG2, HEAD_DIM, BLOCK_N, MASKED, CAUSAL,
+                WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_BIAS, BIAS_M, BIAS_N, IEEE, FP8)
     return acc, l_i, m_i
 
 
