@@ -36,7 +36,8 @@ from optfuse.kernels.artifact import KernelSource, LaunchParams, LaunchPlan
 from optfuse.kernels.util import CUDA_DTYPE_CODE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, static_int
 from optfuse.spec import plugin_spec
 
-from .launch_decode import DecodeConfig, decode_applies, decode_takes_bias, decode_plan, decode_workspace_bound
+from .launch_decode import (DecodeConfig, decode_applies, decode_pdl, decode_takes_bias, decode_plan,
+                            decode_workspace_bound, prebuild_decode_sources)
 from .sparsity import BLOCK_SPARSE, BLOCK_SPARSE_SPEC, LAYOUT_BLOCKS, OPS, Sparsity, sm90_defines, sparsity_of  # noqa: F401
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel.py")
@@ -615,10 +616,9 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
     causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
     present = [[int(d) for d in s] for s in shapes[:3]]
-    arch = st.get("arch")
     return decode_plan(norm_dtype(dtypes[0]), present, attrs, head_dim, causal, pattern,
                        sparsity_of(name, attrs, st), st.get("bias_dtype"), decode,
-                       pdl=arch is not None and int(arch) >= 90)
+                       pdl=decode_pdl(st.get("arch")))
 
 
 def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[int] | None], max_shapes: Sequence[Sequence[int] | None],
@@ -661,15 +661,28 @@ def check_shapes(shapes: Sequence[Sequence[int]], attrs: dict, fp8: bool = False
 #: Specializations ``optfuse kernels build`` compiles ahead of time: half dtypes, the head dims of
 #: common models, causal or not, no bias / scalar bias (what the rewrite emits when the graph has
 #: none) / key-padding bias [B, 1, 1, Sk], at the usual 1/sqrt(D) scale.
+PREBUILD_BIASES = (None, (), (-1, 1, 1, -1))
+#: The decode plan's biases: those, and the key-padding row a run with B = 1 has ([1, 1, 1, Sk]:
+#: its own split kernels, BIAS_B 0), the plan being made at concrete shapes.
+PREBUILD_DECODE_BIASES = PREBUILD_BIASES + ((1, 1, 1, -1),)
+
+
 def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
     """With ``arch`` (the build target), the kernel launch.py picks for it (sm_90: the CUDA
-    kernel where it applies)."""
+    kernel where it applies); then the split-KV decode kernels of the same specializations
+    (launch_decode.prebuild_decode_sources: every split size, Sq = 1 with MHA and GQA up to 16:1,
+    the PDL builds on sm_90), each name once."""
     out = []
+    decode: dict[str, KernelSource] = {}
     for dt in ("float16", "bfloat16"):
         for d in (64, 128):
             for causal in (0, 1):
-                for bias in (None, (), (-1, 1, 1, -1)):
+                attrs = {"scale": d ** -0.5, "causal": causal}
+                for bias in PREBUILD_BIASES:
                     static = {"head_dim": d, "bias_shape": bias, "arch": arch}
-                    out.append(kernel_config(OP, dt, {"scale": d ** -0.5, "causal": causal},
-                                             static))
-    return out
+                    out.append(kernel_config(OP, dt, attrs, static))
+                for bias in PREBUILD_DECODE_BIASES:
+                    for src in prebuild_decode_sources(dt, d, bool(causal), bias_pattern(bias), attrs["scale"],
+                                                       decode_pdl(arch)):
+                        decode.setdefault(src.name, src)
+    return out + list(decode.values())

@@ -55,6 +55,9 @@ SM_COUNT = 132
 MAX_BLOCK_M = 64
 #: TensorRT's workspace is 256-byte aligned; so is every partial array in it.
 WORKSPACE_ALIGN = 256
+#: Query heads per kv head (G = H / Hkv) whose Sq = 1 row blocks the prebuilt split kernels cover:
+#: MHA and GQA 4:1 / 8:1 (32/8, 64/8 heads). All pack into BLOCK_M 16, as does any G <= 16.
+PREBUILD_GROUPS = (1, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,29 @@ def combine_source(dtype: Any, head_dim: int, cfg: DecodeConfig, pdl: bool = Fal
         num_warps=cfg.combine_warps, num_stages=1, pointer_align=16,
         meta={"op": OP, "kernel": "decode_combine", "dtype": dtype, "head_dim": head_dim, "config": asdict(cfg)},
     )
+
+
+def decode_pdl(arch: Any) -> bool:
+    """Whether a plan for target ``arch`` launches the combine programmatically (the ``_pdl``
+    builds of both kernels): sm_90 and newer; None (an unknown target) and older ones do not."""
+    return arch is not None and int(arch) >= 90
+
+
+def prebuild_decode_sources(dtype: Any, head_dim: int, causal: bool, pattern, scale: float,
+                            pdl: bool = False) -> list[KernelSource]:
+    """The decode kernels of one specialization (no windows or soft-cap, bias in q's dtype) that
+    ``optfuse kernels build`` compiles: per split size of SPLIT_SIZES, the split kernel at each
+    BLOCK_M of Sq = 1 with PREBUILD_GROUPS, and the combine -- the sources decode_plan makes for
+    those shapes with the default config (``pdl``: decode_pdl of the target)."""
+    base = decode_config(dtype, head_dim)
+    block_ms = sorted({packed_block_m(g, base) for g in PREBUILD_GROUPS})
+    out = []
+    for size in SPLIT_SIZES:
+        cfg = replace(base, split_keys=size)
+        out += [split_source(dtype, head_dim, causal, pattern, scale, Sparsity(), bm, cfg, None, pdl)
+                for bm in block_ms]
+        out.append(combine_source(dtype, head_dim, cfg, pdl))
+    return out
 
 
 def split_params(B: Any, H: Any, Hkv: Any, Sq: Any, Sk: Any, group: int, block_m: int, cfg: DecodeConfig,

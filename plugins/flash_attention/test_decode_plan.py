@@ -247,3 +247,49 @@ def test_pdl_kernels_compile_with_griddepcontrol(tmp_path):
     split, combine = _plan(1, 32, 8, 1, 8192, arch=90).steps
     assert "griddepcontrol.launch_dependents" in KernelCache(tmp_path).build(split.source, 90).ptx
     assert "griddepcontrol.wait" in KernelCache(tmp_path).build(combine.source, 90).ptx
+
+
+# B, H, Hkv, Sk, key padding: B = 1 and 64, caches of 1k..128k keys, GQA 32/8 and MHA
+_RUNTIME_DECODE = [
+    (1, 32, 8, 1024, False), (1, 32, 8, 4096, True), (1, 32, 8, 32768, False), (1, 32, 8, 131072, True),
+    (64, 32, 8, 1024, True), (64, 32, 8, 4096, False), (64, 32, 8, 16384, True), (64, 32, 8, 131072, False),
+    (1, 32, 8, 16384, True), (1, 32, 32, 2048, True), (1, 32, 32, 65536, False), (64, 32, 32, 8192, True),
+    (64, 16, 16, 1024, False),
+]
+
+
+@pytest.mark.parametrize("arch", [90, None])
+@pytest.mark.parametrize("D,causal,dtype", [(128, 1, "bfloat16"), (64, 0, "float16")])
+def test_runtime_decode_kernels_are_prebuilt(arch, D, causal, dtype):
+    """Every kernel a decode step asks for at run time (Sq = 1; the plan for concrete shapes on
+    the target) is in prebuild_sources of that target, by name and by specialization (the cache
+    key's spec: signature, constexprs, tiles): `optfuse kernels build` leaves nothing to compile
+    at the first enqueue."""
+    pre = {s.name: s for s in L.prebuild_sources(arch)}
+    assert len(pre) == len(L.prebuild_sources(arch))  # no name twice
+    sizes = set()
+    for B, H, Hkv, Sk, pad in _RUNTIME_DECODE:
+        for bias in ((B, 1, 1, Sk) if pad else None, () if not pad else (1, 1, 1, Sk)):
+            plan = _plan(B, H, Hkv, 1, Sk, D=D, causal=causal, bias=bias, dtype=dtype, arch=arch)
+            assert plan is not None
+            for step in plan.steps:
+                src = step.source
+                assert src.name in pre, (B, H, Hkv, Sk, bias)
+                assert pre[src.name].spec_dict() == src.spec_dict(), src.name
+            sizes.add(plan.steps[0].source.constexprs["SPLIT_KEYS"])
+    assert sizes == set(LD.SPLIT_SIZES)  # the shapes reach every split size
+
+
+@pytest.mark.parametrize("arch", [None, 80, 89, 90])
+def test_prebuilt_decode_kernels(arch):
+    """The decode part of prebuild_sources: per (dtype, D, causal, bias pattern) one split kernel
+    per split size (BLOCK_M 16: Sq = 1 with G <= 16), per (dtype, D) one combine per split size;
+    the PDL builds exactly where the plan launches the combine programmatically (sm_90)."""
+    srcs = [s for s in L.prebuild_sources(arch) if s.entry in (LD.SPLIT_ENTRY, LD.COMBINE_ENTRY)]
+    split = [s for s in srcs if s.entry == LD.SPLIT_ENTRY]
+    combine = [s for s in srcs if s.entry == LD.COMBINE_ENTRY]
+    assert len(split) == 2 * 2 * 2 * 4 * len(LD.SPLIT_SIZES) and len(combine) == 2 * 2 * len(LD.SPLIT_SIZES)
+    assert {s.constexprs["SPLIT_KEYS"] for s in srcs} == set(LD.SPLIT_SIZES)
+    assert {s.constexprs["BLOCK_M"] for s in split} == {16}
+    assert all(s.constexprs["PDL"] is (arch == 90) for s in srcs)
+    assert all(s.name.endswith("_pdl") is (arch == 90) for s in srcs)

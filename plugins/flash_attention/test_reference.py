@@ -168,7 +168,11 @@ def test_kernel_config_variants():
     assert list(sc.signature) == ["Q", "K", "V", "Bias", "H", "Hkv", "Sq", "Sk", "Out"]
     with pytest.raises(ValueError):
         L.kernel_config("FlashAttention", "float16", attrs, {"head_dim": 48})
-    assert len(L.prebuild_sources()) == 24
+    # the one kernel: 2 dtypes x 2 head dims x causal or not x 3 biases; the decode plan's kernels
+    # (test_decode_plan.py): 2 x 2 x 2 x 4 biases x 5 split sizes split kernels, 2 x 2 x 5 combines
+    srcs = L.prebuild_sources()
+    assert len(srcs) == 24 + 160 + 20 == len({s.name for s in srcs})
+    assert sum(s.entry == L.ENTRY for s in srcs) == 24
 
 
 @pytest.mark.parametrize("opset", [17, 20])
