@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Sequence
 
 _DTYPES = {
@@ -15,6 +16,14 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8e4m3fn": 1}
 TRITON_TYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8e4m3fn": "fp8e4nv"}
 #: ``-DOPTFUSE_DTYPE`` of the CUDA kernels (plugins/common/io_dtype.cuh, the FlashAttention kernel)
 CUDA_DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def as_float32(x: Any) -> float:
+    """``x`` rounded to float32, the value an ONNX float attribute and a TensorRT plugin field hold.
+    Float attributes that are compiled into a kernel (a scale, an epsilon, alpha) go through this
+    before they enter its source, so a kernel built ahead of time from a Python float (1 / sqrt(128),
+    1e-5) and the one an engine asks for with the stored float32 have the same cache key."""
+    return struct.unpack("<f", struct.pack("<f", float(x)))[0]
 
 
 def norm_cuda_defines(dtype: str, hidden: int, eps: float) -> dict[str, str]:

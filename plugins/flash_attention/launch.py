@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams, LaunchPlan
-from optfuse.kernels.util import CUDA_DTYPE_CODE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, static_int
+from optfuse.kernels.util import CUDA_DTYPE_CODE, TRITON_TYPE, as_float32, cdiv as _cdiv, next_pow2, norm_dtype, static_int
 from optfuse.spec import plugin_spec
 
 from .launch_decode import (DecodeConfig, decode_applies, decode_pdl, decode_takes_bias, decode_plan,
@@ -480,7 +480,7 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
     name = _check_op(op)
     dtype = norm_dtype(dtype)
     head_dim = _head_dim(static_shape)
-    scale = float(attrs["scale"])
+    scale = as_float32(attrs["scale"])
     causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
     sp = sparsity_of(name, attrs, static_shape)
     pattern = bias_pattern(static_shape.get("bias_shape"))
@@ -578,7 +578,7 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     bias_shape = (static_shape or {}).get("bias_shape", shapes[3] if n_tensors > 3 else None)
     pattern = bias_pattern(bias_shape)
     choice = _choice_static(dtype, output_dtype(name, dtype, attrs), static_shape, sp)
-    cfg = config or _config_for(dtype, head_dim, causal, pattern, float(attrs["scale"]), choice, sp)
+    cfg = config or _config_for(dtype, head_dim, causal, pattern, as_float32(attrs["scale"]), choice, sp)
     nnz = [shapes[-1][1]] if layout else []
     if cfg.impl == "sm90":
         # persistent: a fixed grid walks num_tiles = cdiv(Sq, block_m) * B * H tiles

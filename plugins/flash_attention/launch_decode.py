@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from optfuse.kernels.artifact import Buffer, KernelSource, LaunchParams, LaunchPlan, PlanStep
-from optfuse.kernels.util import TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype
+from optfuse.kernels.util import TRITON_TYPE, as_float32, cdiv as _cdiv, next_pow2, norm_dtype
 
 from .sparsity import OP, Sparsity
 
@@ -169,9 +169,10 @@ def _bias_flags(pattern) -> tuple[bool, int, int]:
 def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float, sparsity: Sparsity,
                  block_m: int, cfg: DecodeConfig, bias_dtype: Any = None, pdl: bool = False) -> KernelSource:
     """The split kernel of one specialization (dtype, D, causal, bias pattern and dtype, scale,
-    windows, soft-cap, BLOCK_M and the tiles). ``pdl``: it lets the combine, a programmatic
-    dependent launch (sm_90+), be scheduled as soon as it starts."""
+    windows, soft-cap, BLOCK_M and the tiles; the scale taken at float32, as_float32). ``pdl``: it
+    lets the combine, a programmatic dependent launch (sm_90+), be scheduled as soon as it starts."""
     dtype = norm_dtype(dtype)
+    scale = as_float32(scale)
     has_bias, bias_b, bias_n = _bias_flags(pattern)
     ty = "*" + TRITON_TYPE[dtype]
     signature = {"Q": ty, "K": ty, "V": ty}

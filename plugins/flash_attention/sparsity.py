@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from optfuse.kernels.util import as_float32
 from optfuse.spec import plugin_spec
 
 OP = "FlashAttention"
@@ -60,11 +61,11 @@ def sparsity_of(op: Any, attrs: dict, static_shape: dict | None = None) -> Spars
         st = static_shape or {}
         offsets = st.get("block_offsets_shape")  # the TensorRT glue's static facts
         heads = st.get("layout_heads", offsets is not None and offsets[0] != 1)
-        return Sparsity(softcap=float(attrs.get("softcap", spec.attr("softcap").default) or 0.0),
+        return Sparsity(softcap=as_float32(attrs.get("softcap", spec.attr("softcap").default) or 0.0),
                         layout=True, layout_heads=bool(heads), layout_block=block)
     wl = int(attrs.get("window_left", SPEC.attr("window_left").default))
     wr = int(attrs.get("window_right", SPEC.attr("window_right").default))
-    cap = float(attrs.get("softcap", SPEC.attr("softcap").default) or 0.0)
+    cap = as_float32(attrs.get("softcap", SPEC.attr("softcap").default) or 0.0)
     if wl < -1 or wr < -1 or cap < 0:
         raise ValueError(f"{OP}: window_left {wl}, window_right {wr}, softcap {cap}: windows are >= -1, "
                          f"softcap >= 0")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from optfuse.kernels.artifact import Buffer, KernelSource, LaunchParams, LaunchPlan, PlanStep
-from optfuse.kernels.util import ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, next_pow2, norm_dtype, rows_of, static_int
+from optfuse.kernels.util import ITEMSIZE, TRITON_TYPE, as_float32, cdiv as _cdiv, next_pow2, norm_dtype, rows_of, static_int
 from optfuse.spec import FP8_DTYPES, plugin_specs, shared
 
 from . import launch_sm90
@@ -425,7 +425,7 @@ def epilogue_of(op: str, attrs: dict | None, static: dict, dtype: str | None = N
         raise ValueError(f"{op}: bias_mode {bmode!r} / residual_mode {rmode!r} unknown")
     # the position only matters with a residual: one kernel for both without one
     before = rmode != "none" and pos == "before_activation"
-    return Epilogue(act, float(attrs["alpha"]), before, bmode, rmode, out, scales["w_scale_mode"])
+    return Epilogue(act, as_float32(attrs["alpha"]), before, bmode, rmode, out, scales["w_scale_mode"])
 
 
 # -- kernel sources -------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
 from optfuse.kernels.util import (
-    FP8_OUTPUT_MIN_ARCH, ITEMSIZE, TRITON_TYPE, cdiv as _cdiv, fp8_output, next_pow2, norm_cuda_defines, norm_dtype,
+    FP8_OUTPUT_MIN_ARCH, ITEMSIZE, TRITON_TYPE, as_float32, cdiv as _cdiv, fp8_output, next_pow2, norm_cuda_defines, norm_dtype,
     rows_of, static_int,
 )
 from optfuse.spec import plugin_specs, shared
@@ -174,7 +174,7 @@ def config_name(cfg: LNConfig | LNWarpConfig) -> str:
 
 def _epsilon(attrs: dict | None) -> float:
     eps = (attrs or {}).get("epsilon", DEFAULT_EPSILON)
-    return float(DEFAULT_EPSILON if eps is None else eps)
+    return as_float32(DEFAULT_EPSILON if eps is None else eps)
 
 
 def _variant_name(op: str, dtype: str, fp8: bool) -> str:

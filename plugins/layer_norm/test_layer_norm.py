@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from optfuse.kernels.util import as_float32
 from optfuse.kernels import KernelCache
 from optfuse.kernels.registry import plugin_module
 from optfuse.kernels.testing import (
@@ -93,12 +94,13 @@ def test_kernel_config_specializes():
     tri = launch.triton_config("float16", 768)
     a = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-5}, {"hidden": 768}, config=tri)
     b = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-6}, {"hidden": 768}, config=tri)
-    assert a.constexprs["EPS"] == 1e-5 and b.constexprs["EPS"] == 1e-6
+    # epsilon at float32, the value the ONNX attribute holds (optfuse.kernels.util.as_float32)
+    assert a.constexprs["EPS"] == as_float32(1e-5) and b.constexprs["EPS"] == as_float32(1e-6)
     assert a.spec_dict() != b.spec_dict()
     # the CUDA warp kernel (the default at 768) specializes the same way, through -D
     wa = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-5}, {"hidden": 768})
     wb = launch.kernel_config("LayerNorm", "float16", {"epsilon": 1e-6}, {"hidden": 768})
-    assert wa.lang == "cuda" and wa.defines["EPS"] == "1e-05f" and wb.defines["EPS"] == "1e-06f"
+    assert wa.lang == "cuda" and wa.defines["EPS"] == "9.99999975e-06f" and wb.defines["EPS"] == "9.99999997e-07f"
     assert wa.spec_dict() != wb.spec_dict()
     assert list(a.signature) == ["X", "W", "B", "rows", "Y"]
     s = launch.kernel_config("SkipLayerNorm", "bfloat16", {}, {"hidden": 33})

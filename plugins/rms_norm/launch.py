@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from optfuse.kernels.artifact import KernelSource, LaunchParams
 from optfuse.kernels.util import (
-    FP8_OUTPUT_MIN_ARCH, ITEMSIZE, cdiv as _cdiv, fp8_output, next_pow2, norm_cuda_defines, norm_dtype, rows_of,
+    FP8_OUTPUT_MIN_ARCH, ITEMSIZE, as_float32, cdiv as _cdiv, fp8_output, next_pow2, norm_cuda_defines, norm_dtype, rows_of,
     static_int,
 )
 from optfuse.spec import plugin_specs, shared
@@ -147,7 +147,7 @@ def candidate_configs(dtype: Any, hidden: int, op: str = "RMSNorm") -> list[RMSC
 
 def _epsilon(attrs: dict | None) -> float:
     eps = (attrs or {}).get("epsilon", DEFAULT_EPSILON)
-    return float(DEFAULT_EPSILON if eps is None else eps)
+    return as_float32(DEFAULT_EPSILON if eps is None else eps)
 
 
 def config_name(cfg: RMSConfig) -> str:

@@ -115,7 +115,7 @@ def test_candidate_configs(op, dtype, hidden):
 def test_kernel_config_defines():
     src = launch.kernel_config("SkipRMSNorm", "bfloat16", {"epsilon": 1e-5}, {"hidden": 4096})
     assert src.defines["OPTFUSE_DTYPE"] == "2" and src.defines["HIDDEN"] == "4096"
-    assert src.defines["EPS"] == "1e-05f" and src.pointer_align == 16
+    assert src.defines["EPS"] == "9.99999975e-06f" and src.pointer_align == 16  # 1e-5 at float32
     cfg = launch.choose_config("bfloat16", 4096, "SkipRMSNorm")
     assert src.defines["RPB"] == str(cfg.rpb) and src.defines["RELOAD"] == str(cfg.reload)
     assert src.name == f"rms_norm/SkipRMSNorm/bfloat16/h4096/eps1e-05/vec8_{cfg.tpr}threads_per_row_1rows"
