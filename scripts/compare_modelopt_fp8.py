@@ -4,6 +4,7 @@
     python scripts/compare_modelopt_fp8.py                               # bert, gpt2, vit, llama
     python scripts/compare_modelopt_fp8.py --family llama --method max --markdown table.md
     python scripts/compare_modelopt_fp8.py --modelopt-python /tmp/modelopt-venv/bin/python
+    python scripts/compare_modelopt_fp8.py --seeds 10 --iterations 30 --scale-grid   # spread over verify seeds
 
 ModelOpt is never an optfuse dependency: it runs as ``python -m modelopt.onnx.quantization
 --quantize_mode fp8`` in a separate environment (``--modelopt-python``, default
@@ -13,7 +14,7 @@ on the exported FP32 model, calibrating on the CPU with the same batches optfuse
 generator, seed 1, concatenated along the batch axis into one ``.npz``), high precision FP16.
 
 Each candidate is compared with the FP32 original in onnxruntime (CPU) on the same verify batches
-(seed 0): max / mean |diff| and cosine similarity per output; and its Q/DQ nodes are counted with
+(``--iterations`` batches, seed 0): max / mean |diff| and cosine similarity per output; and its Q/DQ nodes are counted with
 where they sit (the op types a DequantizeLinear feeds, the optfuse nodes a QuantizeLinear feeds).
 Rows per model: optfuse FP16 (the base precision alone), optfuse FP8 with the GEMM fusions off
 (TensorRT's Q/DQ pattern on the unfused GEMMs), the same with the attention fusion off too (plus
@@ -21,12 +22,25 @@ TensorRT's FP8 MHA pattern: ModelOpt's placement), optfuse FP8 fused (the optfus
 directly once the GEMM spec has its FP8 form), ModelOpt FP8 with ``--calibration_method max`` (its
 default op types, and only MatMul/Gemm: optfuse's placement) and with its default calibrator
 (entropy). Prints a Markdown table; ``--json`` writes every number.
+
+The max |diff| of a tiny model's output is one element: ``--seeds N`` verifies on N seeds (0 .. N-1,
+``--iterations`` batches each) and reports the max |diff| as its mean over the seeds with the lowest
+and highest, mean |diff| and cosine as their means; the default (one seed, 3 batches) is the
+README's main table. ModelOpt 0.47's ONNX FP8 scale is not amax / 448: ``int8_to_fp8`` multiplies
+onnxruntime's INT8 scale (amax / 127) by 448 / 127, so its scale is amax / 36.0 and its grid of E4M3
+values sits at another place relative to the data (448 / 36 is no power of two); ``--scale-grid``
+adds diagnostic rows, optfuse's Q/DQ + MHA placement with its activation and weight scales changed:
+amax / 36 (ModelOpt's scales), amax / 288 (the same grid: 288 = 8 x 36, the same E4M3 rounding of
+every value but the smallest, which go subnormal), amax / 224 (optfuse's grid, 2x headroom: values up
+to twice the calibration amax do not saturate) and a few other non-power-of-two factors (another
+rounding of the same data). They are not optfuse policy.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -75,9 +89,50 @@ def qdq_placement(model: onnx.ModelProto) -> dict:
             "q_feeds_optfuse": dict(direct)}
 
 
-def _errors(original: Path, candidate: Path, iterations: int) -> dict:
-    v = verify(str(original), str(candidate), None, iterations=iterations, seed=0)
-    return {o.name: {"max_abs": o.max_abs, "mean_abs": o.mean_abs, "cosine": o.cosine} for o in v.outputs}
+def _errors(original: Path, candidate: Path, iterations: int, seeds: int = 1) -> dict:
+    """Per output: max / mean |diff| and cosine on `iterations` verify batches of seed 0 (seeds == 1),
+    else per seed (``per_seed``) and over the seeds: max |diff| mean / lowest / highest, the others' means."""
+    runs = [verify(str(original), str(candidate), None, iterations=iterations, seed=s) for s in range(seeds)]
+    out = {}
+    for i, o in enumerate(runs[0].outputs):
+        per = [{"max_abs": r.outputs[i].max_abs, "mean_abs": r.outputs[i].mean_abs, "cosine": r.outputs[i].cosine}
+               for r in runs]
+        if seeds == 1:
+            out[o.name] = per[0]
+            continue
+        mx = [p["max_abs"] for p in per]
+        out[o.name] = {"max_abs": float(np.mean(mx)), "max_abs_lowest": min(mx), "max_abs_highest": max(mx),
+                       "mean_abs": float(np.mean([p["mean_abs"] for p in per])),
+                       "cosine": float(np.mean([p["cosine"] for p in per])), "per_seed": per}
+    return out
+
+
+#: --scale-grid: what each diagnostic row maps amax to (scale = amax / target; weights per channel alike)
+SCALE_GRID = ((36.0, "amax / 36: ModelOpt's scales"), (288.0, "amax / 288: ModelOpt's grid, 8x its range"),
+              (224.0, "amax / 224: optfuse's grid, 2x headroom"), (400.0, "amax / 400"), (350.0, "amax / 350"),
+              (300.0, "amax / 300"), (250.0, "amax / 250"))
+
+
+@contextlib.contextmanager
+def _scale_target(target: float):
+    """Diagnostic only: optfuse's FP8 scales with amax mapped to `target` instead of 448 (activations
+    and weights; the E4M3 saturation stays at +-448)."""
+    from optfuse.precision import calibrate as cal, fp8
+
+    saved = cal.scale_of, cal.weight_scales, fp8.weight_scales
+    factor = cal.E4M3_MAX / target
+
+    def scale_of(amax: float) -> float:
+        return float(amax) / target if amax > 0 and np.isfinite(amax) else 1.0
+
+    def weight_scales(w: np.ndarray, axis: int) -> np.ndarray:
+        return (saved[1](w, axis).astype(np.float64) * factor).astype(np.float32)
+
+    cal.scale_of, cal.weight_scales, fp8.weight_scales = scale_of, weight_scales, weight_scales
+    try:
+        yield
+    finally:
+        cal.scale_of, cal.weight_scales, fp8.weight_scales = saved
 
 
 def _modelopt(python: str, original: Path, npz: Path, out: Path, method: str | None, gemms_only: bool = False) -> str:
@@ -96,7 +151,7 @@ def _modelopt(python: str, original: Path, npz: Path, out: Path, method: str | N
 
 
 def compare(family: str, exporter: str, workdir: Path, python: str, batches: int, method: str,
-            iterations: int) -> list[dict]:
+            iterations: int, seeds: int = 1, scale_grid: bool = False) -> list[dict]:
     em = models.cached_export(family, exporter, "sdpa", None, cache_dir=Path.home() / ".cache" / "optfuse" / "models")
     # ModelOpt writes its shape-inferred model back over --onnx_path: it gets a copy, never the cached export
     source = workdir / f"{family}.fp32.onnx"
@@ -114,7 +169,7 @@ def compare(family: str, exporter: str, workdir: Path, python: str, batches: int
             rows.append({"model": family, "candidate": label, "note": note})
             return
         m = onnx.load(str(path), load_external_data=False)
-        rows.append({"model": family, "candidate": label, "errors": _errors(source, path, iterations),
+        rows.append({"model": family, "candidate": label, "errors": _errors(source, path, iterations, seeds),
                      "qdq": qdq_placement(m), "note": note})
 
     options = PrecisionOptions(mode="fp8", calibrator=method)
@@ -136,6 +191,11 @@ def compare(family: str, exporter: str, workdir: Path, python: str, batches: int
         note = _modelopt(python, source, npz, out, m, gemms_only)
         label = f"{m or 'default: entropy'}{', --op_types_to_quantize MatMul Gemm' if gemms_only else ''}"
         row(f"ModelOpt FP8 ({label})", None, out, note)
+    for target, label in SCALE_GRID if scale_grid else ():
+        with _scale_target(target):
+            grid, _ = apply_precision(bare, options, feeds)
+        row(f"diagnostic: optfuse FP8 Q/DQ + MHA ({method}), {label}", grid,
+            workdir / f"{family}.fp8-mha-amax{target:g}.onnx")
     return rows
 
 
@@ -150,7 +210,10 @@ def markdown(rows: list[dict]) -> str:
         feeds = ", ".join(f"{k} {v}" for k, v in sorted(q["dq_feeds"].items())) or "-"
         direct = ", ".join(f"{k} {v}" for k, v in sorted(q["q_feeds_optfuse"].items())) or "-"
         for name, e in r["errors"].items():
-            lines.append(f"| {r['model']} | {r['candidate']} | {name} | {e['max_abs']:.3g} | {e['mean_abs']:.3g} | "
+            mx = f"{e['max_abs']:.3g}"
+            if "per_seed" in e:
+                mx += f" [{e['max_abs_lowest']:.3g}, {e['max_abs_highest']:.3g}]"
+            lines.append(f"| {r['model']} | {r['candidate']} | {name} | {mx} | {e['mean_abs']:.3g} | "
                          f"{e['cosine']:.5f} | {q['Q']} | {q['DQ']} | {feeds} | {direct} | {r['note']} |")
     return "\n".join(lines) + "\n"
 
@@ -163,11 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=8, help="calibration batches (default 8)")
     p.add_argument("--method", choices=["max", "percentile", "mse"], default="max",
                    help="optfuse's calibrator (ModelOpt runs max and its default, entropy)")
-    p.add_argument("--iterations", type=int, default=3, help="verify batches (default 3)")
+    p.add_argument("--iterations", type=int, default=3, help="verify batches per seed (default 3)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="verify seeds 0 .. N-1 (default 1); N > 1: max abs as mean [lowest, highest] over the seeds")
+    p.add_argument("--scale-grid", action="store_true",
+                   help="diagnostic rows: the Q/DQ + MHA placement with amax mapped to 36, 288, 224, ... (not policy)")
     p.add_argument("--workdir", type=Path, help="where the candidates are written (default: a temporary folder)")
     p.add_argument("--markdown", type=Path, help="also write the table here")
     p.add_argument("--json", type=Path, help="write every number here")
     a = p.parse_args(argv)
+    if a.seeds < 1 or a.iterations < 1:
+        p.error("--seeds and --iterations must be >= 1")
     if not Path(a.modelopt_python).is_file():
         print(f"error: --modelopt-python {a.modelopt_python} not found (see the module doc)", file=sys.stderr)
         return 2
@@ -176,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for family in a.family or FAMILIES:
         print(f"{family}: ...", file=sys.stderr)
-        rows += compare(family, a.exporter, workdir, a.modelopt_python, a.batches, a.method, a.iterations)
+        rows += compare(family, a.exporter, workdir, a.modelopt_python, a.batches, a.method, a.iterations, a.seeds,
+                        a.scale_grid)
     table = markdown(rows)
     print(table)
     if a.markdown:
