@@ -62,7 +62,8 @@ typedef unsigned short u16;
 // have no transposed mode, so P V reads V^T, whose keys are contiguous (the contract's layout).
 // q_scale * k_scale joins the score scale at run time; p is computed scaled by 448 (E4M3's
 // largest value: small probabilities stay normal longer) and rounded on chip; v_scale comes in
-// with 1 / l. Lazy rescaling is off (its margin would let p exceed 448).
+// with 1 / l. Lazy rescaling runs at margin 0 (only blocks whose row maxima do not grow skip the O
+// rescale): a margin would let p exceed 448.
 #ifndef FP8
 #define FP8 0
 #endif
@@ -108,7 +109,8 @@ typedef u16 elem_t;
 // Lazy rescaling (FlashAttention-4): a warp keeps its rows' running maxima while no row's block
 // maximum exceeds its stored one by more than 2^LAZY_MARGIN (log2 units), so the O rescale (D / 2
 // FMULs a thread) is skipped for most blocks. Exponents stay <= LAZY_MARGIN: p <= 2^8 fits
-// fp16/bf16 and the fp32 sums; the final 1 / l cancels the stale offset.
+// fp16/bf16 and the fp32 sums; the final 1 / l cancels the stale offset. FP8: margin 0 (p is
+// already scaled to E4M3's largest value, 448).
 #define LAZY_MARGIN (FP8 ? 0 : 8)
 // TMA loads (1): the producer's K / V / Q copies are tensor-memory-accelerator transfers, one
 // instruction per 64-column box issued by one thread, instead of 16-byte cp.async by 128 threads

@@ -104,8 +104,8 @@ __device__ __forceinline__ void issue_qk(float (&s)[64], u32 q_s, u32 k_s) {
 }
 
 #if FP8
-// O += P V^T^T: BLOCK_N / 32 E4M3 wgmmas over the keys; the V^T tile is [D rows, BLOCK_N keys],
-// one 128-byte chunk, read K-major like K in S = Q K^T.
+// O += P V: BLOCK_N / 32 E4M3 wgmmas over the keys; B is the V^T tile, [D rows, BLOCK_N keys] in
+// one 128-byte chunk, read K-major like K in S = Q K^T (the lbo argument is unused).
 __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[P_KSTEPS][4], u32 v_s, u32 = 0) {
 #pragma unroll
     for (int kk = 0; kk < P_KSTEPS; ++kk) wgmma_rs_n128_e4m3(o, p[kk], make_desc(v_s + kk * 32, 16, 1024));
