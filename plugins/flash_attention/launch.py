@@ -665,13 +665,16 @@ PREBUILD_BIASES = (None, (), (-1, 1, 1, -1))
 #: The decode plan's biases: those, and the key-padding row a run with B = 1 has ([1, 1, 1, Sk]:
 #: its own split kernels, BIAS_B 0), the plan being made at concrete shapes.
 PREBUILD_DECODE_BIASES = PREBUILD_BIASES + ((1, 1, 1, -1),)
+#: o's dtypes of the prebuilt FP8 form: the base precisions precision fp8 gives FlashAttention nodes
+PREBUILD_FP8_OUTPUTS = ("float16", "bfloat16")
 
 
 def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
     """With ``arch`` (the build target), the kernel launch.py picks for it (sm_90: the CUDA
     kernel where it applies); then the split-KV decode kernels of the same specializations
     (launch_decode.prebuild_decode_sources: every split size, Sq = 1 with MHA and GQA up to 16:1,
-    the PDL builds on sm_90), each name once."""
+    the PDL builds on sm_90), each name once; and where ``arch`` has E4M3 tensor cores (or is
+    unknown), the FP8 form of the one kernel with o in each PREBUILD_FP8_OUTPUTS dtype."""
     out = []
     decode: dict[str, KernelSource] = {}
     for dt in ("float16", "bfloat16"):
@@ -685,4 +688,11 @@ def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
                     for src in prebuild_decode_sources(dt, d, bool(causal), bias_pattern(bias), attrs["scale"],
                                                        decode_pdl(arch)):
                         decode.setdefault(src.name, src)
+    if arch is None or int(arch) >= min(FP8_ARCHS):
+        for out_dt in PREBUILD_FP8_OUTPUTS:
+            for d in (64, 128):
+                for causal in (0, 1):
+                    attrs = {"scale": d ** -0.5, "causal": causal, "output_dtype": out_dt}
+                    for bias in PREBUILD_BIASES:
+                        out.append(kernel_config(OP, FP8, attrs, {"head_dim": d, "bias_shape": bias, "arch": arch}))
     return out + list(decode.values())

@@ -168,11 +168,18 @@ def test_kernel_config_variants():
     assert list(sc.signature) == ["Q", "K", "V", "Bias", "H", "Hkv", "Sq", "Sk", "Out"]
     with pytest.raises(ValueError):
         L.kernel_config("FlashAttention", "float16", attrs, {"head_dim": 48})
-    # the one kernel: 2 dtypes x 2 head dims x causal or not x 3 biases; the decode plan's kernels
-    # (test_decode_plan.py): 2 x 2 x 2 x 4 biases x 5 split sizes split kernels, 2 x 2 x 5 combines
+    # the one kernel: 2 dtypes x 2 head dims x causal or not x 3 biases, and its FP8 form with o in
+    # fp16 / bf16 (2 x 2 x 2 x 3); the decode plan's kernels (test_decode_plan.py): 2 x 2 x 2 x 4
+    # biases x 5 split sizes split kernels, 2 x 2 x 5 combines
     srcs = L.prebuild_sources()
-    assert len(srcs) == 24 + 160 + 20 == len({s.name for s in srcs})
-    assert sum(s.entry == L.ENTRY for s in srcs) == 24
+    assert len(srcs) == 24 + 24 + 160 + 20 == len({s.name for s in srcs})
+    assert sum(s.entry == L.ENTRY for s in srcs) == 48
+    assert sum(s.meta["dtype"] == L.FP8 for s in srcs) == 24
+    # no FP8 tensor cores on sm_80: no FP8 form; sm_90: the CUDA kernel's FP8 path at D = 128 without
+    # a key bias (8 of the 24), the Triton kernel's FP8 branch for the rest
+    assert not any(s.meta.get("dtype") == L.FP8 for s in L.prebuild_sources(80))
+    fp8_90 = [s for s in L.prebuild_sources(90) if s.meta.get("dtype") == L.FP8]
+    assert len(fp8_90) == 24 and sum(s.lang == "cuda" for s in fp8_90) == 8
 
 
 @pytest.mark.parametrize("opset", [17, 20])
