@@ -161,6 +161,21 @@ def test_every_sweep_config_fits_shared_memory():
                     assert L.sm90_shared_mem(D, cfg, mode) <= 227 * 1024, (D, cfg, mode)
 
 
+def _entry_params(art):
+    """The PTX parameter types of the artifact's entry, in order."""
+    entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
+    return re.findall(r"\.param\s+\.(\w+)", entry)
+
+
+def _res_and_sass(tool, art, tmp_path):
+    """cuobjdump's resource usage and SASS of the artifact's cubin."""
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(art.cubin)
+    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
+    return res, sass
+
+
 def _cuobjdump():
     found = shutil.which("cuobjdump")
     if found:
@@ -192,8 +207,7 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum, tma):
     art = KernelCache(tmp_path).build(src, 90)
     assert art.arch == 90 and art.arch_suffix == "a" and art.cubin
     # QDP order: q, k, v[, bias] pointers, H, Hkv, Sq, Sk, num_tiles, o; no scratch pointers
-    entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
-    params = re.findall(r"\.param\s+\.(\w+)", entry)
+    params = _entry_params(art)
     n_in = 3 + (bias is not None)
     assert params == ["u64"] * n_in + ["u32"] * 5 + ["u64"]
     assert art.n_scratch == 0
@@ -209,11 +223,8 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum, tma):
         assert (instr in art.ptx) == tma, instr
     tool = _cuobjdump()
     if tool:  # registers fit (no spills to local memory) and the tensor-core path is HGMMA
-        cubin = tmp_path / "k.cubin"
-        cubin.write_bytes(art.cubin)
-        res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        res, sass = _res_and_sass(tool, art, tmp_path)
         assert "STACK:0" in res and "LOCAL:0" in res, res
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
         assert "HGMMA.64x128x16.F32" in sass
         assert ("HGMMA.64x72x16.F32" in sass) == ones_sum
         assert "USETMAXREG" in sass
@@ -229,20 +240,15 @@ def test_sm90a_compile_fp8(tmp_path, causal, bias, tma):
     cfg = dataclasses.replace(L.sm90_config(128, causal, fp8=True), tma=tma)
     src = L.kernel_config(OP, L.FP8, attrs, {"head_dim": 128, "bias_shape": bias, "arch": 90}, config=cfg)
     art = KernelCache(tmp_path).build(src, 90)
-    entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
-    params = re.findall(r"\.param\s+\.(\w+)", entry)
-    assert params == ["u64"] * (6 + (bias is not None)) + ["u32"] * 5 + ["u64"]
+    assert _entry_params(art) == ["u64"] * (6 + (bias is not None)) + ["u32"] * 5 + ["u64"]
     mma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.[\w.]+", art.ptx))
     assert mma == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}, mma
     assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
     assert ("cp.async.bulk.tensor.3d" in art.ptx) == tma
     tool = _cuobjdump()
     if tool:
-        cubin = tmp_path / "k.cubin"
-        cubin.write_bytes(art.cubin)
-        res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        res, sass = _res_and_sass(tool, art, tmp_path)
         assert "STACK:0" in res and "LOCAL:0" in res, res
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass
 
 
