@@ -46,6 +46,19 @@ def fp8_source_for(S: int, D: int, causal, config=None, arch=None):
     return T.case_sources(L.FP8, shapes, attrs, config=config, arch=arch)
 
 
+def _test_case_source(case, arch=None, config=None):
+    """The KernelSource test_kernel_fp8_gpu.check_fp8_case builds for ``case`` (its bias in o's
+    16-bit type, fp16 for an fp32 o)."""
+    B, H, Hkv, Sq, Sk, D, causal, bias_shape, out_dtype, extra = case
+    attrs, _ = T.sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra)
+    attrs["output_dtype"] = out_dtype
+    skv = plugin_module("flash_attention", "reference").fp8_v_keys(Sk)
+    bias_dtype = None if bias_shape is None else ("bfloat16" if out_dtype == "bfloat16" else "float16")
+    src, _ = T.case_sources(L.FP8, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, D, skv), bias_shape], attrs,
+                            config=config, bias_dtype=bias_dtype, arch=arch)
+    return src
+
+
 def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False, arch=None) -> list:
     """The FP8 sources a device run needs: each (D, causal) config launch.py picks (one per
     (D, causal): kernel_config cannot see S), the GPU tests' cases, and with ``sweep`` every
@@ -53,25 +66,13 @@ def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False, arch=None) -> lis
     srcs = {}
     gpu = plugin_module("flash_attention", "test_kernel_fp8_gpu")
     for case in gpu.CASES:
-        B, H, Hkv, Sq, Sk, D, causal, bias_shape, out_dtype, extra = case
-        attrs, _ = T.sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra)
-        attrs["output_dtype"] = out_dtype
-        skv = plugin_module("flash_attention", "reference").fp8_v_keys(Sk)
-        bias_dtype = None if bias_shape is None else ("bfloat16" if out_dtype == "bfloat16" else "float16")
         for a in {None, arch}:
-            s, _ = T.case_sources(L.FP8, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, D, skv), bias_shape], attrs,
-                                  bias_dtype=bias_dtype, arch=a)
+            s = _test_case_source(case, a)
             srcs[s.name] = s
     if arch == 90:  # test_fp8_sm90_variants
         for kw in gpu.SM90_VARIANTS.values():
             for case in gpu.SM90_VARIANT_CASES:
-                B, H, Hkv, Sq, Sk, D, causal, bias_shape, out_dtype, extra = case
-                attrs, _ = T.sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra)
-                attrs["output_dtype"] = out_dtype
-                skv = plugin_module("flash_attention", "reference").fp8_v_keys(Sk)
-                s, _ = T.case_sources(L.FP8, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, D, skv), bias_shape],
-                                      attrs, config=L.sm90_config(D, causal, fp8=True, **kw), arch=90,
-                                      bias_dtype=None if bias_shape is None else out_dtype)
+                s = _test_case_source(case, 90, L.sm90_config(case[5], case[6], fp8=True, **kw))
                 srcs[s.name] = s
     for D in dims:
         for causal in (0, 1):
