@@ -36,15 +36,35 @@
 // 128-255 are W_up's same rows, so one thread holds the gate and the up value of each output (128
 // output columns): neither GEMM's result reaches memory.
 //
-// Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16), N_DIM, K_DIM
-// (static), GATED, ACTIVATION (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]),
-// RESIDUAL_MODE (0 none, 1 scalar, 2 [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG,
-// EPILOGUE_WG, SPLIT_K.
+// FP8 (IN_FP8 1, cooperative schedule): A and the weights are E4M3 (128 values a k-block: the same
+// 128-byte swizzle rows; m64n128k32 wgmma on each half of the tile's W rows, every k-block's
+// partial sum promoted into the fp32 accumulator), which is scaled by a_scale * w_scale[n]
+// (W_SCALE_MODE 1 one value, 2 [N]; GatedGemm: the gate's and the up weights' own scales) before
+// alpha and the rest of the epilogue; y, bias and residual are OPTFUSE_DTYPE. Arguments then: A, W
+// (GatedGemm: A, W_gate, W_up)[, bias][, residual], a_scale, the weight scale(s), M, y.
+//
+// Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16: y's type, and
+// A's unless IN_FP8), IN_FP8, W_SCALE_MODE, N_DIM, K_DIM (static), GATED, ACTIVATION
+// (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]), RESIDUAL_MODE (0 none, 1 scalar, 2
+// [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG, EPILOGUE_WG, SPLIT_K.
 // Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned short u16;
+#ifndef IN_FP8
+#define IN_FP8 0
+#endif
+#ifndef W_SCALE_MODE
+#define W_SCALE_MODE 0
+#endif
+#if IN_FP8
+typedef unsigned char in_t;  // E4M3 bits
+#define IN_BYTES 1
+#else
+typedef u16 in_t;
+#define IN_BYTES 2
+#endif
 
 #ifndef OPTFUSE_DTYPE
 #define OPTFUSE_DTYPE 1
@@ -88,6 +108,9 @@ typedef unsigned short u16;
 #if PINGPONG && GATED
 #error "GatedGemm runs the cooperative schedule"
 #endif
+#if IN_FP8 && (PINGPONG || EPILOGUE_WG || !W_SCALE_MODE)
+#error "FP8 runs the cooperative schedule, with its weight scales"
+#endif
 #ifndef EPILOGUE_WG
 #define EPILOGUE_WG 0
 #endif
@@ -106,7 +129,7 @@ typedef unsigned short u16;
 #endif
 #define BLOCK_M 128                      // rows of A per tile (cooperative: 64 per consumer warpgroup)
 #define BLOCK_N (PINGPONG ? 128 : 256)   // rows of W per tile
-#define BLOCK_K 64                       // one 128-byte swizzle row of 16-bit values
+#define BLOCK_K (128 / IN_BYTES)         // one 128-byte swizzle row: 64 16-bit or 128 FP8 values
 #define OUT_N (GATED ? 128 : BLOCK_N)    // output columns per tile
 #define SLABS (PINGPONG ? 2 : 1)         // 64-row wgmma slabs per consumer warpgroup and tile
 #define SLAB_N (BLOCK_N)                 // columns of one slab's wgmma (m64n256 / m64n128)
@@ -116,8 +139,9 @@ typedef unsigned short u16;
 #error "SPLIT_K must divide the k-blocks"
 #endif
 #define N_TILES ((N_DIM + OUT_N - 1) / OUT_N)
-#define A_BYTES (BLOCK_M * BLOCK_K * 2)  // 16 KB
-#define W_BYTES (BLOCK_N * BLOCK_K * 2)  // 32 KB
+#define A_BYTES (BLOCK_M * 128)          // 16 KB
+#define W_BYTES (BLOCK_N * 128)          // 32 KB
+#define K_STEP (32 / IN_BYTES)           // K of one wgmma: 32 bytes of the swizzle row
 #define STAGE_BYTES (A_BYTES + W_BYTES)
 #define NTHREADS 384                     // producer warpgroup + two consumer warpgroups
 // A full residual arrives in the epilogue stage while the mainloop runs (its loads would
@@ -175,9 +199,9 @@ __device__ __forceinline__ void tile_coords(int t, int tiles_m, int& mb, int& nb
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
-    const u16* __restrict__ A, const u16* __restrict__ W,
+    const in_t* __restrict__ A, const in_t* __restrict__ W,
 #if GATED
-    const u16* __restrict__ W_up,
+    const in_t* __restrict__ W_up,
 #endif
 #if BIAS_MODE
     const u16* __restrict__ bias,
@@ -185,12 +209,30 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
 #if RESIDUAL_MODE
     const u16* __restrict__ residual,
 #endif
+#if IN_FP8
+    const float* __restrict__ a_scale, const float* __restrict__ w_scale,
+#if GATED
+    const float* __restrict__ w_up_scale,
+#endif
+#endif
     int M, u16* __restrict__ Y) {
 #if !BIAS_MODE
     const u16* bias = nullptr;
 #endif
 #if !RESIDUAL_MODE
     const u16* residual = nullptr;
+#endif
+#if IN_FP8
+    // the dequantization scale of each output column pair (sm90/epilogue.cuh, scale_pair)
+    const Scales scales{*a_scale, w_scale,
+#if GATED
+                        w_up_scale
+#else
+                        nullptr
+#endif
+    };
+#else
+    const Scales scales{};
 #endif
     const int tiles_m = (M + BLOCK_M - 1) / BLOCK_M;
     const int num_tiles = tiles_m * N_TILES * SPLIT_K;  // work units
@@ -261,19 +303,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
 #if GATED
         // gate and up as one [2, N, K] tensor from the lower of the two addresses
         const bool gate_first = W <= W_up;
-        const u16* w_lo = gate_first ? W : W_up;
-        const u64 gap = gate_first ? (u64)(W_up - W) * 2 : (u64)(W - W_up) * 2;
+        const in_t* w_lo = gate_first ? W : W_up;
+        const u64 gap = gate_first ? (u64)(W_up - W) * IN_BYTES : (u64)(W - W_up) * IN_BYTES;
         const int gate_idx = gate_first ? 0 : 1;
 #endif
         if (threadIdx.x == 0) {
-            tmap_encode_2d(stage, A, (u32)M, K_DIM, BLOCK_M);
+            tmap_encode_2d(stage, A, (u32)M, K_DIM, BLOCK_M, IN_BYTES);
 #if GATED
-            tmap_encode_pair(stage + 128, w_lo, gap ? gap : (u64)N_DIM * K_DIM * 2, N_DIM, K_DIM, BLOCK_N / 2);
+            tmap_encode_pair(stage + 128, w_lo, gap ? gap : (u64)N_DIM * K_DIM * IN_BYTES, N_DIM, K_DIM, BLOCK_N / 2, IN_BYTES);
 #else
-            tmap_encode_2d(stage + 128, W, N_DIM, K_DIM, BLOCK_N);
+            tmap_encode_2d(stage + 128, W, N_DIM, K_DIM, BLOCK_N, IN_BYTES);
 #endif
 #if RESIDUAL_TMA
-            tmap_encode_2d(stage + 256, residual, (u32)M, N_DIM, 64);
+            tmap_encode_2d(stage + 256, residual, (u32)M, N_DIM, 64, 2);
 #endif
         }
         __syncwarp();
@@ -359,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
 #if SPLIT_K > 1
             store_partial(acc, reinterpret_cast<float*>(Y) + (long long)(kb0 / UNIT_K_BLOCKS) * M * N_DIM, M, m0, n0);
 #else
-            store_tile(acc, Y, bias, residual, M, m0, n0, SLOT_EPI(c), 0, 0);
+            store_tile(acc, Y, bias, residual, scales, M, m0, n0, SLOT_EPI(c), 0, 0);
 #endif
         }
 #else
@@ -373,12 +415,40 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             tile_coords(t, tiles_m, mb, nb, kb0);
 #pragma unroll
             for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+#if IN_FP8
+            // FP8: the wgmma accumulator keeps fewer bits than fp32 (a whole K of 768 put outputs
+            // 1.7 % off), so each k-block's product (128 values of K) is promoted into acc. There
+            // is room for one 64 x 128 partial, not a second 64 x 256: the k-block runs as two
+            // halves of W's rows (the tile's columns 0-127, then 128-255; GatedGemm: the gate,
+            // then the up rows), each waited for and added. The other consumer warpgroup's MMAs
+            // fill the tensor cores meanwhile.
+            float part[64];
+            for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {
+                const int s = it % STAGES;
+                mbar_wait(BAR_FULL(s), (it / STAGES) & 1);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    wgmma_fence();  // part's registers were read by the last half's additions
+#pragma unroll
+                    for (int kk = 0; kk < BLOCK_K / K_STEP; ++kk)  // K_STEP columns = 32 bytes of the swizzle row
+                        wgmma_n128_fp8(part, kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32),
+                                       kmajor_desc(SLOT_W(s) + h * (128 * 128) + kk * 32), kk > 0);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    fence_regs(part);
+                    if (h == 1) mbar_arrive_warp(BAR_EMPTY(s));  // the slot's MMAs are done
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
+                }
+            }
+            fence_regs(acc);
+#else
             for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(BAR_FULL(s), (it / STAGES) & 1);
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < BLOCK_K / 16; ++kk)  // 16 columns = 32 bytes of the swizzle row
+                for (int kk = 0; kk < BLOCK_K / K_STEP; ++kk)  // K_STEP columns = 32 bytes of the swizzle row
                     wgmma_n256(acc, kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32), kmajor_desc(SLOT_W(s) + kk * 32));
                 wgmma_commit();
                 if (kb > 0) {
@@ -389,6 +459,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             wgmma_wait<0>();
             fence_regs(acc);
             mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
+#endif
 #if EPILOGUE_WG
             mbar_wait(BAR_TAKEN, (tc & 1) ^ 1);  // the epilogue warps have read the previous tile
             if (t + G < num_tiles) {
@@ -404,7 +475,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             // warpgroup 0 overwrites it only once that load has landed too.
             if (c == 0 && t + G >= num_tiles) mbar_wait(BAR_RES_FULL(1), tc & 1);
 #endif
-            store_tile(acc, Y, bias, residual, M, mb * BLOCK_M + c * 64, nb * OUT_N, SLOT_EPI(c), BAR_RES_FULL(c), tc & 1);
+            store_tile(acc, Y, bias, residual, scales, M, mb * BLOCK_M + c * 64, nb * OUT_N, SLOT_EPI(c), BAR_RES_FULL(c), tc & 1);
 #if RESIDUAL_TMA
             fence_proxy_async();  // the next residual (TMA) overwrites what these threads read
             mbar_arrive_warp(BAR_RES_EMPTY(c));

@@ -34,6 +34,8 @@ MAX_SMEM = 227 * 1024
 def _stage_bytes(impl: str) -> int:
     return (BLOCK_M + (128 if impl == PINGPONG else 256)) * BLOCK_K * 2
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2}
+FP8 = "float8e4m3fn"
+_SCALE_CODE = {"scalar": 1, "vector": 2}
 _BIAS_CODE = {"none": 0, "scalar": 1, "vector": 2}
 _RESIDUAL_CODE = {"none": 0, "scalar": 1, "full": 2}
 #: The kernel's ACTIVATION codes: GemmEpilogue's choices in spec order (GatedGemm's are a subset).
@@ -63,8 +65,16 @@ def stage_options(impl: str, op: str, residual_mode: str) -> list[int]:
     return [s for s in (5, 4, 3) if shared_mem(impl, op, s, residual_mode) <= MAX_SMEM][:2]
 
 
-def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cuda_sm90", k: int | None = None) -> str | None:
-    """Why the sm_90 kernel (schedule ``impl``) cannot run this instance (None: it can)."""
+def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cuda_sm90", k: int | None = None,
+          out_dtype: str | None = None) -> str | None:
+    """Why the sm_90 kernel (schedule ``impl``) cannot run this instance (None: it can). ``dtype`` is
+    A's; ``out_dtype`` y's (None: A's), which an FP8 instance needs to be fp16 / bf16."""
+    if dtype == FP8:
+        if impl != "cuda_sm90":
+            return "FP8 runs the cooperative schedule"
+        if out_dtype not in _DTYPE_CODE:
+            return f"FP8 with y in {out_dtype}: fp16 / bf16 only"
+        dtype = out_dtype  # what bias, residual and y must be
     if impl == PINGPONG:
         if op != "GemmEpilogue":
             return "the pingpong schedule is GemmEpilogue's"
@@ -94,15 +104,19 @@ def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cud
 def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, name: str,
            split_k: int = 1) -> KernelSource:
     """The KernelSource of one instance; ``epi`` is launch.Epilogue (activation, alpha, residual
-    position and the bias / residual modes). ``split_k`` > 1: the pingpong kernel writing the
-    fp32 partial planes of that many K ranges (the epilogue is then the reduce's,
-    :func:`reduce_source`)."""
+    position, the bias / residual modes; FP8: y's dtype and the weight scales' mode). ``split_k`` > 1: the
+    pingpong kernel writing the fp32 partial planes of that many K ranges (the epilogue is then the
+    reduce's, :func:`reduce_source`)."""
     gated = op == "GatedGemm"
+    fp8 = dtype == FP8
+    out = (getattr(epi, "out_dtype", "") or dtype) if fp8 else dtype
     need = shared_mem(impl, op, stages, epi.residual_mode)
     if need > MAX_SMEM:
         raise ValueError(f"{op}: {stages} stages need {need} bytes of shared memory")
     defines = {
-        "OPTFUSE_DTYPE": str(_DTYPE_CODE[dtype]),
+        "OPTFUSE_DTYPE": str(_DTYPE_CODE[out]),
+        "IN_FP8": str(int(fp8)),
+        "W_SCALE_MODE": str(_SCALE_CODE[epi.w_scale_mode] if fp8 else 0),
         "N_DIM": str(n),
         "K_DIM": str(k),
         "GATED": str(int(gated)),
@@ -118,6 +132,10 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
         "SPLIT_K": str(split_k),
     }
     n_inputs = 3 if gated else 2 + (epi.bias_mode != "none") + (epi.residual_mode != "none")
+    if fp8:
+        n_inputs += 3 if gated else 2  # a_scale and the weight scale(s)
+        if gated and epi.w_up_scale_mode != epi.w_scale_mode:
+            raise ValueError(f"{op}: FP8 gate and up weight scales of different modes")
     return KernelSource(
         name=name,
         lang="cuda",

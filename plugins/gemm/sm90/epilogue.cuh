@@ -85,7 +85,32 @@ __device__ __forceinline__ float2 residual_pair(const u16* res, long long row, i
 #endif
 }
 
-// y = act(alpha acc + bias [+ residual]) [+ residual] for one column pair
+// FP8 (IN_FP8): the dequantization of an accumulator column, a_scale * the weight's scale (one
+// value, or [N]: W_SCALE_MODE 1 / 2); GatedGemm's up weights have their own. 16-bit inputs: 1.
+struct Scales {
+    float a = 1.f;
+    const float* w = nullptr;
+    const float* w_up = nullptr;
+};
+
+__device__ __forceinline__ float2 weight_scale_pair(const float* w, int col) {
+#if IN_FP8 && W_SCALE_MODE == 2
+    return *reinterpret_cast<const float2*>(w + col);
+#elif IN_FP8
+    const float v = *w;
+    return make_float2(v, v);
+#else
+    (void)w; (void)col;
+    return make_float2(1.f, 1.f);
+#endif
+}
+
+__device__ __forceinline__ float2 scale_pair(const Scales& sc, const float* w, int col) {
+    const float2 ws = weight_scale_pair(w, col);
+    return make_float2(sc.a * ws.x, sc.a * ws.y);
+}
+
+// y = act(alpha acc + bias [+ residual]) [+ residual] for one column pair (acc already dequantized)
 __device__ __forceinline__ u32 epilogue_pair(float a0, float a1, float2 b, float2 r) {
     float v0 = fmaf(ALPHA, a0, b.x), v1 = fmaf(ALPHA, a1, b.y);
 #if RESIDUAL_BEFORE
@@ -101,16 +126,19 @@ __device__ __forceinline__ u32 epilogue_pair(float a0, float a1, float2 b, float
     return pack2(v0, v1);
 }
 
-// The output pair (slab sl, column group j, row half h) of the fragment, packed.
-__device__ __forceinline__ u32 tile_value(const float (&d)[128], int sl, int j, int h, float2 b, float2 r) {
+// The output pair (slab sl, column group j, row half h) of the fragment, packed; `g` / `u` are the
+// pair's dequantization scales (the gate's and the up weights' for GatedGemm; 1 at 16 bits).
+__device__ __forceinline__ u32 tile_value(const float (&d)[128], int sl, int j, int h, float2 b, float2 r,
+                                          float2 g, float2 u) {
     const int i = 64 * sl + 4 * j + 2 * h;
 #if GATED
     // columns j of the gate half, j + OUT_N / 8 of the up half (kernel_sm90.cu, "Tiles")
     (void)b; (void)r;
-    const int u = 4 * (j + OUT_N / 8) + 2 * h;
-    return pack2(activate(d[i]) * d[u], activate(d[i + 1]) * d[u + 1]);
+    const int k = 4 * (j + OUT_N / 8) + 2 * h;
+    return pack2(activate(d[i] * g.x) * (d[k] * u.x), activate(d[i + 1] * g.y) * (d[k + 1] * u.y));
 #else
-    return epilogue_pair(d[i], d[i + 1], b, r);
+    (void)u;
+    return epilogue_pair(d[i] * g.x, d[i + 1] * g.y, b, r);
 #endif
 }
 
@@ -166,7 +194,8 @@ __device__ __forceinline__ void stage_residual(const u16* res, int M, int row0, 
 // memory, 8 column groups' worth loaded at once (one at a time, each load's latency would stall
 // the warp before every pair).
 __device__ __forceinline__ void store_tile(const float (&d)[128], u16* Y, const u16* bias, const u16* res,
-                                           int M, int row0, int col0, u32 stage, u32 res_full, u32 res_phase) {
+                                           const Scales& sc, int M, int row0, int col0, u32 stage, u32 res_full,
+                                           u32 res_phase) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int named = threadIdx.x / 128;  // one named barrier (1, 2) per consumer warpgroup
 #if RESIDUAL_TMA
@@ -186,11 +215,22 @@ __device__ __forceinline__ void store_tile(const float (&d)[128], u16* Y, const 
 #pragma unroll
             for (int j8 = 0; j8 < EPI_COLS / 8; j8 += 8) {
                 float2 b[8], r[8][2];
+#if IN_FP8
+                float2 g[8], u[8];
+#else
+                const float2 one = make_float2(1.f, 1.f);
+#endif
 #pragma unroll
                 for (int jj = j8; jj < j8 + 8; ++jj) {
                     const int col = col0 + 8 * (pass * (EPI_COLS / 8) + jj) + 2 * (lane & 3);
                     const bool in = col < N_DIM;
                     b[jj - j8] = in ? bias_pair(bias, col) : make_float2(0.f, 0.f);
+#if IN_FP8
+                    g[jj - j8] = in ? scale_pair(sc, sc.w, col) : make_float2(0.f, 0.f);
+                    u[jj - j8] = in && GATED ? scale_pair(sc, sc.w_up, col) : make_float2(0.f, 0.f);
+#else
+                    (void)sc;
+#endif
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int rl = 64 * sl + warp * 16 + (lane >> 2) + 8 * h;
@@ -208,7 +248,11 @@ __device__ __forceinline__ void store_tile(const float (&d)[128], u16* Y, const 
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int rl = 64 * sl + warp * 16 + (lane >> 2) + 8 * h;
-                        const u32 v = tile_value(d, sl, pass * (EPI_COLS / 8) + jj, h, b[jj - j8], r[jj - j8][h]);
+#if IN_FP8
+                        const u32 v = tile_value(d, sl, pass * (EPI_COLS / 8) + jj, h, b[jj - j8], r[jj - j8][h], g[jj - j8], u[jj - j8]);
+#else
+                        const u32 v = tile_value(d, sl, pass * (EPI_COLS / 8) + jj, h, b[jj - j8], r[jj - j8][h], one, one);
+#endif
                         asm volatile("st.shared.u32 [%0], %1;" ::"r"(stage + epi_offset(rl, jj) + (lane & 3) * 4), "r"(v) : "memory");
                     }
                 }
