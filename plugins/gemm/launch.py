@@ -7,8 +7,9 @@
   FP8); ``optfuse.trt.glue`` adds ``arch``.
 * ``kernel_config(op, dtype, attrs, static_shape, config=None)`` -> :class:`KernelSource`: N, K,
   the activation, alpha, the residual position, the bias / residual / scale modes and y's dtype
-  (``output_dtype``) are compiled in. FP8 (float8e4m3fn) runs the Triton kernel on sm_89 and later
-  (FP8 tensor cores), never the sm_90 CUDA kernel; a known target below sm_89 is refused.
+  (``output_dtype``) are compiled in. FP8 (float8e4m3fn) runs on sm_89 and later (FP8 tensor
+  cores): the sm_90 CUDA kernel's cooperative schedule where it takes the instance and y is fp16 /
+  bf16, else the Triton kernel; a known target below sm_89 is refused.
 * ``launch_params(op, shapes, dtypes, attrs, cdiv=..., static_shape=..., config=...)`` ->
   :class:`LaunchParams`: a 1-D grid of ``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)`` tiles, written with
   ``*`` and ``cdiv`` over M only (M = the product of A's leading dims, the one dynamic size), so
@@ -206,18 +207,21 @@ def sm90_schedules(op: str, k: int, static: dict, activation: str | None) -> tup
 def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None,
                   activation: str | None = None, out_dtype: str | None = None) -> list[GemmConfig]:
     """The CUDA sm_90 kernel's configs for this instance (none where it does not take it, or y's
-    dtype ``out_dtype`` is not A's): per schedule (sm90_schedules' order) its ring depths, deepest
-    first, with 8- and 16-row-block raster groups."""
+    dtype ``out_dtype`` is not A's at 16 bits; FP8 A with an fp16 / bf16 y runs its cooperative
+    schedule): per schedule (sm90_schedules' order) its ring depths, deepest first, with 8- and
+    16-row-block raster groups."""
     static = static or {}
-    if out_dtype not in (None, dtype):
+    fp8 = dtype in FP8_DTYPES
+    if not fp8 and out_dtype not in (None, dtype):
         return []
     residual = static.get("residual_mode", "none")
+    block_k = launch_sm90.BLOCK_K * (2 if fp8 else 1)  # one 128-byte swizzle row
     out = []
     for impl in sm90_schedules(op, k, static, activation):
-        if launch_sm90.takes(op, dtype, n, static, arch, impl, k) is not None:
+        if launch_sm90.takes(op, dtype, n, static, arch, impl, k, out_dtype=out_dtype) is not None:
             continue
-        out += [GemmConfig(launch_sm90.BLOCK_M, launch_sm90.OUT_N[(impl, op)], launch_sm90.BLOCK_K, group, 12, stages, impl)
-                for stages in launch_sm90.stage_options(impl, op, residual) for group in (8, 16)]
+        out += [GemmConfig(launch_sm90.BLOCK_M, launch_sm90.OUT_N[(impl, op)], block_k, group, 12, stages, impl)
+                for stages in launch_sm90.stage_options(impl, op, residual, fp8) for group in (8, 16)]
     return out
 
 
@@ -499,7 +503,7 @@ def _triton_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: Gemm
 
 def _sm90_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: GemmConfig,
                  static: dict) -> KernelSource:
-    why = launch_sm90.takes(op, dtype, n, static, static.get("arch"), cfg.impl, k)
+    why = launch_sm90.takes(op, dtype, n, static, static.get("arch"), cfg.impl, k, out_dtype=epi.out_dtype or None)
     if why:
         raise ValueError(f"{op}: the sm_90 kernel ({cfg.impl}) does not take this instance: {why}")
     return launch_sm90.source(cfg.impl, op, dtype, n, k, epi, cfg.num_stages, cfg.group_m,

@@ -100,7 +100,9 @@ def test_default_configs_spill_no_register(tmp_path, op, dtype, arch):
     case = T.Case(op, (-1,), 4096, 4096, dtype, "gelu_erf", *(("vector", "full") if op == "GemmEpilogue" else ()), **out)
     static = T.case_static(case, arch)
     triton_cfg = next(c for c in L.candidate_configs(op, dtype, 4096, 4096, arch, static, "gelu_erf") if c.impl == "triton")
-    assert triton_cfg == L.choose_config(op, dtype, 4096, 4096, arch, static, "gelu_erf", case.y_dtype) or dtype != "float8e4m3fn"
+    chosen = L.choose_config(op, dtype, 4096, 4096, arch, static, "gelu_erf", case.y_dtype)
+    if dtype == "float8e4m3fn":  # FP8 runs this config on sm_89, the CUDA kernel on sm_90
+        assert chosen.impl == "cuda_sm90" if arch == 90 else chosen == triton_cfg
     src = L.kernel_config(op, dtype, case.attrs, static, config=triton_cfg)
     usage = T.ptxas_usage(KernelCache(tmp_path).build(src, arch))
     assert usage["spill_stores"] == usage["spill_loads"] == 0, (src.name, usage)
@@ -160,7 +162,8 @@ def test_sm90_schedule_choice():
 @pytest.mark.parametrize("op", ["GemmEpilogue", "GatedGemm"])
 def test_qdp_aot_kernel_fp8(tmp_path, monkeypatch, op):
     """The aot_impl body for FP8: symbolic leading dims, the scales among the inputs in spec order
-    (QDP), the Triton kernel on sm_90 and sm_89 (never the CUDA one), refused on sm_80."""
+    (QDP), the Triton kernel on sm_89, the CUDA one on sm_90 (N = 3072: it takes the instance),
+    refused on sm_80."""
     from optfuse.kernels.testing import SymDim, sym_cdiv
     from optfuse.trt.qdp import TensorInfo, aot_kernel
 
@@ -176,11 +179,15 @@ def test_qdp_aot_kernel_fp8(tmp_path, monkeypatch, op):
     attrs = {"activation": "silu", "output_dtype": "bfloat16"}
     for arch in (89, 90):
         ak = aot_kernel(op, infos, attrs, 0, arch=arch, cdiv=sym_cdiv)
-        assert "/triton_" in ak.artifact.metadata["source_name"] and "float8e4m3fn-to-bfloat16" in ak.artifact.metadata["source_name"]
+        name = ak.artifact.metadata["source_name"]
+        assert ("/cuda_sm90_" if arch == 90 else "/triton_") in name and "float8e4m3fn-to-bfloat16" in name
         assert ak.artifact.n_inputs == 6 and repr(ak.extra_args[0]) == "(B*S)"
         cfg = L.choose_config(op, "float8e4m3fn", 3072, 768, arch, out_dtype="bfloat16")
-        assert cfg.impl == "triton" and cfg.block_k == 128
-        assert repr(ak.launch.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
+        assert cfg.impl == ("cuda_sm90" if arch == 90 else "triton") and cfg.block_k == 128
+        if arch == 90:  # persistent: one CTA per SM
+            assert ak.launch.grid[0] == 132
+        else:
+            assert repr(ak.launch.grid[0]) == f"(cdiv((B*S),{cfg.block_m})*{3072 // cfg.block_n})"
     with pytest.raises(ValueError, match="sm_89 or later"):
         aot_kernel(op, infos, attrs, 0, arch=80, cdiv=sym_cdiv)
 

@@ -78,6 +78,9 @@ FP8_CASES = [
     C("GatedGemm", (333,), 1000, 776, _FP8, "gelu_tanh", output_dtype="float32", w_scale="scalar"),
     C("GatedGemm", (1031,), 2752, 1024, _FP8, "gelu_erf", output_dtype="float16", extra=_EDGE),
     C("GatedGemm", (5,), 11008, 4096, _FP8, "silu", output_dtype="bfloat16"),                 # LLaMA-7B, few rows
+    # the sm_90 CUDA kernel's FP8 path (N a multiple of 32): one-value weight scales, a scalar bias
+    C("GemmEpilogue", (2, 1050), 3072, 768, _FP8, "silu", "scalar", "full", output_dtype="float16", w_scale="scalar"),
+    C("GatedGemm", (1031,), 2752, 1024, _FP8, "silu", output_dtype="bfloat16", w_scale="scalar"),
 ]
 CASES += FP8_CASES
 #: Shapes whose M leaves the statically chosen kernel's tiles on few SMs: launch_plan runs the

@@ -189,11 +189,15 @@ def test_fp8_static_shape_facts():
 
 
 def test_fp8_kernel_source():
-    """FP8 runs the Triton kernel (the sm_90 CUDA kernel takes fp16 / bf16 only) with the scales
-    after the other inputs (spec order) and y of output_dtype; refused below sm_89 and without an
-    output_dtype."""
+    """FP8 runs the sm_90 CUDA kernel's cooperative schedule on sm_90 where it takes the instance
+    (y fp16 / bf16), else the Triton kernel, with the scales after the other inputs (spec order) and
+    y of output_dtype; refused below sm_89 and without an output_dtype."""
     attrs = {"activation": "gelu_erf", "output_dtype": "bfloat16"}
-    src = L.kernel_config("GemmEpilogue", FP8, attrs, _fp8_static())
+    cuda = L.kernel_config("GemmEpilogue", FP8, attrs, _fp8_static())
+    assert cuda.lang == "cuda" and cuda.meta["kernel"] == "cuda_sm90" and cuda.n_inputs == 5  # A, W, bias, the scales
+    assert cuda.defines["IN_FP8"] == "1" and cuda.defines["W_SCALE_MODE"] == "2" and cuda.defines["OPTFUSE_DTYPE"] == "2"
+    assert L.kernel_config("GemmEpilogue", FP8, {**attrs, "output_dtype": "float32"}, _fp8_static()).lang == "triton"
+    src = L.kernel_config("GemmEpilogue", FP8, attrs, _fp8_static(arch=89))
     assert src.lang == "triton" and list(src.signature) == ["A", "W", "Bias", "AScale", "WScale", "M", "Y"]
     assert src.signature["A"] == "*fp8e4nv" and src.signature["Y"] == "*bf16" and src.signature["AScale"] == "*fp32"
     assert src.constexprs["W_SCALE"] == 2 and src.constexprs["Residual"] is None and src.n_inputs == 5
@@ -201,20 +205,19 @@ def test_fp8_kernel_source():
     assert src.constexprs["FP8_ACC"] == min(L.FP8_IMPRECISE_ACC, src.constexprs["BLOCK_K"]) == 128
     assert L.kernel_config("GemmEpilogue", "float16", {}, {"N": 64, "K": 64}).constexprs["FP8_ACC"] is None
     assert "/float8e4m3fn-to-bfloat16/" in src.name and "_wscale-vector/" in src.name
-    assert L.kernel_config("GemmEpilogue", FP8, attrs, _fp8_static(arch=89)).lang == "triton"
     with pytest.raises(ValueError, match=r"sm_89 or later \(target sm_86\)"):
         L.kernel_config("GemmEpilogue", FP8, attrs, _fp8_static(arch=86))
     with pytest.raises(ValueError, match="would be float8e4m3fn"):
         L.kernel_config("GemmEpilogue", FP8, {"activation": "none"}, _fp8_static())
     with pytest.raises(ValueError, match="scales come exactly with FP8"):
         L.kernel_config("GemmEpilogue", "float16", attrs, _fp8_static())
-    gated = L.kernel_config("GatedGemm", FP8, {"output_dtype": "float16"}, _fp8_static("GatedGemm"))
+    gated = L.kernel_config("GatedGemm", FP8, {"output_dtype": "float16"}, _fp8_static("GatedGemm", arch=89))
     assert list(gated.signature) == ["A", "W", "W_up", "AScale", "WScale", "WUpScale", "M", "Y"]
     assert (gated.constexprs["W_SCALE"], gated.constexprs["W_UP_SCALE"]) == (2, 2) and gated.signature["Y"] == "*fp16"
     p = L.launch_params("GemmEpilogue", [[SymDim("M"), 768], [3072, 768], [3072], None, [], [3072]],
                         [FP8, FP8, "bfloat16", None, "float32", "float32"], attrs, cdiv=sym_cdiv,
-                        static_shape=_fp8_static())
-    cfg = L.choose_config("GemmEpilogue", FP8, 3072, 768, 90, _fp8_static(), "gelu_erf", "bfloat16")
+                        static_shape=_fp8_static(arch=89))
+    cfg = L.choose_config("GemmEpilogue", FP8, 3072, 768, 89, _fp8_static(arch=89), "gelu_erf", "bfloat16")
     assert repr(p.grid[0]) == f"(cdiv(M,{cfg.block_m})*{3072 // cfg.block_n})" and p.block[0] == cfg.num_warps * 32
 
 
