@@ -195,10 +195,19 @@ class Precision(_Strict):
     fp8_base: Literal["fp16", "bf16"] = "fp16"
     # fp8: GEMM node names or globs (fused node names, the original names they replaced, op types) kept in fp8_base
     fp8_exclude: list[str] = []
+    # fp8: which FlashAttention nodes take E4M3 q, k, v: auto (where the op spec's fp8_speedup says FP8
+    # pays on target.arch), on (every node), off (none)
+    fp8_attention: Literal["auto", "on", "off"] = "auto"
     calibration: Calibration = Calibration()
     # how close the reduced-precision model must stay to the FP32 original (defaults by mode);
     # the top-level `tolerances` are for FP32 candidates (the fused model)
     tolerances: Tolerances = Tolerances()
+
+    @field_validator("fp8_attention", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare on / off as true / false
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class Fp8Accuracy(_Strict):

@@ -23,6 +23,11 @@ An output with ``quantized_by: <input>`` (an optional float32 input, its scale) 
 exactly when that input is present (the norms' FP8 output: ``y_scale``), else it follows its other
 rules.
 
+``fp8_speedup`` (ops with an FP8 first input) lists where the op's FP8 form was timed against its
+16-bit kernel: per (arch, head dim), the kernel the FP8 form runs there, the lowest and highest
+speedup over the shapes timed, the GPU and the results file (:class:`Fp8Speedup`; the precision
+stage puts a node in FP8 only where that is known to pay, :meth:`OpSpec.fp8_speedup_at`).
+
 Plugin folders are imported as the package ``optfuse_plugins.<folder>`` (see
 :mod:`optfuse.plugin_dirs`), so kernels, references and launch code live next to the spec.
 """
@@ -38,6 +43,7 @@ import yaml
 
 from . import DOMAIN
 from .plugin_dirs import PLUGINS_DIR, plugin_module  # noqa: F401  (re-exported)
+from .target import arch_name, parse_arch
 
 DTYPES = ("float32", "float16", "bfloat16", "float8e4m3fn", "int32", "int64", "bool")
 #: Dtypes computed in (and stored as) floating point wide enough for every op's math.
@@ -48,6 +54,8 @@ FP8_DTYPES = ("float8e4m3fn",)
 #: The ``dtype_from`` attribute value meaning "the dtype of the input the output is ``like``".
 LIKE_INPUT = "like_input"
 ATTR_TYPES = ("float", "int", "string", "floats", "ints")
+#: The kernels an op's FP8 form runs (an ``fp8_speedup`` entry names one), as reports call them.
+FP8_KERNELS = {"cuda": "the CUDA kernel's FP8 path", "triton": "the Triton FP8 branch"}
 
 
 class SpecError(ValueError):
@@ -84,6 +92,33 @@ class AttrSpec:
 
 
 @dataclass(frozen=True)
+class Fp8Speedup:
+    """The op's FP8 form timed against its 16-bit kernel on one target and head dim: the kernel
+    the FP8 form runs there and the speedup (16-bit time / FP8 time), lowest and highest over the
+    shapes timed. FP8 pays there when even the lowest is above 1."""
+
+    arch: int  # compute capability (sm_90: 90)
+    head_dim: int
+    kernel: str  # a key of FP8_KERNELS: what launch.py picks for the FP8 form there
+    speedup: tuple[float, float]  # (lowest, highest)
+    against: str  # the 16-bit dtype of the kernel timed against (bfloat16)
+    device: str  # the GPU it was timed on (H200)
+    results: str  # the raw rows, relative to the plugin folder
+    doc: str = ""
+
+    @property
+    def pays(self) -> bool:
+        return self.speedup[0] > 1.0
+
+    def describe(self, what: str) -> str:
+        """e.g. ``FP8 attention at head dim 64 on sm_90 runs the Triton FP8 branch, 0.71-0.94x the
+        bf16 kernel (H200)``."""
+        short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(self.against, self.against)
+        return (f"FP8 {what} at head dim {self.head_dim} on {arch_name(self.arch)} runs {FP8_KERNELS[self.kernel]}, "
+                f"{self.speedup[0]:.2f}-{self.speedup[1]:.2f}x the {short} kernel ({self.device})")
+
+
+@dataclass(frozen=True)
 class OpSpec:
     op: str
     folder: str
@@ -96,6 +131,8 @@ class OpSpec:
     # Limits of the kernel contract (e.g. max_hidden, head_dims); fusions consult them before
     # matching, launch code enforces them.
     limits: dict[str, Any] = field(default_factory=dict)
+    # Where the FP8 form was timed against the 16-bit kernel, per (arch, head dim)
+    fp8_speedup: tuple[Fp8Speedup, ...] = ()
 
     @property
     def plugin_version(self) -> str:
@@ -167,14 +204,20 @@ class OpSpec:
         """The attributes that have a default, with it (spec order)."""
         return {a.name: a.default for a in self.attributes if a.default is not None}
 
+    def fp8_speedup_at(self, arch: int | None, head_dim: int | None) -> Fp8Speedup | None:
+        """The ``fp8_speedup`` entry of this target and head dim, or None (not timed there, or either unknown)."""
+        return next((m for m in self.fp8_speedup if (m.arch, m.head_dim) == (arch, head_dim)), None)
+
 
 # -- validation --------------------------------------------------------------------------------
 _OP_KEYS = {"op": True, "doc": True, "inputs": True, "outputs": True, "attributes": False, "domain": False,
-            "version": False, "limits": False}
+            "version": False, "limits": False, "fp8_speedup": False}
 _TENSOR_KEYS = {"name": True, "dtypes": True, "optional": False, "like": False, "last_dim": False,
                 "dtype_from": False, "with_dtypes": False, "quantized_by": False, "doc": False}
 _LAST_DIM_KEYS = {"input": True, "axis": True}
 _ATTR_KEYS = {"name": True, "type": True, "default": False, "choices": False, "doc": False}
+_FP8_SPEEDUP_KEYS = {"arch": True, "head_dim": True, "kernel": True, "speedup": True, "against": True, "device": True,
+                     "results": True, "doc": False}
 
 
 def _fail(where: str, what: str) -> None:
@@ -287,6 +330,33 @@ def _limits(raw: Any, where: str) -> dict[str, Any]:
     return dict(raw)
 
 
+def _fp8_speedup(raw: Any, limits: dict[str, Any], where: str) -> Fp8Speedup:
+    raw = _mapping(raw, _FP8_SPEEDUP_KEYS, where)
+    try:
+        arch = parse_arch(_typed(raw["arch"], str, f"{where}.arch"))
+    except ValueError as exc:
+        _fail(f"{where}.arch", str(exc))
+    head_dim = _typed(raw["head_dim"], int, f"{where}.head_dim")
+    if "head_dims" in limits and head_dim not in limits["head_dims"]:
+        _fail(f"{where}.head_dim", f"{head_dim} is not one of the op's head_dims ({limits['head_dims']})")
+    kernel = _typed(raw["kernel"], str, f"{where}.kernel")
+    if kernel not in FP8_KERNELS:
+        _fail(f"{where}.kernel", f"unknown kernel {kernel!r} (known: {', '.join(FP8_KERNELS)})")
+    speedup = _typed(raw["speedup"], list, f"{where}.speedup")
+    if len(speedup) != 2:
+        _fail(f"{where}.speedup", f"expected [lowest, highest], got {speedup!r}")
+    lo, hi = (float(_typed(x, (int, float), f"{where}.speedup[{j}]")) for j, x in enumerate(speedup))
+    if not 0 < lo <= hi:
+        _fail(f"{where}.speedup", f"expected 0 < lowest <= highest, got {speedup!r}")
+    against = _typed(raw["against"], str, f"{where}.against")
+    if against not in FLOAT_DTYPES:
+        _fail(f"{where}.against", f"{against!r} is not one of {', '.join(FLOAT_DTYPES)}")
+    return Fp8Speedup(arch=arch, head_dim=head_dim, kernel=kernel, speedup=(lo, hi), against=against,
+                      device=_typed(raw["device"], str, f"{where}.device"),
+                      results=_typed(raw["results"], str, f"{where}.results"),
+                      doc=_typed(raw.get("doc", ""), str, f"{where}.doc"))
+
+
 def _check_dtype_from(out: TensorSpec, attributes: tuple[AttrSpec, ...], where: str) -> None:
     """``dtype_from`` names a string attribute with a default and choices, each one of the output's
     dtypes or ``like_input`` (which needs a ``like`` rule)."""
@@ -363,10 +433,20 @@ def parse_spec(raw: Any, folder: str, where: str) -> OpSpec:
     version = _typed(raw.get("version", 1), int, f"{where}: version")
     if version < 1:
         _fail(f"{where}: version", f"must be >= 1, got {version}")
+    limits = _limits(raw.get("limits", {}), f"{where}: limits")
+    fp8_speedup = tuple(_fp8_speedup(m, limits, f"{where}: fp8_speedup[{i}]")
+                        for i, m in enumerate(_typed(raw.get("fp8_speedup", []), list, f"{where}: fp8_speedup")))
+    if fp8_speedup and not any(d in FP8_DTYPES for d in inputs[0].dtypes):
+        _fail(f"{where}: fp8_speedup", f"{op} has no FP8 form ({inputs[0].name} lists no {', '.join(FP8_DTYPES)})")
+    seen: set[tuple[int, int]] = set()
+    for i, m in enumerate(fp8_speedup):
+        if (m.arch, m.head_dim) in seen:
+            _fail(f"{where}: fp8_speedup[{i}]", f"{arch_name(m.arch)}, head dim {m.head_dim} listed twice")
+        seen.add((m.arch, m.head_dim))
     return OpSpec(
         op=op, folder=folder, doc=_typed(raw["doc"], str, f"{where}: doc"), inputs=inputs, outputs=outputs,
         attributes=attributes, domain=_typed(raw.get("domain", DOMAIN), str, f"{where}: domain"), version=version,
-        limits=_limits(raw.get("limits", {}), f"{where}: limits"),
+        limits=limits, fp8_speedup=fp8_speedup,
     )
 
 

@@ -27,10 +27,16 @@ Ops whose first input lists an FP8 dtype are also checked on ``sample_inputs(op,
 ``function_overloads`` (one function per variant, ONNX ``overload``) has every variant checked
 against the spec; an FP8 variant below opset 19 is refused with a ValueError.
 
+An op's ``fp8_speedup`` entries (where its FP8 form was timed against the 16-bit kernel) are checked
+against their results file (that arch and GPU; the lowest and highest speedup over the rows of that
+head dim, to 2 decimals; the FP8 rows ran the kernel the entry names, against its 16-bit dtype) and
+against ``launch.py`` (the FP8 form at that arch and head dim, no bias, causal or not, builds the
+kernel the entry names): a new FP8 kernel choice or new numbers mean the entry is re-measured.
+
 Each check raises :class:`ContractError`; ``test_contract_checks_catch_a_broken_spec`` shows each
 one failing on a deliberately broken copy of the spec (renamed input, output or attribute, dropped
 output, wrong default, wrong version, changed limit, dropped dtype, dropped output dtype rule, dropped
-``quantized_by`` rule). An output with a ``quantized_by`` rule (the norms' FP8 y) is checked with
+``quantized_by`` rule, changed FP8 speedup or kernel). An output with a ``quantized_by`` rule (the norms' FP8 y) is checked with
 its scale present (from opset 19: the ``fp8`` function variant, FP8 bits compared) and absent. A spec limit with no check
 here fails the launch check: add its check to ``LIMIT_CHECKS``.
 
@@ -46,8 +52,10 @@ import onnx
 import pytest
 from onnx import helper
 
+import json
+
 from optfuse.functions import PLUGIN_ATTRIBUTES
-from optfuse.spec import FP8_DTYPES, OpSpec, load_specs, plugin_module
+from optfuse.spec import FP8_DTYPES, PLUGINS_DIR, OpSpec, load_specs, plugin_module
 from optfuse.trt import glue
 
 SPECS = load_specs()
@@ -437,6 +445,47 @@ def check_functions(spec: OpSpec, reference, opset: int) -> None:
         check_function(spec, fn)
 
 
+# -- spec fp8_speedup vs its results and launch ---------------------------------------------------
+#: the name part of a timed kernel, per fp8_speedup kernel
+_TIMED_KERNEL = {"cuda": "fa_sm90_d{D}_", "triton": "fa_triton_d{D}_"}
+
+
+def check_fp8_speedup(spec: OpSpec, launch) -> None:
+    for m in spec.fp8_speedup:
+        where = f"fp8_speedup sm_{m.arch}, head dim {m.head_dim}"
+        path = PLUGINS_DIR / spec.folder / m.results
+        _expect(path.is_file(), spec, f"{where}: results file {m.results} not found")
+        data = json.loads(path.read_text())
+        info = data["info"]
+        _expect((info.get("arch"), info.get("device", "").split()[-1]) == (m.arch, m.device), spec,
+                f"{where}: {m.results} was timed on sm_{info.get('arch')}, {info.get('device')}, not {m.device}")
+        rows = [r for r in data["rows"] if r["D"] == m.head_dim]
+        _expect(bool(rows), spec, f"{where}: {m.results} has no row of head dim {m.head_dim}")
+        got = (round(min(r["speedup"] for r in rows), 2), round(max(r["speedup"] for r in rows), 2))
+        _expect(got == m.speedup, spec, f"{where}: speedup {list(m.speedup)}, {m.results} gives {list(got)}")
+        timed = _TIMED_KERNEL[m.kernel].format(D=m.head_dim)
+        _expect(all(timed in r["kernel"].rsplit("/", 1)[-1] for r in rows), spec,
+                f"{where}: the timed FP8 kernels are not all {m.kernel} ({timed}...)")
+        _expect(all(f"/{m.against}/" in r["bf16_kernel"] for r in rows), spec,
+                f"{where}: the kernel timed against is not {m.against}")
+        for causal in (0, 1):
+            attrs = {"scale": m.head_dim ** -0.5, "causal": causal, "num_heads": 16, "num_kv_heads": 16,
+                     "output_dtype": m.against}
+            src = launch.kernel_config(spec.op, _fp8_dtypes(spec)[0], attrs,
+                                       {"head_dim": m.head_dim, "bias_shape": None, "arch": m.arch})
+            _expect(src.lang == m.kernel, spec, f"{where}: launch picks the {src.lang} kernel for the FP8 form "
+                                                f"(causal {causal}), the entry says {m.kernel}")
+
+
+SPEEDUP_OPS = [op for op in OPS if SPECS[op].fp8_speedup]
+
+
+@pytest.mark.parametrize("op", SPEEDUP_OPS)
+def test_fp8_speedup_matches_results_and_launch(op):
+    spec = SPECS[op]
+    check_fp8_speedup(spec, plugin_module(spec.folder, "launch"))
+
+
 @pytest.mark.parametrize("opset", OPSETS)
 @pytest.mark.parametrize("op", OPS)
 def test_spec_matches_onnx_function(op, opset):
@@ -506,11 +555,24 @@ def _dropped_quantized_by(spec: OpSpec) -> OpSpec:
     return dataclasses.replace(spec, outputs=tuple(dataclasses.replace(t, quantized_by=None) for t in spec.outputs))
 
 
+def _changed_fp8_speedup(spec: OpSpec) -> OpSpec:
+    first, *rest = spec.fp8_speedup
+    lo, hi = first.speedup
+    return dataclasses.replace(spec, fp8_speedup=(dataclasses.replace(first, speedup=(lo, hi + 0.05)), *rest))
+
+
+def _swapped_fp8_kernel(spec: OpSpec) -> OpSpec:
+    swap = {"cuda": "triton", "triton": "cuda"}
+    return dataclasses.replace(spec, fp8_speedup=tuple(dataclasses.replace(m, kernel=swap[m.kernel])
+                                                       for m in spec.fp8_speedup))
+
+
 _CHECKS = {
     "function": lambda spec: check_function(spec, plugin_module(spec.folder, "reference").onnx_function(spec.op)),
     "launch": lambda spec: check_launch(spec, plugin_module(spec.folder, "launch")),
     "numerics": lambda spec: check_numerics(spec, plugin_module(spec.folder, "reference"), OPSETS[0]),
     "numerics_fp8": lambda spec: check_numerics(spec, plugin_module(spec.folder, "reference"), FP8_OPSET),
+    "fp8_speedup": lambda spec: check_fp8_speedup(spec, plugin_module(spec.folder, "launch")),
 }
 
 
@@ -530,6 +592,9 @@ def _breakages(spec: OpSpec):
         yield "dropped output dtype rule", _dropped_dtype_rule, ("numerics_fp8",)
     if any(t.quantized_by for t in spec.outputs):  # the norms' FP8 y (y_scale present)
         yield "dropped quantized_by rule", _dropped_quantized_by, ("numerics_fp8",)
+    if spec.fp8_speedup:
+        yield "changed fp8 speedup", _changed_fp8_speedup, ("fp8_speedup",)
+        yield "swapped fp8 kernel", _swapped_fp8_kernel, ("fp8_speedup",)
 
 
 BROKEN = [(op, what, breaks, checks) for op in OPS for what, breaks, checks in _breakages(SPECS[op])]

@@ -270,3 +270,55 @@ def test_plugin_forms_follow_the_output_dtype_rule_and_fp8_combinations():
     assert qdp.autotune_combinations(gated, 3, ["float16"]) == [
         ("float32",) * 3 + ("float16",), ("float16",) * 4, ("bfloat16",) * 3 + ("float16",)]
     assert qdp.TRTP_DTYPE["float8e4m3fn"] == "FP8" and glue.TRT_DTYPE["FP8"] == "float8e4m3fn"
+
+
+FLASH = (PLUGINS_DIR / "flash_attention" / "spec.yaml").read_text().split("---")[0]
+FLASH_D64 = ("{arch: sm_90, head_dim: 64, kernel: triton, speedup: [0.71, 0.94], against: bfloat16, device: H200,\n"
+             "     results: results/h200_fp8_bench.json}")
+
+
+def test_fp8_speedup_entries(tmp_path):
+    """FlashAttention's fp8_speedup: typed entries per (arch, head dim), the arch in any spelling
+    parse_arch reads; FP8 pays where even the lowest speedup is above 1; an arch or head dim not
+    listed has no entry."""
+    spec = get_spec("FlashAttention")
+    d128, d64 = spec.fp8_speedup_at(90, 128), spec.fp8_speedup_at(90, 64)
+    assert (d128.kernel, d128.speedup, d128.pays) == ("cuda", (1.20, 1.37), True)
+    assert (d64.kernel, d64.speedup, d64.pays) == ("triton", (0.71, 0.94), False)
+    assert d64.describe("attention") == ("FP8 attention at head dim 64 on sm_90 runs the Triton FP8 branch, "
+                                         "0.71-0.94x the bf16 kernel (H200)")
+    assert spec.fp8_speedup_at(89, 64) is None and spec.fp8_speedup_at(90, 32) is None
+    assert spec.fp8_speedup_at(None, 64) is None and spec.fp8_speedup_at(90, None) is None
+    assert get_spec("BlockSparseAttention").fp8_speedup == () and get_spec("LayerNorm").fp8_speedup == ()
+    text = FLASH.replace("arch: sm_90, head_dim: 64", "arch: '9.0', head_dim: 64").replace(
+        "arch: sm_90, head_dim: 128", "arch: sm_89, head_dim: 128")
+    (one,) = _read(tmp_path, text).values()
+    assert [(m.arch, m.head_dim) for m in one.fp8_speedup] == [(89, 128), (90, 64)]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace("kernel: triton", "kernel: cudnn"), r"fp8_speedup\[1\]\.kernel: unknown kernel 'cudnn'"),
+        (lambda t: t.replace("head_dim: 64", "head_dim: 72"), r"fp8_speedup\[1\]\.head_dim: 72 is not one of the op's head_dims"),
+        (lambda t: t.replace("arch: sm_90, head_dim: 64", "arch: sm_91, head_dim: 64"), r"fp8_speedup\[1\]\.arch: unknown GPU arch"),
+        (lambda t: t.replace("[0.71, 0.94]", "[0.94, 0.71]"), r"fp8_speedup\[1\]\.speedup: expected 0 < lowest <= highest"),
+        (lambda t: t.replace("[0.71, 0.94]", "[0.71]"), r"fp8_speedup\[1\]\.speedup: expected \[lowest, highest\]"),
+        (lambda t: t.replace("against: bfloat16, device: H200,\n     results: results/h200_fp8_bench.json}\n",
+                             "against: bfloat16, device: H200}\n", 1),
+         r"fp8_speedup\[0\]: missing required key 'results'"),
+        (lambda t: t.replace("head_dim: 64", "head_dim: 128"), r"fp8_speedup\[1\]: sm_90, head dim 128 listed twice"),
+        (lambda t: t.replace("kernel: triton", "kernel: triton, pays: true"), r"fp8_speedup\[1\]: unknown key 'pays'"),
+        (lambda t: t.replace("{name: q, dtypes: [float32, float16, bfloat16, float8e4m3fn]", "{name: q, dtypes: [float32]")
+         .replace("{name: q_scale, dtypes: [float32], optional: true, with_dtypes: [float8e4m3fn]", "{name: q_scale, dtypes: [float32], optional: true")
+         .replace("{name: k_scale, dtypes: [float32], optional: true, with_dtypes: [float8e4m3fn]", "{name: k_scale, dtypes: [float32], optional: true")
+         .replace("{name: v_scale, dtypes: [float32], optional: true, with_dtypes: [float8e4m3fn]", "{name: v_scale, dtypes: [float32], optional: true"),
+         r"fp8_speedup: FlashAttention has no FP8 form"),
+    ],
+)
+def test_bad_fp8_speedup_entries_are_rejected(tmp_path, edit, message):
+    assert FLASH_D64 in FLASH
+    text = edit(FLASH)
+    assert text != FLASH
+    with pytest.raises(SpecError, match=message):
+        _read(tmp_path, text)

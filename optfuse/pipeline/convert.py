@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
@@ -106,6 +106,8 @@ def convert(model: str | os.PathLike | None, recipe: Recipe | None, outdir: str 
         raise InputError("no model given: pass MODEL.onnx or a recipe (-r) that names one")
     # the target/backend check, before any work (an unknown backend or an unbuildable --target: exit 2)
     plan = plan_target(target, recipe, backend)
+    if plan.explicit:  # the precision stage's FP8 attention rule reads the arch built for
+        overrides = replace(overrides, target=plan.target)
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise InputError(f"output directory {outdir} is a file")

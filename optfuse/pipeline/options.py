@@ -28,6 +28,7 @@ from ..errors import InputError
 from ..pattern import FusionOptions
 from ..precision import PrecisionOptions
 from ..recipe import Recipe, load_recipe
+from ..target import arch_name, parse_arch
 from ..trt.build import BuildProfile
 from ..verify import Agreement, FeedSpec, Tolerances, VerifyOptions
 
@@ -160,6 +161,9 @@ class Overrides:
     output_rtol: Mapping[str, float] = field(default_factory=dict)
     #: ``convert --per-node`` / ``--no-per-node`` (over the recipe's ``verify.per_node``)
     per_node: bool | None = None
+    #: ``convert --target`` (over the recipe's ``target.arch``): the arch the precision stage's
+    #: FP8 attention rule reads
+    target: str | None = None
 
     def tolerances_given(self) -> bool:
         return (self.atol is not None or self.rtol is not None or bool(self.output_atol)
@@ -307,7 +311,12 @@ def options_record(recipe: Recipe | None, overrides: Overrides, dims: DimPlan | 
                         "keep_fp32_source": src(bool(overrides.keep_fp32), bool(recipe and recipe.precision.keep_fp32))}
     if p.mode == "fp8":
         c = calibration_settings(recipe)
-        rec["precision"].update({"fp8_base": p.fp8_base, "fp8_exclude": list(p.fp8_exclude), "calibration": {
+        rec["precision"].update({"fp8_base": p.fp8_base, "fp8_exclude": list(p.fp8_exclude),
+                                 "fp8_attention": p.fp8_attention,
+                                 "fp8_attention_target": arch_name(p.target_arch) if p.target_arch is not None else None,
+                                 "fp8_attention_target_source": src(overrides.target is not None, recipe is not None
+                                                                     and "target" in recipe.model_fields_set),
+                                 "calibration": {
             "method": p.calibrator, "percentile": p.percentile if p.calibrator == "percentile" else None,
             "batches": c.batches, "seed": None if c.npz is not None else c.seed, "npz": c.npz_label or None}})
     given = overrides.tolerances_given()
@@ -452,15 +461,19 @@ def _override_tolerances(table: Tolerances, overrides: Overrides) -> Tolerances:
 
 def precision_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES) -> PrecisionOptions:
     """The recipe's precision section; ``--fp16``/``--bf16``/``--fp8`` and ``--keep-fp32`` replace its mode
-    and patterns."""
+    and patterns. The target arch is ``convert --target``, else the recipe's ``target.arch`` (None
+    without a recipe: unknown)."""
     p = recipe.precision if recipe is not None else None
     mode = overrides.precision or (p.mode if p is not None else "fp32")
     keep = overrides.keep_fp32 or (tuple(p.keep_fp32) if p is not None else ())
+    arch = overrides.target or (recipe.target.arch if recipe is not None else None)
+    target_arch = parse_arch(arch) if arch is not None else None
     if p is None:
-        return PrecisionOptions(mode=mode, keep_fp32=tuple(keep))
+        return PrecisionOptions(mode=mode, keep_fp32=tuple(keep), target_arch=target_arch)
     c = p.calibration
     return PrecisionOptions(mode=mode, keep_fp32=tuple(keep), io_dtype=p.io_dtype, fp8_base=p.fp8_base,
-                            calibrator=c.method, percentile=c.percentile, fp8_exclude=tuple(p.fp8_exclude))
+                            calibrator=c.method, percentile=c.percentile, fp8_exclude=tuple(p.fp8_exclude),
+                            fp8_attention=p.fp8_attention, target_arch=target_arch)
 
 
 @dataclass(frozen=True)

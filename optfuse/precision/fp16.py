@@ -69,6 +69,11 @@ class PrecisionOptions:
     percentile: float = 99.99
     #: fp8 only: GEMM node names or globs (over the fused node's name and the nodes it replaced) kept in fp8_base
     fp8_exclude: tuple[str, ...] = ()
+    #: fp8 only: which FlashAttention nodes take their FP8 form: auto (where it pays on target_arch,
+    #: per the spec's fp8_speedup) | on (every node) | off (none)
+    fp8_attention: str = "auto"
+    #: the target's compute capability (recipe target.arch, convert --target; None: unknown)
+    target_arch: int | None = None
 
 
 @dataclass

@@ -8,7 +8,8 @@
    has the FP8 inputs, and every unfused ``MatMul``/``Gemm`` with a constant 2-D weight, except what
    ``fp8_exclude`` names (node names or globs, matched against the fused node's name, the names of
    the nodes it replaced and the op type). Everything else stays in the base precision: norms and
-   softmax statistics, the excluded GEMMs; optfuse's FlashAttention nodes take their FP8 form (:mod:`.fp8_attention`);
+   softmax statistics, the excluded GEMMs; optfuse's FlashAttention nodes take their FP8 form where
+   it pays on the target (``fp8_attention``, :mod:`.fp8_attention`);
 3. calibrates each quantized GEMM's activation input on the FP32 model
    (:mod:`optfuse.precision.calibrate`): a per-tensor scale amax / 448; weights get per-output-
    channel scales max |W| / 448 from their FP32 values;
@@ -48,7 +49,7 @@ from .. import DOMAIN
 from ..errors import InputError
 from .calibrate import E4M3_MAX, TensorCalibration, calibrate, check_calibrator, quantize_e4m3, weight_scales
 from .fp16 import PrecisionOptions, PrecisionResult, convert_precision
-from .fp8_attention import place_flash_attention
+from .fp8_attention import FP8_ATTENTION_MODES, place_flash_attention
 from .fp8_mha import AttentionTarget, find_attention
 from .fp8_nodes import (BASE_TYPES, OUTPUT_DTYPE, QdqBuilder, calibration_source, excluded_by, insert_nodes,
                         replaced_names, round_to)
@@ -138,6 +139,8 @@ def quantize_fp8(model: onnx.ModelProto, options: PrecisionOptions,
     model's inputs. Returns (model, result); bad options are InputErrors."""
     if options.fp8_base not in BASE_TYPES:
         raise InputError(f"precision.fp8_base {options.fp8_base!r}: expected fp16 or bf16")
+    if options.fp8_attention not in FP8_ATTENTION_MODES:
+        raise InputError(f"precision.fp8_attention {options.fp8_attention!r}: expected {', '.join(FP8_ATTENTION_MODES)}")
     check_calibrator(options.calibrator, options.percentile)
     opset_before = default_opset(model)
     fp32 = raise_opset(model, FP8_OPSET)

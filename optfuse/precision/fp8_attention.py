@@ -1,8 +1,17 @@
 """Precision fp8: optfuse's FlashAttention nodes in their FP8 form (FlashAttention spec v3).
 
-Each ``FlashAttention`` node whose spec has the FP8 form (``q_scale`` and an FP8 ``q``), that
-``precision.fp8_exclude`` does not name, takes E4M3 q, k, v directly (no DequantizeLinear in front
-of the plugin), like the optfuse GEMMs:
+Which nodes (:func:`flash_targets`): each ``FlashAttention`` node whose spec has the FP8 form
+(``q_scale`` and an FP8 ``q``), that ``precision.fp8_exclude`` does not name, where FP8 pays on the
+target (``precision.fp8_attention``):
+
+- ``auto`` (the default): the spec's ``fp8_speedup`` entry for the target's arch and the node's
+  head dim (q's last dim) decides; where its lowest speedup is <= 1 (sm_90, D = 64: the Triton FP8
+  branch, 0.71-0.94x the bf16 kernel) the node stays in the base precision, with that measurement
+  as the reason. A target or head dim the spec does not list (sm_89, no target, D = 32) goes FP8;
+- ``on``: every node; ``off``: none.
+
+Each node chosen takes E4M3 q, k, v directly (no DequantizeLinear in front of the plugin), like the
+optfuse GEMMs:
 
 - q, k, v are calibrated per tensor on the FP32 model like GEMM activations (the recipe's
   calibrator; scale amax / 448, rounded to the base type so the Q and the plugin hold one value);
@@ -35,6 +44,8 @@ from .fp8_nodes import BASE_TYPES, OUTPUT_DTYPE, QdqBuilder, calibration_source,
 FLASH_OP = "FlashAttention"
 #: FP8 v's key axis is padded to a multiple of this (the spec's Skv)
 V_KEY_ALIGN = 16
+#: precision.fp8_attention: auto (where the spec's fp8_speedup says FP8 pays on the target), on, off
+FP8_ATTENTION_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -53,25 +64,59 @@ def flash_fp8_ready() -> bool:
     return "q_scale" in [t.name for t in spec.inputs] and "float8e4m3fn" in spec.inputs[0].dtypes
 
 
-def flash_targets(model: onnx.ModelProto, exclude: Sequence[str] = ()) -> tuple[list[onnx.NodeProto], list[dict]]:
-    """The FlashAttention nodes to put in FP8 form, and those kept in the base precision with why."""
+def flash_targets(model: onnx.ModelProto, exclude: Sequence[str] = (), *, mode: str = "auto",
+                  arch: int | None = None) -> tuple[list[onnx.NodeProto], list[dict]]:
+    """The FlashAttention nodes to put in FP8 form, and those kept in the base precision with why.
+    `mode`: ``precision.fp8_attention`` (module doc); `arch`: the target's compute capability (None: unknown)."""
+    from ..spec import get_spec
 
+    if mode not in FP8_ATTENTION_MODES:
+        raise InputError(f"precision.fp8_attention {mode!r}: expected {', '.join(FP8_ATTENTION_MODES)}")
     inits = {t.name for t in model.graph.initializer}
     nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == FLASH_OP]
     if nodes and not flash_fp8_ready():
         return [], [{"name": n.name, "op": FLASH_OP, "reason": "the FlashAttention spec has no FP8 form"} for n in nodes]
+    spec = get_spec(FLASH_OP)
+    dims = _head_dims(model, nodes) if mode == "auto" and nodes else {}
     targets, kept = [], []
     for n in nodes:
         pattern = excluded_by(n, exclude)
+        timed = spec.fp8_speedup_at(arch, dims.get(n.name))
         if pattern is not None:
             kept.append({"name": n.name, "op": FLASH_OP, "reason": f"excluded by precision.fp8_exclude ({pattern!r})"})
         elif any(not x or x in inits for x in n.input[:3]):
             kept.append({"name": n.name, "op": FLASH_OP, "reason": "q, k or v is a constant"})
         elif any(n.input[4:]):
             kept.append({"name": n.name, "op": FLASH_OP, "reason": "already in FP8 form"})
+        elif mode == "off":
+            kept.append({"name": n.name, "op": FLASH_OP, "reason": "precision.fp8_attention is off"})
+        elif mode == "auto" and timed is not None and not timed.pays:
+            kept.append({"name": n.name, "op": FLASH_OP, "reason": timed.describe("attention")})
         else:
             targets.append(n)
     return targets, kept
+
+
+def _head_dims(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto]) -> dict[str, int]:
+    """Each node's head dim (q's last dim) where the model's shapes give it: its value_info, inputs
+    and outputs, else ONNX shape inference (q's, else o's, last dim)."""
+    def known(m: onnx.ModelProto) -> dict[str, int]:
+        out = {}
+        for vi in [*m.graph.input, *m.graph.value_info, *m.graph.output]:
+            dims = vi.type.tensor_type.shape.dim if vi.type.tensor_type.HasField("shape") else []
+            if len(dims) == 4 and dims[-1].HasField("dim_value"):
+                out[vi.name] = dims[-1].dim_value
+        return out
+
+    def pick(last: dict[str, int]) -> dict[str, int]:
+        return {n.name: d for n in nodes if (d := last.get(n.input[0], last.get(n.output[0]))) is not None}
+
+    found = pick(known(model))
+    if len(found) < len(nodes):
+        from ..ir.shapes import infer_shapes
+
+        found = {**pick(known(infer_shapes(model))), **found}
+    return found
 
 
 def place_flash_attention(out: onnx.ModelProto, fp32: onnx.ModelProto, options, calibration, result) -> None:
@@ -81,7 +126,7 @@ def place_flash_attention(out: onnx.ModelProto, fp32: onnx.ModelProto, options, 
     FlashAttention counts only those others."""
     from .calibrate import calibrate
 
-    targets, kept = flash_targets(fp32, options.fp8_exclude)
+    targets, kept = flash_targets(fp32, options.fp8_exclude, mode=options.fp8_attention, arch=options.target_arch)
     if result.fp8 is not None:
         result.fp8["flash_attention_kept"] = kept
         by_policy = result.fp8.setdefault("kept", {})
