@@ -420,8 +420,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             // 1.7 % off), so each k-block's product (128 values of K) is promoted into acc. There
             // is room for one 64 x 128 partial, not a second 64 x 256: the k-block runs as two
             // halves of W's rows (the tile's columns 0-127, then 128-255; GatedGemm: the gate,
-            // then the up rows), each waited for and added. The other consumer warpgroup's MMAs
-            // fill the tensor cores meanwhile.
+            // then the up rows), each waited for and added; while one warpgroup waits and adds, the
+            // tensor cores run the other's MMAs (they still idle about a third of the time on
+            // square-4k: README, the FP8 table).
             float part[64];
             for (int kb = 0; kb < K_BLOCKS; ++kb, ++it) {
                 const int s = it % STAGES;
