@@ -24,7 +24,7 @@ exactly when that input is present (the norms' FP8 output: ``y_scale``), else it
 rules.
 
 ``fp8_speedup`` (ops with an FP8 first input) lists where the op's FP8 form was timed against its
-16-bit kernel: per (arch, head dim), the kernel the FP8 form runs there, the lowest and highest
+16-bit kernel: per (arch, head dim, bias forms), the kernel the FP8 form runs there, the lowest and highest
 speedup over the shapes timed, the GPU and the results file (:class:`Fp8Speedup`; the precision
 stage puts a node in FP8 only where that is known to pay, :meth:`OpSpec.fp8_speedup_at`).
 
@@ -58,6 +58,9 @@ LIKE_INPUT = "like_input"
 ATTR_TYPES = ("float", "int", "string", "floats", "ints")
 #: The kernels an op's FP8 form runs (an ``fp8_speedup`` entry names one), as reports call them.
 FP8_KERNELS = {"cuda": "the CUDA kernel's FP8 path", "triton": "the Triton FP8 branch"}
+#: The forms of an attention bias an ``fp8_speedup`` entry can cover (the kernels take each form
+#: differently): none (absent, or one broadcast value), key_padding ([B|1, 1, 1, Sk]), other.
+BIAS_FORMS = ("none", "key_padding", "other")
 
 
 class SpecError(ValueError):
@@ -101,6 +104,7 @@ class Fp8Speedup:
 
     arch: int  # compute capability (sm_90: 90)
     head_dim: int
+    bias: tuple[str, ...]  # the BIAS_FORMS the entry covers
     kernel: str  # a key of FP8_KERNELS: what launch.py picks for the FP8 form there
     speedup: tuple[float, float]  # (lowest, highest)
     against: str  # the 16-bit dtype of the kernel timed against (bfloat16)
@@ -112,12 +116,14 @@ class Fp8Speedup:
     def pays(self) -> bool:
         return self.speedup[0] > 1.0
 
-    def describe(self, what: str) -> str:
-        """e.g. ``FP8 attention at head dim 64 on sm_90 runs the Triton FP8 branch, 0.71-0.94x the
-        bf16 kernel (H200)``."""
+    def describe(self, what: str, bias: str = "none") -> str:
+        """For a node of bias form `bias`, e.g. ``FP8 attention at head dim 64 on sm_90 runs the
+        Triton FP8 branch, 0.71-0.94x the bf16 kernel (H200)``; the entry's doc joins the brackets."""
         short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(self.against, self.against)
-        return (f"FP8 {what} at head dim {self.head_dim} on {arch_name(self.arch)} runs {FP8_KERNELS[self.kernel]}, "
-                f"{self.speedup[0]:.2f}-{self.speedup[1]:.2f}x the {short} kernel ({self.device})")
+        form = "" if bias == "none" else f" with a {bias.replace('_', '-')} bias"
+        note = f"; {self.doc}" if self.doc else ""
+        return (f"FP8 {what} at head dim {self.head_dim}{form} on {arch_name(self.arch)} runs {FP8_KERNELS[self.kernel]}, "
+                f"{self.speedup[0]:.2f}-{self.speedup[1]:.2f}x the {short} kernel ({self.device}{note})")
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,7 @@ class OpSpec:
     # Limits of the kernel contract (e.g. max_hidden, head_dims); fusions consult them before
     # matching, launch code enforces them.
     limits: dict[str, Any] = field(default_factory=dict)
-    # Where the FP8 form was timed against the 16-bit kernel, per (arch, head dim)
+    # Where the FP8 form was timed against the 16-bit kernel, per (arch, head dim, bias forms)
     fp8_speedup: tuple[Fp8Speedup, ...] = ()
 
     @property
@@ -206,9 +212,10 @@ class OpSpec:
         """The attributes that have a default, with it (spec order)."""
         return {a.name: a.default for a in self.attributes if a.default is not None}
 
-    def fp8_speedup_at(self, arch: int | None, head_dim: int | None) -> Fp8Speedup | None:
-        """The ``fp8_speedup`` entry of this target and head dim, or None (not timed there, or either unknown)."""
-        return next((m for m in self.fp8_speedup if (m.arch, m.head_dim) == (arch, head_dim)), None)
+    def fp8_speedup_at(self, arch: int | None, head_dim: int | None, bias: str = "none") -> Fp8Speedup | None:
+        """The ``fp8_speedup`` entry of this target, head dim and bias form (BIAS_FORMS), or None
+        (not timed there, or the target or head dim unknown)."""
+        return next((m for m in self.fp8_speedup if (m.arch, m.head_dim) == (arch, head_dim) and bias in m.bias), None)
 
 
 # -- validation --------------------------------------------------------------------------------
@@ -218,8 +225,8 @@ _TENSOR_KEYS = {"name": True, "dtypes": True, "optional": False, "like": False, 
                 "dtype_from": False, "with_dtypes": False, "quantized_by": False, "doc": False}
 _LAST_DIM_KEYS = {"input": True, "axis": True}
 _ATTR_KEYS = {"name": True, "type": True, "default": False, "choices": False, "doc": False}
-_FP8_SPEEDUP_KEYS = {"arch": True, "head_dim": True, "kernel": True, "speedup": True, "against": True, "device": True,
-                     "results": True, "doc": False}
+_FP8_SPEEDUP_KEYS = {"arch": True, "head_dim": True, "bias": True, "kernel": True, "speedup": True, "against": True,
+                     "device": True, "results": True, "doc": False}
 
 
 def _fail(where: str, what: str) -> None:
@@ -341,6 +348,12 @@ def _fp8_speedup(raw: Any, limits: dict[str, Any], where: str) -> Fp8Speedup:
     head_dim = _typed(raw["head_dim"], int, f"{where}.head_dim")
     if "head_dims" in limits and head_dim not in limits["head_dims"]:
         _fail(f"{where}.head_dim", f"{head_dim} is not one of the op's head_dims ({limits['head_dims']})")
+    bias = tuple(_typed(raw["bias"], list, f"{where}.bias"))
+    for j, b in enumerate(bias):
+        if b not in BIAS_FORMS:
+            _fail(f"{where}.bias[{j}]", f"unknown bias form {b!r} (known: {', '.join(BIAS_FORMS)})")
+    if not bias or len(set(bias)) != len(bias):
+        _fail(f"{where}.bias", f"expected distinct bias forms, got {list(bias)!r}")
     kernel = _typed(raw["kernel"], str, f"{where}.kernel")
     if kernel not in FP8_KERNELS:
         _fail(f"{where}.kernel", f"unknown kernel {kernel!r} (known: {', '.join(FP8_KERNELS)})")
@@ -353,7 +366,7 @@ def _fp8_speedup(raw: Any, limits: dict[str, Any], where: str) -> Fp8Speedup:
     against = _typed(raw["against"], str, f"{where}.against")
     if against not in FLOAT_DTYPES:
         _fail(f"{where}.against", f"{against!r} is not one of {', '.join(FLOAT_DTYPES)}")
-    return Fp8Speedup(arch=arch, head_dim=head_dim, kernel=kernel, speedup=(lo, hi), against=against,
+    return Fp8Speedup(arch=arch, head_dim=head_dim, bias=bias, kernel=kernel, speedup=(lo, hi), against=against,
                       device=_typed(raw["device"], str, f"{where}.device"),
                       results=_typed(raw["results"], str, f"{where}.results"),
                       doc=_typed(raw.get("doc", ""), str, f"{where}.doc"))
@@ -440,11 +453,12 @@ def parse_spec(raw: Any, folder: str, where: str) -> OpSpec:
                         for i, m in enumerate(_typed(raw.get("fp8_speedup", []), list, f"{where}: fp8_speedup")))
     if fp8_speedup and not any(d in FP8_DTYPES for d in inputs[0].dtypes):
         _fail(f"{where}: fp8_speedup", f"{op} has no FP8 form ({inputs[0].name} lists no {', '.join(FP8_DTYPES)})")
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int, str]] = set()
     for i, m in enumerate(fp8_speedup):
-        if (m.arch, m.head_dim) in seen:
-            _fail(f"{where}: fp8_speedup[{i}]", f"{arch_name(m.arch)}, head dim {m.head_dim} listed twice")
-        seen.add((m.arch, m.head_dim))
+        for b in m.bias:
+            if (m.arch, m.head_dim, b) in seen:
+                _fail(f"{where}: fp8_speedup[{i}]", f"{arch_name(m.arch)}, head dim {m.head_dim}, bias {b} listed twice")
+            seen.add((m.arch, m.head_dim, b))
     return OpSpec(
         op=op, folder=folder, doc=_typed(raw["doc"], str, f"{where}: doc"), inputs=inputs, outputs=outputs,
         attributes=attributes, domain=_typed(raw.get("domain", DOMAIN), str, f"{where}: domain"), version=version,

@@ -29,9 +29,10 @@ against the spec; an FP8 variant below opset 19 is refused with a ValueError.
 
 An op's ``fp8_speedup`` entries (where its FP8 form was timed against the 16-bit kernel) are checked
 against their results file (that arch and GPU; the lowest and highest speedup over the rows of that
-head dim, to 2 decimals; the FP8 rows ran the kernel the entry names, against its 16-bit dtype) and
-against ``launch.py`` (the FP8 form at that arch and head dim, no bias, causal or not, builds the
-kernel the entry names): a new FP8 kernel choice or new numbers mean the entry is re-measured.
+head dim, to 2 decimals, from the FP8 column of the kernel the entry names against its 16-bit
+dtype) and against ``launch.py`` (at that arch and head dim, with each bias form the entry covers,
+causal or not, the FP8 form builds the kernel the entry names and the 16-bit form the CUDA kernel the
+rows were timed against): a new kernel choice or new numbers mean the entry is re-measured.
 
 Each check raises :class:`ContractError`; ``test_contract_checks_catch_a_broken_spec`` shows each
 one failing on a deliberately broken copy of the spec (renamed input, output or attribute, dropped
@@ -450,9 +451,22 @@ def check_functions(spec: OpSpec, reference, opset: int) -> None:
 _TIMED_KERNEL = {"cuda": "fa_sm90_d{D}_", "triton": "fa_triton_d{D}_"}
 
 
+def _fp8_time(row: dict, timed: str) -> float | None:
+    """A results row's FP8 time for the kernel `timed` names: its main FP8 column, or the Triton
+    FP8 column timed beside it (D = 128 rows), else None."""
+    for kernel, ms in (("kernel", "fp8_ms"), ("fp8_triton_kernel", "fp8_triton_ms")):
+        if timed in row.get(kernel, "").rsplit("/", 1)[-1]:
+            return row[ms]
+    return None
+
+
+#: a bias of each form, as launch.kernel_config's static facts take it
+_BIAS_SHAPE = {"none": None, "key_padding": [-1, 1, 1, -1]}
+
+
 def check_fp8_speedup(spec: OpSpec, launch) -> None:
     for m in spec.fp8_speedup:
-        where = f"fp8_speedup sm_{m.arch}, head dim {m.head_dim}"
+        where = f"fp8_speedup sm_{m.arch}, head dim {m.head_dim}, bias {'/'.join(m.bias)}"
         path = PLUGINS_DIR / spec.folder / m.results
         _expect(path.is_file(), spec, f"{where}: results file {m.results} not found")
         data = json.loads(path.read_text())
@@ -461,20 +475,28 @@ def check_fp8_speedup(spec: OpSpec, launch) -> None:
                 f"{where}: {m.results} was timed on sm_{info.get('arch')}, {info.get('device')}, not {m.device}")
         rows = [r for r in data["rows"] if r["D"] == m.head_dim]
         _expect(bool(rows), spec, f"{where}: {m.results} has no row of head dim {m.head_dim}")
-        got = (round(min(r["speedup"] for r in rows), 2), round(max(r["speedup"] for r in rows), 2))
-        _expect(got == m.speedup, spec, f"{where}: speedup {list(m.speedup)}, {m.results} gives {list(got)}")
         timed = _TIMED_KERNEL[m.kernel].format(D=m.head_dim)
-        _expect(all(timed in r["kernel"].rsplit("/", 1)[-1] for r in rows), spec,
-                f"{where}: the timed FP8 kernels are not all {m.kernel} ({timed}...)")
+        fp8 = [_fp8_time(r, timed) for r in rows]
+        _expect(all(t is not None for t in fp8), spec, f"{where}: not every row times a {m.kernel} FP8 kernel ({timed}...)")
+        ratios = [r["bf16_ms"] / t for r, t in zip(rows, fp8)]
+        got = (round(min(ratios), 2), round(max(ratios), 2))
+        _expect(got == m.speedup, spec, f"{where}: speedup {list(m.speedup)}, {m.results} gives {list(got)}")
         _expect(all(f"/{m.against}/" in r["bf16_kernel"] for r in rows), spec,
                 f"{where}: the kernel timed against is not {m.against}")
-        for causal in (0, 1):
-            attrs = {"scale": m.head_dim ** -0.5, "causal": causal, "num_heads": 16, "num_kv_heads": 16,
-                     "output_dtype": m.against}
-            src = launch.kernel_config(spec.op, _fp8_dtypes(spec)[0], attrs,
-                                       {"head_dim": m.head_dim, "bias_shape": None, "arch": m.arch})
-            _expect(src.lang == m.kernel, spec, f"{where}: launch picks the {src.lang} kernel for the FP8 form "
-                                                f"(causal {causal}), the entry says {m.kernel}")
+        against = {k for r in rows for k, name in _TIMED_KERNEL.items()
+                   if name.format(D=m.head_dim) in r["bf16_kernel"].rsplit("/", 1)[-1]}
+        _expect(len(against) == 1, spec, f"{where}: the rows time {m.against} on {sorted(against) or 'no'} kernel(s)")
+        for bias in m.bias:
+            _expect(bias in _BIAS_SHAPE, spec, f"{where}: no launch check for the {bias} form")
+            for causal in (0, 1):
+                attrs = {"scale": m.head_dim ** -0.5, "causal": causal, "num_heads": 16, "num_kv_heads": 16,
+                         "output_dtype": m.against}
+                static = {"head_dim": m.head_dim, "bias_shape": _BIAS_SHAPE[bias], "arch": m.arch}
+                for dtype, kernel in ((_fp8_dtypes(spec)[0], m.kernel), (m.against, *against)):
+                    src = launch.kernel_config(spec.op, dtype, attrs if dtype != m.against else
+                                               {k: v for k, v in attrs.items() if k != "output_dtype"}, static)
+                    _expect(src.lang == kernel, spec, f"{where}: launch picks the {src.lang} kernel for the {dtype} "
+                                                      f"form (causal {causal}), the entry says {kernel}")
 
 
 SPEEDUP_OPS = [op for op in OPS if SPECS[op].fp8_speedup]

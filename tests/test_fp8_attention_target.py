@@ -1,10 +1,11 @@
 """FP8 FlashAttention only where it pays on the target (optfuse/precision/fp8_attention.py,
 ``precision.fp8_attention``), on one hand-built attention block (tests/test_attention_fusion.py's
-builder, a key-padding mask) fused into a FlashAttention node:
+builder, a key-padding mask or none) fused into a FlashAttention node:
 
 - auto: sm_90 at head dim 64 keeps the node in the base precision, the reason the spec's
-  measurement; sm_90 at head dim 128 puts it in FP8; a target or head dim the spec does not list
-  (sm_89, no target, D = 32) keeps today's FP8;
+  measurement; sm_90 at head dim 128 puts it in FP8 without a bias and keeps it with a key-padding
+  bias (the Triton FP8 branch); a target or head dim the spec does not list (sm_89, no target,
+  D = 32) keeps today's FP8;
 - on / off: every node / none;
 - the decision follows the spec's ``fp8_speedup`` (a changed entry changes it);
 - the recipe key, its validation, and the options the run records."""
@@ -29,12 +30,16 @@ from optfuse.spec import get_spec
 from test_attention_fusion import attention_graph
 
 H, S = 2, 16
-D64_SM90 = ("FP8 attention at head dim 64 on sm_90 runs the Triton FP8 branch, 0.71-0.94x the bf16 kernel "
-            "(H200)")
+D64_SM90 = ("FP8 attention at head dim 64 with a key-padding bias on sm_90 runs the Triton FP8 branch, "
+            "0.71-0.94x the bf16 kernel (H200; timed without a mask)")
+D128_PADDED_SM90 = ("FP8 attention at head dim 128 with a key-padding bias on sm_90 runs the Triton FP8 branch, "
+                    "0.63-1.17x the bf16 kernel (H200; timed without a mask)")
+#: the builder's mask of each bias form the spec's entries cover
+MASK = {"key_padding": "padding_min", "none": None}
 
 
-def _fused(D: int) -> onnx.ModelProto:
-    fused, _ = fuse_model(attention_graph(H=H, D=D, S=S, mask="padding_min"), dims={"b": 2})
+def _fused(D: int, mask: str | None = "padding_min") -> onnx.ModelProto:
+    fused, _ = fuse_model(attention_graph(H=H, D=D, S=S, mask=mask), dims={"b": 2})
     assert len(_flash(fused)) == 1
     return fused
 
@@ -43,15 +48,15 @@ def _flash(model):
     return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "FlashAttention"]
 
 
-def _feeds(D: int, n: int = 2):
+def _feeds(D: int, n: int = 2, mask: str | None = "padding_min"):
     rng = np.random.default_rng(0)
     return [{**{x: rng.standard_normal((2, H, S, D)).astype(np.float32) for x in "qkv"},
-             "attention_mask": np.ones((2, S), np.int64)} for _ in range(n)]
+             **({"attention_mask": np.ones((2, S), np.int64)} if mask else {})} for _ in range(n)]
 
 
-def _fp8(D: int, **options):
-    fused = _fused(D)
-    return apply_precision(fused, PrecisionOptions(mode="fp8", **options), _feeds(D))
+def _fp8(D: int, mask: str | None = "padding_min", **options):
+    fused = _fused(D, mask)
+    return apply_precision(fused, PrecisionOptions(mode="fp8", **options), _feeds(D, mask=mask))
 
 
 def _in_fp8(node) -> bool:
@@ -69,12 +74,28 @@ def test_head_dim_64_on_sm90_stays_in_the_base_precision():
     assert res.fp8["gemms"] == []  # the block has no GEMM with a constant weight
 
 
-def test_head_dim_128_on_sm90_goes_fp8():
-    out, res = _fp8(128, target_arch=90)
+def test_head_dim_128_on_sm90_goes_fp8_without_a_bias():
+    out, res = _fp8(128, None, target_arch=90)
     (node,) = _flash(out)
     assert _in_fp8(node)
     assert [a["name"] for a in res.fp8["flash_attention"]] == [node.name] and res.fp8["flash_attention_kept"] == []
     assert "FlashAttention" not in res.fp8["kept"]
+
+
+def test_head_dim_128_with_key_padding_on_sm90_stays_in_the_base_precision():
+    """The FP8 form with a key-padding bias runs the Triton FP8 branch, the bf16 form the CUDA kernel."""
+    out, res = _fp8(128, target_arch=90)
+    (node,) = _flash(out)
+    assert not _in_fp8(node)
+    assert res.fp8["flash_attention_kept"] == [{"name": node.name, "op": "FlashAttention", "reason": D128_PADDED_SM90}]
+
+
+def test_bias_forms():
+    from optfuse.precision.fp8_attention import bias_form
+
+    assert bias_form([]) == bias_form([1, 1, 1, 1]) == bias_form([1]) == "none"
+    assert bias_form(["b", 1, 1, "s"]) == bias_form([None, 1, 1, 16]) == bias_form([1, 1, 16]) == "key_padding"
+    assert bias_form([None, 4, 16, 16]) == bias_form([1, 1, 16, 16]) == bias_form([1, None, 1, 16]) == "other"
 
 
 @pytest.mark.parametrize("arch, D", [(89, 64), (None, 64), (90, 32), (80, 64)])
@@ -130,13 +151,15 @@ def test_the_decision_follows_the_spec(monkeypatch):
     """Each fp8_speedup entry decides its (arch, head dim); an entry changed to a loss keeps that node."""
     spec = get_spec("FlashAttention")
     for m in spec.fp8_speedup:
-        targets, kept = flash_targets(_fused(m.head_dim), arch=m.arch)
-        assert (len(targets), len(kept)) == ((1, 0) if m.pays else (0, 1)), m
+        for bias in m.bias:
+            targets, kept = flash_targets(_fused(m.head_dim, MASK[bias]), arch=m.arch)
+            assert (len(targets), len(kept)) == ((1, 0) if m.pays else (0, 1)), (m, bias)
     d128 = spec.fp8_speedup_at(90, 128)
     slower = dataclasses.replace(spec, fp8_speedup=(dataclasses.replace(d128, speedup=(0.8, 1.1)),))
     real = optfuse.spec.get_spec
     monkeypatch.setattr(optfuse.spec, "get_spec", lambda op: slower if op == "FlashAttention" else real(op))
-    targets, kept = flash_targets(_fused(128), arch=90)
+    assert len(flash_targets(_fused(128), arch=90)[0]) == 1  # key padding: no entry left, FP8
+    targets, kept = flash_targets(_fused(128, None), arch=90)
     assert targets == [] and kept[0]["reason"] == ("FP8 attention at head dim 128 on sm_90 runs the CUDA kernel's "
                                                    "FP8 path, 0.80-1.10x the bf16 kernel (H200)")
     assert len(flash_targets(_fused(64), arch=90)[0]) == 1  # no entry left for D = 64: FP8

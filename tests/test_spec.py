@@ -273,42 +273,61 @@ def test_plugin_forms_follow_the_output_dtype_rule_and_fp8_combinations():
 
 
 FLASH = (PLUGINS_DIR / "flash_attention" / "spec.yaml").read_text().split("---")[0]
-FLASH_D64 = ("{arch: sm_90, head_dim: 64, kernel: triton, speedup: [0.71, 0.94], against: bfloat16, device: H200,\n"
-             "     results: results/h200_fp8_bench.json}")
+FLASH_D64 = ("{arch: sm_90, head_dim: 64, bias: [none], kernel: triton, speedup: [0.71, 0.94], against: bfloat16,\n"
+             "     device: H200, results: results/h200_fp8_bench.json}")
+FLASH_D128_PADDED = "{arch: sm_90, head_dim: 128, bias: [key_padding], kernel: triton, speedup: [0.63, 1.17]"
 
 
 def test_fp8_speedup_entries(tmp_path):
-    """FlashAttention's fp8_speedup: typed entries per (arch, head dim), the arch in any spelling
-    parse_arch reads; FP8 pays where even the lowest speedup is above 1; an arch or head dim not
-    listed has no entry."""
+    """FlashAttention's fp8_speedup: typed entries per (arch, head dim, bias forms), the arch in
+    any spelling parse_arch reads; FP8 pays where even the lowest speedup is above 1; an arch, head
+    dim or bias form not listed has no entry."""
     spec = get_spec("FlashAttention")
     d128, d64 = spec.fp8_speedup_at(90, 128), spec.fp8_speedup_at(90, 64)
     assert (d128.kernel, d128.speedup, d128.pays) == ("cuda", (1.20, 1.37), True)
     assert (d64.kernel, d64.speedup, d64.pays) == ("triton", (0.71, 0.94), False)
     assert d64.describe("attention") == ("FP8 attention at head dim 64 on sm_90 runs the Triton FP8 branch, "
                                          "0.71-0.94x the bf16 kernel (H200)")
+    padded = spec.fp8_speedup_at(90, 128, "key_padding")
+    assert (padded.kernel, padded.speedup, padded.pays, padded.bias) == ("triton", (0.63, 1.17), False, ("key_padding",))
+    assert padded.describe("attention", "key_padding") == (
+        "FP8 attention at head dim 128 with a key-padding bias on sm_90 runs the Triton FP8 branch, 0.63-1.17x "
+        "the bf16 kernel (H200; timed without a mask)")
+    assert spec.fp8_speedup_at(90, 64, "key_padding").speedup == (0.71, 0.94)
+    assert spec.fp8_speedup_at(90, 128, "other") is None and spec.fp8_speedup_at(90, 64, "other") is None
     assert spec.fp8_speedup_at(89, 64) is None and spec.fp8_speedup_at(90, 32) is None
     assert spec.fp8_speedup_at(None, 64) is None and spec.fp8_speedup_at(90, None) is None
     assert get_spec("BlockSparseAttention").fp8_speedup == () and get_spec("LayerNorm").fp8_speedup == ()
-    text = FLASH.replace("arch: sm_90, head_dim: 64", "arch: '9.0', head_dim: 64").replace(
-        "arch: sm_90, head_dim: 128", "arch: sm_89, head_dim: 128")
+    text = FLASH.replace("arch: sm_90, head_dim: 64, bias: [none]", "arch: '9.0', head_dim: 64, bias: [none]").replace(
+        "arch: sm_90, head_dim: 128, bias: [none]", "arch: sm_89, head_dim: 128, bias: [none, other]")
     (one,) = _read(tmp_path, text).values()
-    assert [(m.arch, m.head_dim) for m in one.fp8_speedup] == [(89, 128), (90, 64)]
+    assert [(m.arch, m.head_dim, m.bias) for m in one.fp8_speedup] == [
+        (89, 128, ("none", "other")), (90, 128, ("key_padding",)), (90, 64, ("none",)), (90, 64, ("key_padding",))]
+
+
+def _d64(old: str, new: str):
+    """An edit of the spec text: the D = 64 no-bias entry (fp8_speedup[2]) with `old` replaced."""
+    return lambda t: t.replace(FLASH_D64, FLASH_D64.replace(old, new))
 
 
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda t: t.replace("kernel: triton", "kernel: cudnn"), r"fp8_speedup\[1\]\.kernel: unknown kernel 'cudnn'"),
-        (lambda t: t.replace("head_dim: 64", "head_dim: 72"), r"fp8_speedup\[1\]\.head_dim: 72 is not one of the op's head_dims"),
-        (lambda t: t.replace("arch: sm_90, head_dim: 64", "arch: sm_91, head_dim: 64"), r"fp8_speedup\[1\]\.arch: unknown GPU arch"),
-        (lambda t: t.replace("[0.71, 0.94]", "[0.94, 0.71]"), r"fp8_speedup\[1\]\.speedup: expected 0 < lowest <= highest"),
-        (lambda t: t.replace("[0.71, 0.94]", "[0.71]"), r"fp8_speedup\[1\]\.speedup: expected \[lowest, highest\]"),
-        (lambda t: t.replace("against: bfloat16, device: H200,\n     results: results/h200_fp8_bench.json}\n",
-                             "against: bfloat16, device: H200}\n", 1),
-         r"fp8_speedup\[0\]: missing required key 'results'"),
-        (lambda t: t.replace("head_dim: 64", "head_dim: 128"), r"fp8_speedup\[1\]: sm_90, head dim 128 listed twice"),
-        (lambda t: t.replace("kernel: triton", "kernel: triton, pays: true"), r"fp8_speedup\[1\]: unknown key 'pays'"),
+        (_d64("kernel: triton", "kernel: cudnn"), r"fp8_speedup\[2\]\.kernel: unknown kernel 'cudnn'"),
+        (_d64("head_dim: 64", "head_dim: 72"), r"fp8_speedup\[2\]\.head_dim: 72 is not one of the op's head_dims"),
+        (_d64("arch: sm_90", "arch: sm_91"), r"fp8_speedup\[2\]\.arch: unknown GPU arch"),
+        (_d64("[0.71, 0.94]", "[0.94, 0.71]"), r"fp8_speedup\[2\]\.speedup: expected 0 < lowest <= highest"),
+        (_d64("[0.71, 0.94]", "[0.71]"), r"fp8_speedup\[2\]\.speedup: expected \[lowest, highest\]"),
+        (_d64(", results: results/h200_fp8_bench.json", ""), r"fp8_speedup\[2\]: missing required key 'results'"),
+        (_d64("bias: [none], ", ""), r"fp8_speedup\[2\]: missing required key 'bias'"),
+        (_d64("bias: [none]", "bias: [padding]"), r"fp8_speedup\[2\]\.bias\[0\]: unknown bias form 'padding'"),
+        (_d64("bias: [none]", "bias: []"), r"fp8_speedup\[2\]\.bias: expected distinct bias forms"),
+        (_d64("bias: [none]", "bias: [none, none]"), r"fp8_speedup\[2\]\.bias: expected distinct bias forms"),
+        (_d64("bias: [none]", "bias: [none, key_padding]"),
+         r"fp8_speedup\[3\]: sm_90, head dim 64, bias key_padding listed twice"),
+        (lambda t: t.replace(FLASH_D128_PADDED, FLASH_D128_PADDED.replace("[key_padding]", "[none]")),
+         r"fp8_speedup\[1\]: sm_90, head dim 128, bias none listed twice"),
+        (_d64("kernel: triton", "kernel: triton, pays: true"), r"fp8_speedup\[2\]: unknown key 'pays'"),
         (lambda t: t.replace("{name: q, dtypes: [float32, float16, bfloat16, float8e4m3fn]", "{name: q, dtypes: [float32]")
          .replace("{name: q_scale, dtypes: [float32], optional: true, with_dtypes: [float8e4m3fn]", "{name: q_scale, dtypes: [float32], optional: true")
          .replace("{name: k_scale, dtypes: [float32], optional: true, with_dtypes: [float8e4m3fn]", "{name: k_scale, dtypes: [float32], optional: true")
@@ -317,7 +336,7 @@ def test_fp8_speedup_entries(tmp_path):
     ],
 )
 def test_bad_fp8_speedup_entries_are_rejected(tmp_path, edit, message):
-    assert FLASH_D64 in FLASH
+    assert FLASH_D64 in FLASH and FLASH_D128_PADDED in FLASH
     text = edit(FLASH)
     assert text != FLASH
     with pytest.raises(SpecError, match=message):

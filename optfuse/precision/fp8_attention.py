@@ -4,10 +4,11 @@ Which nodes (:func:`flash_targets`): each ``FlashAttention`` node whose spec has
 (``q_scale`` and an FP8 ``q``), that ``precision.fp8_exclude`` does not name, where FP8 pays on the
 target (``precision.fp8_attention``):
 
-- ``auto`` (the default): the spec's ``fp8_speedup`` entry for the target's arch and the node's
-  head dim (q's last dim) decides; where its lowest speedup is <= 1 (sm_90, D = 64: the Triton FP8
-  branch, 0.71-0.94x the bf16 kernel) the node stays in the base precision, with that measurement
-  as the reason. A target or head dim the spec does not list (sm_89, no target, D = 32) goes FP8;
+- ``auto`` (the default): the spec's ``fp8_speedup`` entry for the target's arch, the node's head
+  dim (q's last dim) and its bias form (none, key padding, other) decides; where its lowest speedup
+  is <= 1 (sm_90 at D = 64, and at D = 128 with a key-padding bias: the Triton FP8 branch, slower
+  than the bf16 CUDA kernel) the node stays in the base precision, with that measurement as the
+  reason. What the spec does not list (sm_89, no target, D = 32, another bias) goes FP8;
 - ``on``: every node; ``off``: none.
 
 Each node chosen takes E4M3 q, k, v directly (no DequantizeLinear in front of the plugin), like the
@@ -77,11 +78,12 @@ def flash_targets(model: onnx.ModelProto, exclude: Sequence[str] = (), *, mode: 
     if nodes and not flash_fp8_ready():
         return [], [{"name": n.name, "op": FLASH_OP, "reason": "the FlashAttention spec has no FP8 form"} for n in nodes]
     spec = get_spec(FLASH_OP)
-    dims = _head_dims(model, nodes) if mode == "auto" and nodes else {}
+    facts = _node_facts(model, nodes) if mode == "auto" and nodes else {}
     targets, kept = [], []
     for n in nodes:
         pattern = excluded_by(n, exclude)
-        timed = spec.fp8_speedup_at(arch, dims.get(n.name))
+        head_dim, bias = facts.get(n.name, (None, "none"))
+        timed = spec.fp8_speedup_at(arch, head_dim, bias)
         if pattern is not None:
             kept.append({"name": n.name, "op": FLASH_OP, "reason": f"excluded by precision.fp8_exclude ({pattern!r})"})
         elif any(not x or x in inits for x in n.input[:3]):
@@ -91,32 +93,52 @@ def flash_targets(model: onnx.ModelProto, exclude: Sequence[str] = (), *, mode: 
         elif mode == "off":
             kept.append({"name": n.name, "op": FLASH_OP, "reason": "precision.fp8_attention is off"})
         elif mode == "auto" and timed is not None and not timed.pays:
-            kept.append({"name": n.name, "op": FLASH_OP, "reason": timed.describe("attention")})
+            kept.append({"name": n.name, "op": FLASH_OP, "reason": timed.describe("attention", bias)})
         else:
             targets.append(n)
     return targets, kept
 
 
-def _head_dims(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto]) -> dict[str, int]:
-    """Each node's head dim (q's last dim) where the model's shapes give it: its value_info, inputs
-    and outputs, else ONNX shape inference (q's, else o's, last dim)."""
-    def known(m: onnx.ModelProto) -> dict[str, int]:
-        out = {}
+def _node_facts(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto]) -> dict[str, tuple[int | None, str]]:
+    """Each node's (head dim, bias form) where the model's shapes give them (value_info, inputs,
+    outputs and initializers, else ONNX shape inference): the head dim is q's (else o's) last dim,
+    None when unknown; the bias form one of the spec's BIAS_FORMS (:func:`bias_form`)."""
+    def known(m: onnx.ModelProto) -> dict[str, list]:
+        out: dict[str, list] = {t.name: list(t.dims) for t in m.graph.initializer}
         for vi in [*m.graph.input, *m.graph.value_info, *m.graph.output]:
-            dims = vi.type.tensor_type.shape.dim if vi.type.tensor_type.HasField("shape") else []
-            if len(dims) == 4 and dims[-1].HasField("dim_value"):
-                out[vi.name] = dims[-1].dim_value
+            if vi.type.tensor_type.HasField("shape"):
+                out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
         return out
 
-    def pick(last: dict[str, int]) -> dict[str, int]:
-        return {n.name: d for n in nodes if (d := last.get(n.input[0], last.get(n.output[0]))) is not None}
+    def facts(shapes: dict[str, list]) -> dict[str, tuple[int | None, str | None]]:
+        out = {}
+        for n in nodes:
+            q = shapes.get(n.input[0]) or shapes.get(n.output[0])
+            head_dim = q[-1] if q is not None and len(q) == 4 else None
+            bias = n.input[3] if len(n.input) > 3 and n.input[3] else None
+            out[n.name] = (head_dim, "none" if bias is None else (bias_form(shapes[bias]) if bias in shapes else None))
+        return out
 
-    found = pick(known(model))
-    if len(found) < len(nodes):
+    found = facts(known(model))
+    if any(h is None or b is None for h, b in found.values()):
         from ..ir.shapes import infer_shapes
 
-        found = {**pick(known(infer_shapes(model))), **found}
-    return found
+        again = facts(known(infer_shapes(model)))
+        found = {k: (h if h is not None else again[k][0], b if b is not None else again[k][1])
+                 for k, (h, b) in found.items()}
+    return {k: (h, b or "other") for k, (h, b) in found.items()}
+
+
+def bias_form(dims: Sequence[int | None]) -> str:
+    """A FlashAttention bias's form (the spec's BIAS_FORMS) from its dims (None: not static):
+    ``none`` when every dim is statically 1 (one broadcast value, which softmax ignores), ``key_padding``
+    for [B|1, 1, 1, Sk] (rank 4 or less, H and Sq statically 1), else ``other``."""
+    dims = [1] * (4 - len(dims)) + list(dims) if len(dims) <= 4 else list(dims)
+    if all(d == 1 for d in dims):
+        return "none"
+    if len(dims) == 4 and dims[1] == 1 and dims[2] == 1:
+        return "key_padding"
+    return "other"
 
 
 def place_flash_attention(out: onnx.ModelProto, fp32: onnx.ModelProto, options, calibration, result) -> None:
