@@ -197,3 +197,30 @@ def test_recipe_fp8_attention_values():
         _recipe({"fp8_attention": "sometimes"})
     assert str(exc.value) == ("recipe r.yaml: field 'precision.fp8_attention': expected 'auto', 'on' or 'off' "
                               "(got 'sometimes')")
+
+
+# -- the reports ------------------------------------------------------------------------------------
+def test_reports_list_the_fp8_attention_nodes_and_the_kept_ones(tmp_path):
+    """report.md and report.html list each FlashAttention node in FP8 with its q, k, v amax and
+    scale, and each one kept with why."""
+    from optfuse.report import missing_extra, render_html
+    from optfuse.report.facts import convert_facts
+
+    out, placed = _fp8(128, None, target_arch=90)
+    _, kept = _fp8(64, target_arch=90)
+    (a,) = placed.fp8["flash_attention"]
+    t = {x["role"]: x for x in a["tensors"]}
+    md = precision_markdown(placed)
+    assert "FlashAttention nodes taking E4M3 q, k, v: 1" in md
+    assert f"| {a['name']} | " + " | ".join(f"{t[r]['amax']:.4g} / {t[r]['scale']:.4g}" for r in "qkv") + " |" in md
+    md = precision_markdown(kept)
+    assert "FlashAttention nodes taking E4M3 q, k, v: 0" in md
+    assert f"| {kept.fp8['flash_attention_kept'][0]['name']} | {D64_SM90} |" in md
+    if missing_extra() is not None:
+        pytest.skip("the report extra (jinja2, matplotlib) is not installed")
+    for res, want in ((placed, f"{t['q']['amax']:.3g} / {t['q']['scale']:.3g}"), (kept, D64_SM90)):
+        facts = convert_facts("block", tmp_path / "m.onnx", tmp_path, [], {}, res, {}, None)
+        html = render_html(facts)
+        assert "FlashAttention node" in html and want in html, want
+    assert "Kept in fp16 by policy: FlashAttention x1" in render_html(convert_facts(
+        "block", tmp_path / "m.onnx", tmp_path, [], {}, kept, {}, None))

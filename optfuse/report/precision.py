@@ -35,7 +35,8 @@ def precision_markdown(result: PrecisionResult) -> str:
 
 
 def fp8_markdown(fp8: dict) -> list[str]:
-    """The FP8 placement: each GEMM that runs E4M3 with its scales and their sources, the GEMMs
+    """The FP8 placement: each GEMM that runs E4M3 with its scales and their sources, the
+    FlashAttention nodes in FP8 (and those kept, with why), the norms feeding FP8 GEMMs, the GEMMs
     kept in the base precision and why, and the op types kept by policy."""
     cal = fp8["calibrator"] + (f" {fp8['percentile']:g}th percentile" if fp8.get("percentile") else "")
     lines = ["### FP8 (E4M3)", "",
@@ -59,6 +60,7 @@ def fp8_markdown(fp8: dict) -> list[str]:
             amax = {t["role"]: t["amax"] for t in a["tensors"]}
             lines.append(f"| {a['softmax']} | {', '.join(a['matmuls'])} | "
                          + " | ".join(f"{amax[r]:.4g}" for r in "QKPV") + " |")
+    lines += _flash_attention_lines(fp8) + _norm_lines(fp8)
     lines += ["", f"GEMM-like nodes kept in {fp8['base']}: {len(fp8['skipped'])}", ""]
     if fp8["skipped"]:
         lines += ["| node | op | why |", "|---|---|---|"]
@@ -67,6 +69,35 @@ def fp8_markdown(fp8: dict) -> list[str]:
     if fp8["kept"]:
         lines += [f"Kept in {fp8['base']} by policy: "
                   + "; ".join(f"{op} x{n} ({why})" for op, (n, why) in fp8["kept"].items()), ""]
+    return lines
+
+
+def _flash_attention_lines(fp8: dict) -> list[str]:
+    """optfuse FlashAttention nodes taking E4M3 q, k, v (amax and scale of each), and those kept in
+    the base precision with why."""
+    placed, kept = fp8.get("flash_attention") or [], fp8.get("flash_attention_kept") or []
+    if not placed and not kept:
+        return []
+    lines = ["", f"FlashAttention nodes taking E4M3 q, k, v: {len(placed)}", ""]
+    if placed:
+        lines += ["| node | q amax / scale | k amax / scale | v amax / scale |", "|---|---|---|---|"]
+        for a in placed:
+            t = {x["role"]: x for x in a["tensors"]}
+            lines.append(f"| {a['name']} | " + " | ".join(f"{t[r]['amax']:.4g} / {t[r]['scale']:.4g}" for r in "qkv") + " |")
+    if kept:
+        lines += ["", f"| FlashAttention node kept in {fp8['base']} | why |", "|---|---|"]
+        lines += [f"| {k['name']} | {k['reason']} |" for k in kept]
+    return lines
+
+
+def _norm_lines(fp8: dict) -> list[str]:
+    """optfuse norms whose y feeds FP8 GEMMs: writing E4M3 themselves, or keeping the Q and why."""
+    norms = fp8.get("norms") or []
+    if not norms:
+        return []
+    lines = ["", f"Norms feeding FP8 GEMMs: {len(norms)}", "", "| norm | op | form | y scale | why |", "|---|---|---|---|---|"]
+    lines += [f"| {n['name']} | {n['op']} | {n['form']} | {'-' if n['scale'] is None else format(n['scale'], '.4g')} | "
+              f"{n['reason'] or '-'} |" for n in norms]
     return lines
 
 
