@@ -395,6 +395,9 @@ def main(argv=None):
     ap.add_argument("--fp8", action="store_true",
                     help="time the FP8 form vs our bf16 kernel on the grid (--dims/--seqs/--causal/--rounds/"
                          "--arch apply; --dtypes, --variants and --tuned-from do not)")
+    ap.add_argument("--fp8-padding", type=float, default=None, metavar="FRACTION",
+                    help="--fp8: both forms with a [B, 1, 1, S] key-padding bias (bf16), the last FRACTION "
+                         "of each batch's keys masked (finfo.min; 0: a mask that masks nothing)")
     ap.add_argument("--variants", metavar="SPEC[;SPEC]",
                     help="main table: also time the CUDA kernel's default config with these FAConfig "
                          "overrides, in the same rounds (e.g. \"softmax_stream=0;num_stages=3,tma=0\"); "
@@ -405,6 +408,8 @@ def main(argv=None):
     variants = parse_variants(args.variants)
     if args.fp8 and (variants or args.tuned_from):
         ap.error("--fp8 takes neither --variants nor --tuned-from (they pick bf16 CUDA-kernel configs)")
+    if args.fp8_padding is not None and (not args.fp8 or not 0 <= args.fp8_padding < 1):
+        ap.error(f"--fp8-padding {args.fp8_padding}: a fraction in [0, 1), with --fp8")
     if variants:
         args.arch = 90
 
@@ -417,7 +422,8 @@ def main(argv=None):
             from optfuse.plugin_dirs import script_module
 
             srcs += script_module("bench_attention_fp8").fp8_build_sources(
-                [int(d) for d in args.dims.split(",")], sweep=True, arch=args.arch)
+                [int(d) for d in args.dims.split(",")], sweep=True, arch=args.arch,
+                padded=args.fp8_padding is not None)
         t0 = time.time()
         KernelCache(args.build).build_many(srcs, 90, jobs=args.jobs)
         print(f"built {len(srcs)} artifacts for sm_90 in {time.time() - t0:.0f}s into {args.build}")

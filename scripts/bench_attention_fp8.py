@@ -10,8 +10,12 @@ and not). Per shape, in interleaved rounds (medians of triton.testing.do_bench, 
 * ``bf16``: the kernel launch.py picks for bf16 on the target (``--arch 90``: the CUDA sm90 kernel,
   with the bf16 Triton kernel timed beside it as ``bf16_triton``; default: the Triton kernel).
 
-Effective TF/s = 4 * B * H * S^2 * D / time (half for causal), the same formula for both, so the
-speedup is the time ratio. The FP8 output is checked against the bf16 kernel's (max abs error
+With ``--fp8-padding F`` both forms take a [B, 1, 1, S] key-padding bias (bf16; the last F of each
+batch's keys at finfo.min, F = 0 a mask that masks nothing): the kernels each form runs with HF's
+padding mask (rows ``"bias": "key_padding"``, ``"padding": F``).
+
+Effective TF/s = 4 * B * H * S^2 * D / time (half for causal; dense, whatever the padding), the
+same formula for both, so the speedup is the time ratio. The FP8 output is checked against the bf16 kernel's (max abs error
 relative to max |o|, at most FP8_CHECK) before timing. The summary lists every D = 128, S >= 4096
 shape under the targets (FP8 >= 1.5x our best bf16 kernel and >= 900 TF/s).
 """
@@ -35,15 +39,22 @@ TARGET_SPEEDUP = 1.5
 TARGET_TFS = 900.0
 
 
-def fp8_source_for(S: int, D: int, causal, config=None, arch=None):
-    """KernelSource + LaunchParams of the FP8 form on a dense-grid shape (bf16 output), the
-    choice for ``arch`` unless ``config`` is given."""
+def padding_shape(S: int, D: int) -> tuple[int, int, int, int]:
+    """The key-padding bias of a dense-grid shape: [B, 1, 1, S]."""
+    B, _ = script_module("bench_attention").shape_of(S, D)
+    return (B, 1, 1, S)
+
+
+def fp8_source_for(S: int, D: int, causal, config=None, arch=None, padded: bool = False):
+    """KernelSource + LaunchParams of the FP8 form on a dense-grid shape (bf16 output; ``padded``:
+    with the bf16 key-padding bias), the choice for ``arch`` unless ``config`` is given."""
     bench = script_module("bench_attention")
     B, H = bench.shape_of(S, D)
     attrs = {**T.attrs_for(H, H, D, causal), "output_dtype": OUT_DTYPE}
     skv = plugin_module("flash_attention", "reference").fp8_v_keys(S)
-    shapes = [(B, H, S, D), (B, H, S, D), (B, H, D, skv), None]
-    return T.case_sources(L.FP8, shapes, attrs, config=config, arch=arch)
+    shapes = [(B, H, S, D), (B, H, S, D), (B, H, D, skv), padding_shape(S, D) if padded else None]
+    return T.case_sources(L.FP8, shapes, attrs, config=config, arch=arch,
+                          bias_dtype=OUT_DTYPE if padded else None)
 
 
 def _test_case_source(case, arch=None, config=None):
@@ -59,10 +70,11 @@ def _test_case_source(case, arch=None, config=None):
     return src
 
 
-def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False, arch=None) -> list:
+def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False, arch=None, padded: bool = False) -> list:
     """The FP8 sources a device run needs: each (D, causal) config launch.py picks (one per
     (D, causal): kernel_config cannot see S), the GPU tests' cases, and with ``sweep`` every
-    candidate config (``arch`` 90: the CUDA kernel's and the Triton kernel's)."""
+    candidate config (``arch`` 90: the CUDA kernel's and the Triton kernel's); with ``padded`` also
+    both forms with the key-padding bias (--fp8-padding)."""
     srcs = {}
     gpu = plugin_module("flash_attention", "test_kernel_fp8_gpu")
     for case in gpu.CASES:
@@ -82,11 +94,29 @@ def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False, arch=None) -> lis
                     for cfg in cfgs:
                         s, _ = fp8_source_for(S, D, causal, cfg, arch=a)
                         srcs[s.name] = s
+                    if padded:
+                        s, _ = fp8_source_for(S, D, causal, arch=a, padded=True)
+                        srcs[s.name] = s
+                        s, _ = script_module("bench_attention").source_for(
+                            OUT_DTYPE, S, D, causal, bias_shape=padding_shape(S, D), arch=a)
+                        srcs[s.name] = s
     return list(srcs.values())
 
 
-def run_fp8_shape(runner, S: int, D: int, causal, arch=None, rounds: int = 3, config=None) -> dict:
-    """One dense-grid shape: FP8 vs our bf16 kernel(s), checked, timed in interleaved rounds."""
+def padding_bias(B: int, S: int, padding: float, device="cuda"):
+    """[B, 1, 1, S] bf16: 0 on each batch's first S - round(padding * S) keys, finfo.min after."""
+    import torch
+
+    bias = torch.zeros(B, 1, 1, S, device=device, dtype=torch.bfloat16)
+    cut = S - int(round(padding * S))
+    bias[..., cut:] = torch.finfo(torch.bfloat16).min
+    return bias
+
+
+def run_fp8_shape(runner, S: int, D: int, causal, arch=None, rounds: int = 3, config=None,
+                  padding: float | None = None) -> dict:
+    """One dense-grid shape: FP8 vs our bf16 kernel(s), checked, timed in interleaved rounds;
+    ``padding`` (a fraction): both forms with the key-padding bias (module doc)."""
     import torch
 
     from optfuse.kernels import launch
@@ -98,17 +128,19 @@ def run_fp8_shape(runner, S: int, D: int, causal, arch=None, rounds: int = 3, co
     q8, k8, vt8, scales = T.fp8_inputs(q, k, v)
     stream = torch.cuda.current_stream().cuda_stream
     fl = bench.flops(B, H, S, D, causal)
-    src8, params8 = fp8_source_for(S, D, causal, config, arch=arch)
+    padded = padding is not None
+    bias = [padding_bias(B, S, padding)] if padded else []
+    src8, params8 = fp8_source_for(S, D, causal, config, arch=arch, padded=padded)
     art8, where = runner.artifact(src8)
-    ins8 = [q8, k8, vt8, *scales]
+    ins8 = [q8, k8, vt8, *bias, *scales]
     out8 = torch.full_like(q, float("nan"))
     launch(art8, params8, ins8, [out8], stream, sync=True)
     row = {"mode": "fp8", "B": B, "H": H, "S": S, "D": D, "causal": int(causal), "kernel": src8.name,
-           "artifact": where, "smem": art8.shared_mem}
+           "artifact": where, "smem": art8.shared_mem, **({"bias": "key_padding", "padding": padding} if padded else {})}
     fns = {"fp8": lambda: launch(art8, params8, ins8, [out8], stream)}
     outs = {}
     if config is None and src8.lang == "cuda":  # the Triton kernel's FP8 branch beside it
-        srct, paramst = fp8_source_for(S, D, causal)
+        srct, paramst = fp8_source_for(S, D, causal, padded=padded)
         artt, _ = runner.artifact(srct)
         outt = torch.full_like(q, float("nan"))
         launch(artt, paramst, ins8, [outt], stream, sync=True)
@@ -118,15 +150,16 @@ def run_fp8_shape(runner, S: int, D: int, causal, arch=None, rounds: int = 3, co
     for name, a in (("bf16", arch), ("bf16_triton", None)):
         if name == "bf16_triton" and arch is None:
             continue
-        src, params = bench.source_for(OUT_DTYPE, S, D, causal, arch=a)
+        src, params = bench.source_for(OUT_DTYPE, S, D, causal, arch=a,
+                                       bias_shape=padding_shape(S, D) if padded else None)
         if name == "bf16_triton" and src.name == row.get("bf16_kernel"):
             continue  # the target's bf16 choice is the Triton kernel already
         art, _ = runner.artifact(src)
         o = torch.full_like(q, float("nan"))
-        launch(art, params, [q, k, v], [o], stream, sync=True)
+        launch(art, params, [q, k, v, *bias], [o], stream, sync=True)
         outs[name] = o
         row[f"{name}_kernel"] = src.name
-        fns[name] = (lambda a_, p_, o_: lambda: launch(a_, p_, [q, k, v], [o_], stream))(art, params, o)
+        fns[name] = (lambda a_, p_, o_: lambda: launch(a_, p_, [q, k, v, *bias], [o_], stream))(art, params, o)
     ref = outs["bf16"].float()
     for name, o8 in (("fp8", out8), ("fp8_triton", outs.get("fp8_triton"))):
         if o8 is None:
@@ -197,7 +230,9 @@ def main_fp8(args, runners) -> int:
     bench = script_module("bench_attention")
     dims = [int(d) for d in args.dims.split(",")]
     seqs = [int(s) for s in args.seqs.split(",")]
-    bench.prebuild_missing(runners, fp8_build_sources(dims, seqs, sweep=args.sweep, arch=args.arch))
+    padding = getattr(args, "fp8_padding", None)
+    bench.prebuild_missing(runners, fp8_build_sources(dims, seqs, sweep=args.sweep, arch=args.arch,
+                                                      padded=padding is not None))
     if args.sweep:
         rows = sweep_fp8(runners[0], dims, bench.SWEEP_SEQS if args.seqs == ",".join(map(str, bench.SEQS)) else seqs,
                          arch=args.arch)
@@ -209,7 +244,8 @@ def main_fp8(args, runners) -> int:
         for causal in (int(c) for c in args.causal.split(",")):
             for S in seqs:
                 try:
-                    rows.append(run_fp8_shape(runners[0], S, D, causal, arch=args.arch, rounds=args.rounds))
+                    rows.append(run_fp8_shape(runners[0], S, D, causal, arch=args.arch, rounds=args.rounds,
+                                              padding=padding))
                 except Exception as e:  # a failing shape is a row, the grid goes on
                     rows.append({"S": S, "D": D, "causal": causal, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 print_rows(rows[-1:])

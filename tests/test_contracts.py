@@ -473,8 +473,12 @@ def check_fp8_speedup(spec: OpSpec, launch) -> None:
         info = data["info"]
         _expect((info.get("arch"), info.get("device", "").split()[-1]) == (m.arch, m.device), spec,
                 f"{where}: {m.results} was timed on sm_{info.get('arch')}, {info.get('device')}, not {m.device}")
-        rows = [r for r in data["rows"] if r["D"] == m.head_dim]
+        of_dim = [r for r in data["rows"] if r["D"] == m.head_dim]
+        # rows timed with the entry's bias forms (--fp8-padding: "bias": "key_padding"), else the no-mask ones
+        rows = [r for r in of_dim if r.get("bias", "none") in m.bias] or [r for r in of_dim if "bias" not in r]
         _expect(bool(rows), spec, f"{where}: {m.results} has no row of head dim {m.head_dim}")
+        _expect(all(r.get("bias", "none") in m.bias for r in rows) or "without a mask" in m.doc, spec,
+                f"{where}: timed without a mask, and the entry's doc does not say so")
         timed = _TIMED_KERNEL[m.kernel].format(D=m.head_dim)
         fp8 = [_fp8_time(r, timed) for r in rows]
         _expect(all(t is not None for t in fp8), spec, f"{where}: not every row times a {m.kernel} FP8 kernel ({timed}...)")
