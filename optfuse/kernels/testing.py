@@ -324,3 +324,31 @@ def check_e4m3(out: Any, ref: Any, what: str = "", max_ulps: int = 1, max_off_fr
                              f"{off:.2%} off at all (max {max_off_fraction:.2%})")
     if (got[sat] != want.view(np.uint8)[sat]).any():
         raise AssertionError(f"{what}: saturated (+-448) outputs differ")
+
+
+def cuobjdump() -> str | None:
+    """The cuobjdump on PATH, else the one Triton ships, else None (no CUDA tools here)."""
+    import shutil
+    from pathlib import Path
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(p) if p.exists() else None
+
+
+def cubin_usage(tool: str, art, tmp_dir) -> tuple[str, str]:
+    """cuobjdump's resource usage (``REG:.. STACK:.. LOCAL:..``) and SASS of an artifact's cubin."""
+    import subprocess
+    from pathlib import Path
+
+    cubin = Path(tmp_dir) / f"{art.name.replace('/', '_')}.cubin"
+    cubin.write_bytes(art.cubin)
+    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return res, sass

@@ -4,16 +4,13 @@ benchmark's ``--variants`` of it."""
 
 import dataclasses
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from optfuse.kernels import KernelCache
 from optfuse.kernels.registry import plugin_module
 from optfuse.plugin_dirs import script_module
-from optfuse.kernels.testing import SymDim, sym_cdiv
+from optfuse.kernels.testing import SymDim, cubin_usage, cuobjdump, sym_cdiv
 
 L = plugin_module("flash_attention", "launch")
 OP = "FlashAttention"
@@ -167,28 +164,6 @@ def _entry_params(art):
     return re.findall(r"\.param\s+\.(\w+)", entry)
 
 
-def _res_and_sass(tool, art, tmp_path):
-    """cuobjdump's resource usage and SASS of the artifact's cubin."""
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(art.cubin)
-    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
-    return res, sass
-
-
-def _cuobjdump():
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import triton
-
-        p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        return str(p) if p.exists() else None
-    except ImportError:
-        return None
-
-
 @pytest.mark.parametrize("dtype,D,causal,bias,ones_sum,tma", [
     ("bfloat16", 128, 0, None, False, True),
     ("float16", 128, 1, (-1, 1, 1, -1), False, True),
@@ -221,9 +196,9 @@ def test_sm90a_compile(tmp_path, dtype, D, causal, bias, ones_sum, tma):
     assert ("TMA" in src.defines) == tma
     for instr in ("tensormap.replace", "tensormap.cp_fenceproxy", "cp.async.bulk.tensor.3d"):
         assert (instr in art.ptx) == tma, instr
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool:  # registers fit (no spills to local memory) and the tensor-core path is HGMMA
-        res, sass = _res_and_sass(tool, art, tmp_path)
+        res, sass = cubin_usage(tool, art, tmp_path)
         assert "STACK:0" in res and "LOCAL:0" in res, res
         assert "HGMMA.64x128x16.F32" in sass
         assert ("HGMMA.64x72x16.F32" in sass) == ones_sum
@@ -245,9 +220,9 @@ def test_sm90a_compile_fp8(tmp_path, causal, bias, tma):
     assert mma == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}, mma
     assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
     assert ("cp.async.bulk.tensor.3d" in art.ptx) == tma
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool:
-        res, sass = _res_and_sass(tool, art, tmp_path)
+        res, sass = cubin_usage(tool, art, tmp_path)
         assert "STACK:0" in res and "LOCAL:0" in res, res
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass
 

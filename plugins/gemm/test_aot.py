@@ -1,6 +1,7 @@
 """AOT compiles of the GEMM kernels through optfuse.kernels (CPU only, no GPU needed): the Triton
 kernel for sm_80, sm_89 and sm_90 with its default configs (FP8 for sm_89 and sm_90: FP8 tensor-core
-MMAs in the PTX), the CUDA sm_90 kernel (NVRTC) with each of its variants, parameters in QDP order."""
+MMAs in the PTX), the CUDA sm_90 kernel (NVRTC) with each of its variants, parameters in QDP order, the FP8 form on
+E4M3 wgmma with no spills (cuobjdump)."""
 
 import re
 
@@ -10,6 +11,7 @@ pytest.importorskip("triton")
 
 from optfuse.kernels import KernelCache  # noqa: E402
 from optfuse.kernels.registry import plugin_module  # noqa: E402
+from optfuse.kernels.testing import cubin_usage, cuobjdump  # noqa: E402
 
 L = plugin_module("gemm", "launch")
 T = plugin_module("gemm", "testing")
@@ -116,14 +118,29 @@ SM90_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.id())
+#: The FP8 form (IN_FP8, cooperative schedule): bias + GELU with a TMA residual, one-value weight
+#: scales with an fp16 y, GatedGemm.
+SM90_FP8_CASES = [
+    T.Case("GemmEpilogue", (-1,), 3072, 768, "float8e4m3fn", "gelu_erf", "vector", "full", output_dtype="bfloat16"),
+    T.Case("GemmEpilogue", (-1,), 4096, 4096, "float8e4m3fn", "silu", "scalar", "none", output_dtype="float16",
+           w_scale="scalar"),
+    T.Case("GatedGemm", (-1,), 11008, 4096, "float8e4m3fn", "silu", output_dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case", SM90_CASES + SM90_FP8_CASES, ids=lambda c: c.id())
 def test_sm90_cuda_compiles_every_variant(tmp_path, case):
-    """Each config of the CUDA sm_90 kernel (both schedules) builds for sm_90a (NVRTC) with wgmma and setmaxnreg,
-    inputs in QDP order, and fits the shared memory it asks for."""
+    """Each config of the CUDA sm_90 kernel (every schedule that takes the instance) builds for sm_90a
+    (NVRTC) with wgmma and setmaxnreg, inputs in QDP order, and fits the shared memory it asks for.
+    FP8: only m64n128k32 E4M3 wgmma (QGMMA in SASS, no 16-bit HGMMA), and the accumulator, the 64 x
+    128 partial and the rest fit the consumers' registers (no stack, no local memory)."""
+    fp8 = case.dtype == "float8e4m3fn"
     static = T.case_static(case, 90)
-    cfgs = [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, 90, static, case.activation)
-            if c.impl in L.SM90_SCHEDULES]
-    assert cfgs and L.choose_config(case.op, case.dtype, case.n, case.k, 90, static, case.activation) == cfgs[0]
+    cfgs = [c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, 90, static, case.activation,
+                                           case.y_dtype) if c.impl in L.SM90_SCHEDULES]
+    assert cfgs and L.choose_config(case.op, case.dtype, case.n, case.k, 90, static, case.activation,
+                                    case.y_dtype) == cfgs[0]
+    assert not fp8 or {c.impl for c in cfgs} == {"cuda_sm90"}
     for cfg in cfgs:
         src = L.kernel_config(case.op, case.dtype, case.attrs, static, config=cfg)
         art = KernelCache(tmp_path).build(src, 90)
@@ -131,9 +148,17 @@ def test_sm90_cuda_compiles_every_variant(tmp_path, case):
         assert "wgmma.mma_async" in art.ptx and "setmaxnreg" in art.ptx
         entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
         assert re.findall(r"\.param\s+\.(\w+)", entry) == ["u64"] * src.n_inputs + ["u32", "u64"]
-        params = L.launch_params(case.op, case.shapes(), [case.dtype] * len(case.shapes()), case.attrs,
-                                 static_shape=static, config=cfg)
+        dtypes = case.dtypes() if fp8 else [case.dtype] * len(case.shapes())
+        params = L.launch_params(case.op, case.shapes(), dtypes, case.attrs, static_shape=static, config=cfg)
         assert params.block == (384, 1, 1) and params.shared_mem <= 227 * 1024
+        if fp8:
+            assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.[\w.]+", art.ptx)) == {
+                "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
+            tool = cuobjdump()
+            if tool:
+                res, sass = cubin_usage(tool, art, tmp_path)
+                assert "STACK:0" in res and "LOCAL:0" in res, (src.name, res)
+                assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass
 
 
 def test_sm90_cuda_declines_what_it_cannot_run():
