@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks shared by the plugins' CUDA kernels (flash_attention,
 // gemm): the wgmma operand type, the packed 16-bit output pair, shared-memory addresses,
 // mbarriers, the generic -> async proxy fence, publishing a device-built tensor map, wgmma
-// fences / waits and shared-memory descriptors. Needs u32 / u64 and OPTFUSE_DTYPE (1 fp16, 2 bf16) defined first.
+// fences / waits, shared-memory descriptors and the E4M3 m64n128k32 wgmma. Needs u32 / u64 and OPTFUSE_DTYPE (1 fp16, 2 bf16) defined first.
 
 #if OPTFUSE_DTYPE == 1
 #define WG_TY "f16"
@@ -105,3 +105,16 @@ __device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo_bytes, u32 sbo_bytes
     "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define ACC_OPS_8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
     "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
+// d (+)= A[64 x 32] (smem, K-major) @ B[32 x 128] (smem, K-major), E4M3 (8-bit operands have no
+// transposed mode); SCALE_D 0 overwrites d. FlashAttention's FP8 S = Q K^T, the GEMM's FP8 halves.
+template <int SCALE_D>
+__device__ __forceinline__ void wgmma_ss_n128_e4m3(float (&d)[64], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" ACC_REGS_64
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : ACC_OPS_8(0), ACC_OPS_8(8), ACC_OPS_8(16), ACC_OPS_8(24),
+          ACC_OPS_8(32), ACC_OPS_8(40), ACC_OPS_8(48), ACC_OPS_8(56)
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D));
+}

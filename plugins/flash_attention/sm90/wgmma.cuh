@@ -58,18 +58,8 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4],
 }
 
 #if FP8
-// E4M3 (FP8: 8-bit operands have no transposed mode, so B is K-major in both products).
-// d (+)= A[64 x 32] (smem, K-major) @ B[32 x 128] (smem, K-major); SCALE_D 0 overwrites d.
-template <int SCALE_D>
-__device__ __forceinline__ void wgmma_ss_n128_e4m3(float (&d)[64], u64 desc_a, u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" ACC_REGS_64
-        "}, %64, %65, p, 1, 1;\n}\n"
-        : ACC_OPS_64
-        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D));
-}
-
+// E4M3 (FP8: 8-bit operands have no transposed mode, so B is K-major in both products; S = Q K^T
+// is plugins/common/sm90.cuh's wgmma_ss_n128_e4m3).
 // d += A[64 x 32] (registers) @ B[32 x 128] (smem, K-major: V^T's keys contiguous).
 __device__ __forceinline__ void wgmma_rs_n128_e4m3(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
     asm volatile(

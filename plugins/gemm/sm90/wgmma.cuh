@@ -1,7 +1,7 @@
 // kernel_sm90.cu, the mainloop's MMAs: the m64n256k16 (cooperative), m64n128k16 (pingpong) and
 // m64n128k32 E4M3 (cooperative with IN_FP8: each half of the tile's W rows) instructions, both
-// operands K-major in shared memory (fences, waits, descriptors and the operand lists:
-// plugins/common/sm90.cuh).
+// operands K-major in shared memory (fences, waits, descriptors, the operand lists and the E4M3
+// instruction itself: plugins/common/sm90.cuh).
 
 // 128-byte swizzle, K-major: the descriptor of a tile of 8-row groups 1024 bytes apart.
 __device__ __forceinline__ u64 kmajor_desc(u32 saddr) { return make_desc(saddr, 16, 1024); }
@@ -35,21 +35,11 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], u64 desc_a, u64 desc_
         : "l"(desc_a), "l"(desc_b), "n"(1));
 }
 
-// d = A[64 x 32] @ B[32 x 128]^T (+ d when `accumulate`), E4M3 A and B (FP8 takes no transpose
-// operands: K-major only). IN_FP8: the four of a k-block start a fresh partial (kernel_sm90.cu).
-template <int ACCUMULATE>
-__device__ __forceinline__ void wgmma_n128_fp8_(float (&d)[64], u64 desc_a, u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" ACC_REGS_64
-        "}, %64, %65, p, 1, 1;\n}\n"
-        : ACC_OPS_64_FROM(0)
-        : "l"(desc_a), "l"(desc_b), "n"(ACCUMULATE));
-}
-
+// d = A[64 x 32] @ B[32 x 128]^T (+ d when `accumulate`), E4M3 (plugins/common/sm90.cuh's
+// wgmma_ss_n128_e4m3). IN_FP8: the four of a k-block start a fresh partial (kernel_sm90.cu).
 __device__ __forceinline__ void wgmma_n128_fp8(float (&d)[64], u64 desc_a, u64 desc_b, bool accumulate) {
     if (accumulate)
-        wgmma_n128_fp8_<1>(d, desc_a, desc_b);
+        wgmma_ss_n128_e4m3<1>(d, desc_a, desc_b);
     else
-        wgmma_n128_fp8_<0>(d, desc_a, desc_b);
+        wgmma_ss_n128_e4m3<0>(d, desc_a, desc_b);
 }
