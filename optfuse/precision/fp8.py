@@ -49,7 +49,7 @@ from .. import DOMAIN
 from ..errors import InputError
 from .calibrate import E4M3_MAX, TensorCalibration, calibrate, check_calibrator, quantize_e4m3, weight_scales
 from .fp16 import PrecisionOptions, PrecisionResult, convert_precision
-from .fp8_attention import FP8_ATTENTION_MODES, place_flash_attention
+from .fp8_attention import check_mode as check_fp8_attention_mode, place_flash_attention
 from .fp8_mha import AttentionTarget, find_attention
 from .fp8_nodes import (BASE_TYPES, OUTPUT_DTYPE, QdqBuilder, calibration_source, excluded_by, insert_nodes,
                         replaced_names, round_to)
@@ -139,8 +139,7 @@ def quantize_fp8(model: onnx.ModelProto, options: PrecisionOptions,
     model's inputs. Returns (model, result); bad options are InputErrors."""
     if options.fp8_base not in BASE_TYPES:
         raise InputError(f"precision.fp8_base {options.fp8_base!r}: expected fp16 or bf16")
-    if options.fp8_attention not in FP8_ATTENTION_MODES:
-        raise InputError(f"precision.fp8_attention {options.fp8_attention!r}: expected {', '.join(FP8_ATTENTION_MODES)}")
+    check_fp8_attention_mode(options.fp8_attention)
     check_calibrator(options.calibrator, options.percentile)
     opset_before = default_opset(model)
     fp32 = raise_opset(model, FP8_OPSET)

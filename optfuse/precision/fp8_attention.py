@@ -65,14 +65,19 @@ def flash_fp8_ready() -> bool:
     return "q_scale" in [t.name for t in spec.inputs] and "float8e4m3fn" in spec.inputs[0].dtypes
 
 
+def check_mode(mode: str) -> None:
+    """An InputError for a ``precision.fp8_attention`` value that is not one of FP8_ATTENTION_MODES."""
+    if mode not in FP8_ATTENTION_MODES:
+        raise InputError(f"precision.fp8_attention {mode!r}: expected {', '.join(FP8_ATTENTION_MODES)}")
+
+
 def flash_targets(model: onnx.ModelProto, exclude: Sequence[str] = (), *, mode: str = "auto",
                   arch: int | None = None) -> tuple[list[onnx.NodeProto], list[dict]]:
     """The FlashAttention nodes to put in FP8 form, and those kept in the base precision with why.
     `mode`: ``precision.fp8_attention`` (module doc); `arch`: the target's compute capability (None: unknown)."""
     from ..spec import get_spec
 
-    if mode not in FP8_ATTENTION_MODES:
-        raise InputError(f"precision.fp8_attention {mode!r}: expected {', '.join(FP8_ATTENTION_MODES)}")
+    check_mode(mode)
     inits = {t.name for t in model.graph.initializer}
     nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == FLASH_OP]
     if nodes and not flash_fp8_ready():
