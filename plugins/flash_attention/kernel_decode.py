@@ -17,6 +17,10 @@ the offset off = Sk - Sq, soft-cap) for Sq = 1..16, in two kernels (flash-decodi
    o = sum_s 2^(m_s - M*) acc_s / sum_s 2^(m_s - M*) l_s (the log-sum-exp combine), 0 when no split
    saw a key.
 
+Where one split holds the whole cache (large batches), the split kernel's ``DIRECT`` form runs
+alone: one program per (b, kv head, row block) streams every key and writes o = acc / l itself (0
+when no key is visible), with no partials and no combine.
+
 Partials (the workspace, fp32, row R = (b * H + h) * Sq + i, n = cdiv(Sk, SPLIT_KEYS) splits):
 ``Part[R, s, 0:D]``, ``RowMax[R, s]``, ``RowSum[R, s]`` -- one row's splits are contiguous, so the
 combine reads them in one sweep.
@@ -140,17 +144,20 @@ def _visible_keys(start, end, Sq, causal_off, BLOCK_N: tl.constexpr, CAUSAL: tl.
 
 @triton.jit
 def _decode_split_kernel(
-        Q, K, V, Bias, H, Hkv, Sq, Sk, Part, RowMax, RowSum,
+        Q, K, V, Bias, H, Hkv, Sq, Sk, Part, RowMax, RowSum, Out,
         SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_N: tl.constexpr,
         WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-        PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False, DIRECT: tl.constexpr = False):
     if PDL:  # the combine (a programmatic dependent launch) may be scheduled from now on
         tl.extra.cuda.gdc_launch_dependents()
     # -- which program: the row block fastest (the programs of one split share its K/V in L2),
     #    then the split, then (b, kv head) --------------------------------------------------------
-    n_split = tl.cdiv(Sk, SPLIT_KEYS)
+    if DIRECT:  # one split of every key (the "direct" kernel): o is written here, no combine
+        n_split = 1
+    else:
+        n_split = tl.cdiv(Sk, SPLIT_KEYS)
     rows_per_kv = (H // Hkv) * Sq  # M: the packed rows (g, i) of one kv head
     num_mb = tl.cdiv(rows_per_kv, BLOCK_M)
     pid = tl.program_id(0)
@@ -181,8 +188,12 @@ def _decode_split_kernel(
     SCALE_LOG2: tl.constexpr = SCALE * 1.4426950408889634
     IEEE: tl.constexpr = Q.dtype.element_ty == tl.float32
 
-    start = split * SPLIT_KEYS
-    end = tl.minimum(start + SPLIT_KEYS, Sk)
+    if DIRECT:
+        start = 0
+        end = Sk
+    else:
+        start = split * SPLIT_KEYS
+        end = tl.minimum(start + SPLIT_KEYS, Sk)
     lo, full_lo, full_hi, hi = _visible_keys(start, end, Sq, causal_off, BLOCK_N, CAUSAL,
                                              WINDOW_LEFT, WINDOW_RIGHT)
     acc, l_i, m_i = _key_blocks(
@@ -198,11 +209,17 @@ def _decode_split_kernel(
         SCALE_LOG2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
         HAS_BIAS, BIAS_N, IEEE)
 
-    # -- this split's partials: row R = bk * M + r, split s at R * n_split + s --------------------
-    slot = (bk.to(tl.int64) * rows_per_kv + rows) * n_split + split
-    tl.store(Part + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
-    tl.store(RowMax + slot, m_i, mask=row_ok)
-    tl.store(RowSum + slot, l_i, mask=row_ok)
+    if DIRECT:
+        # -- o itself: packed row r of kv head bk is row bk * M + r of o [B, H, Sq, D], as of q ---
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row with no visible key: 0
+        o_rows = bk.to(tl.int64) * rows_per_kv + rows
+        tl.store(Out + o_rows[:, None] * HEAD_DIM + offs_d[None, :], o.to(Out.dtype.element_ty), mask=q_mask)
+    else:
+        # -- this split's partials: row R = bk * M + r, split s at R * n_split + s ----------------
+        slot = (bk.to(tl.int64) * rows_per_kv + rows) * n_split + split
+        tl.store(Part + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+        tl.store(RowMax + slot, m_i, mask=row_ok)
+        tl.store(RowSum + slot, l_i, mask=row_ok)
 
 
 @triton.jit

@@ -167,10 +167,13 @@ def _bias_flags(pattern) -> tuple[bool, int, int]:
 
 
 def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float, sparsity: Sparsity,
-                 block_m: int, cfg: DecodeConfig, bias_dtype: Any = None, pdl: bool = False) -> KernelSource:
+                 block_m: int, cfg: DecodeConfig, bias_dtype: Any = None, pdl: bool = False,
+                 direct: bool = False) -> KernelSource:
     """The split kernel of one specialization (dtype, D, causal, bias pattern and dtype, scale,
     windows, soft-cap, BLOCK_M and the tiles; the scale taken at float32, as_float32). ``pdl``: it
-    lets the combine, a programmatic dependent launch (sm_90+), be scheduled as soon as it starts."""
+    lets the combine, a programmatic dependent launch (sm_90+), be scheduled as soon as it starts.
+    ``direct``: the one-split form (every key in one program, ``cfg.split_keys`` unused), which
+    writes o itself: arguments ``q, k, v[, bias], H, Hkv, Sq, Sk, o``, no combine."""
     dtype = norm_dtype(dtype)
     scale = as_float32(scale)
     has_bias, bias_b, bias_n = _bias_flags(pattern)
@@ -181,25 +184,31 @@ def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float,
         signature["Bias"] = "*" + TRITON_TYPE[norm_dtype(bias_dtype or dtype)]
     else:
         constexprs["Bias"] = None
-    signature.update({"H": "i32", "Hkv": "i32", "Sq": "i32", "Sk": "i32",
-                      "Part": "*fp32", "RowMax": "*fp32", "RowSum": "*fp32"})
+    signature.update({"H": "i32", "Hkv": "i32", "Sq": "i32", "Sk": "i32"})
+    if direct:
+        signature["Out"] = ty
+        constexprs.update({"Part": None, "RowMax": None, "RowSum": None})
+    else:
+        signature.update({"Part": "*fp32", "RowMax": "*fp32", "RowSum": "*fp32"})
+        constexprs["Out"] = None
     constexprs.update({
         "SCALE": scale, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
-        "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "SPLIT_KEYS": cfg.split_keys, "CAUSAL": bool(causal),
-        "HAS_BIAS": has_bias, "BIAS_B": bias_b, "BIAS_N": bias_n,
+        "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "SPLIT_KEYS": 0 if direct else cfg.split_keys,
+        "CAUSAL": bool(causal), "HAS_BIAS": has_bias, "BIAS_B": bias_b, "BIAS_N": bias_n,
         "WINDOW_LEFT": sparsity.window_left, "WINDOW_RIGHT": sparsity.window_right,
-        "SOFTCAP": sparsity.softcap, "PDL": bool(pdl),
+        "SOFTCAP": sparsity.softcap, "PDL": bool(pdl) and not direct, "DIRECT": bool(direct),
     })
     bias_tag = "nobias" if not has_bias else f"bias_{'B' if bias_b else '1'}_1_1_{'Sk' if bias_n else '1'}"
-    name = (f"flash_attention/{OP}/{dtype}/scale{scale:.6g}/fa_decode_split_d{head_dim}_"
-            f"{'causal' if causal else 'full'}_{bias_tag}{sparsity.tag()}_m{block_m}_split{cfg.split_keys}_"
-            f"n{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages" + ("_pdl" if pdl else ""))
+    split_tag = "" if direct else f"_split{cfg.split_keys}"
+    name = (f"flash_attention/{OP}/{dtype}/scale{scale:.6g}/fa_decode_{'direct' if direct else 'split'}_d{head_dim}_"
+            f"{'causal' if causal else 'full'}_{bias_tag}{sparsity.tag()}_m{block_m}{split_tag}_"
+            f"n{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages" + ("_pdl" if pdl and not direct else ""))
     return KernelSource(
         name=name, lang="triton", path=KERNEL_PATH, entry=SPLIT_ENTRY,
-        n_inputs=3 + has_bias, n_extra=4, n_outputs=3,
+        n_inputs=3 + has_bias, n_extra=4, n_outputs=1 if direct else 3,
         signature=signature, constexprs=constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, pointer_align=16,
-        meta={"op": OP, "kernel": "decode_split", "dtype": dtype, "head_dim": head_dim, "causal": bool(causal),
+        meta={"op": OP, "kernel": "decode_direct" if direct else "decode_split", "dtype": dtype, "head_dim": head_dim, "causal": bool(causal),
               "scale": scale, "bias_pattern": pattern, "block_m": block_m, "config": asdict(cfg),
               "sparsity": asdict(sparsity)},
     )
@@ -237,7 +246,8 @@ def prebuild_decode_sources(dtype: Any, head_dim: int, causal: bool, pattern, sc
     those shapes with the default config (``pdl``: decode_pdl of the target)."""
     base = decode_config(dtype, head_dim)
     block_ms = sorted({packed_block_m(g, base) for g in PREBUILD_GROUPS})
-    out = []
+    out = [split_source(dtype, head_dim, causal, pattern, scale, Sparsity(), bm, base, None, direct=True)
+           for bm in block_ms]
     for size in SPLIT_SIZES:
         cfg = replace(base, split_keys=size)
         out += [split_source(dtype, head_dim, causal, pattern, scale, Sparsity(), bm, cfg, None, pdl)
@@ -252,6 +262,13 @@ def split_params(B: Any, H: Any, Hkv: Any, Sq: Any, Sk: Any, group: int, block_m
     num_heads / num_kv_heads attributes)."""
     return LaunchParams(grid=(cdiv(group * Sq, block_m) * cdiv(Sk, cfg.split_keys) * (B * Hkv), 1, 1),
                         block=(32 * cfg.num_warps, 1, 1), shared_mem=0, extra_args=[H, Hkv, Sq, Sk])
+
+
+def direct_params(B: Any, H: Any, Hkv: Any, Sq: Any, Sk: Any, group: int, block_m: int, cfg: DecodeConfig,
+                  cdiv=_cdiv) -> LaunchParams:
+    """The direct kernel: one program per (row block, b * Hkv + kv head), every key."""
+    return LaunchParams(grid=(cdiv(group * Sq, block_m) * (B * Hkv), 1, 1), block=(32 * cfg.num_warps, 1, 1),
+                        shared_mem=0, extra_args=[H, Hkv, Sq, Sk])
 
 
 def combine_params(B: Any, H: Any, Sq: Any, Sk: Any, cfg: DecodeConfig, pdl: bool = False) -> LaunchParams:
@@ -276,6 +293,12 @@ def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_d
         block_m = packed_block_m(group * Sq, decode_config(dtype, head_dim))
         cfg = decode_config(dtype, head_dim, _cdiv(group * Sq, block_m) * B * Hkv, Sk)
     block_m = packed_block_m(group * Sq, cfg)
+    if _cdiv(Sk, cfg.split_keys) == 1:  # one split: the direct kernel writes o, nothing to combine
+        direct = split_source(dtype, head_dim, causal, pattern, float(attrs["scale"]), sparsity, block_m, cfg,
+                              bias_dtype, direct=True)
+        return LaunchPlan([PlanStep(direct, direct_params(B, H, Hkv, Sq, Sk, group, block_m, cfg),
+                                    [Buffer("input", i) for i in range(3 + (pattern is not None))],
+                                    [Buffer("output", 0)])], 0)
     part, row_max, row_sum, total = workspace_layout(B, H, Sq, Sk, head_dim, cfg)
     partials = [Buffer("workspace", part), Buffer("workspace", row_max), Buffer("workspace", row_sum)]
     n_in = 3 + (pattern is not None)

@@ -1,4 +1,4 @@
-"""The split-KV decode plan (kernel_decode.py: split + combine) through optfuse.kernels.launcher on
+"""The split-KV decode plan (kernel_decode.py: split + combine, or the direct kernel) through optfuse.kernels.launcher on
 a GPU, against the float64 NumPy reference: Sq = 1..16 over caches up to 64k keys, odd lengths,
 GQA / MQA / MHA, key padding, windows, soft-capping. Fresh random inputs every run (the seed is
 printed); the output is poisoned with NaN and every workspace byte with 0xFF (an fp32 NaN) before
@@ -40,6 +40,10 @@ CASES = [
     (1, 32, 8, 1, 40000, 128, 1, None, "bfloat16", {"window": (4095, -1)}),
     (1, 16, 8, 2, 9000, 128, 1, None, "bfloat16", {"softcap": 50.0}),
     (1, 16, 16, 16, 700, 128, 1, None, "float16", {"window": (100, 3)}),
+    # batches large enough for one split: the direct kernel (o written by the split kernel)
+    (256, 32, 8, 1, 1024, 128, 1, None, "bfloat16", {}),
+    (64, 32, 8, 4, 1500, 64, 1, "keypad", "float16", {"keypad": "left"}),
+    (160, 16, 2, 2, 1999, 128, 0, None, "bfloat16", {"window": (700, 20)}),
 ]
 # every Sq from 1 to 16 at one shape (GQA 32/8, odd Sk, causal offset)
 CASES += [(2, 32, 8, sq, 3001, 128, 1, None, "bfloat16", {}) for sq in range(1, 17)]

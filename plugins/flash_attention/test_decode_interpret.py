@@ -3,8 +3,9 @@ under the Triton interpreter (CPU), against the float64 reference.
 
 Like test_kernel_interpret.py, the cases run in one child process started with TRITON_INTERPRET=1.
 Small tiles (64-key splits of 16-key blocks, the combine 4 splits a step) make short caches
-cover several splits, partial blocks, empty splits and several combine steps; the ``dispatch``
-cases run the plan launch.py picks, with its default config. The workspace starts as NaN
+cover several splits, partial blocks, empty splits and several combine steps; a cache of one
+split (Sk <= 64 here, or a case's own ``split_keys``) runs the direct kernel, which writes o
+itself; the ``dispatch`` cases run the plan launch.py picks, with its default config. The workspace starts as NaN
 (every byte 0xFF) and the output as NaN, so a partial or an output left unwritten fails. bf16 is
 left to the GPU tests (the interpreter's bf16 dot is wrong).
 """
@@ -45,6 +46,12 @@ CASES = {
     # launch.py's own plan and default config (256-key splits, 64-key blocks)
     "dispatch_gqa_keypad": (2, 8, 2, 1, 1025, 64, 1, (2, 1, 1, 1025), "float16", {"keypad": "dead", "dispatch": True}),
     "dispatch_mqa_sq7": (1, 8, 1, 7, 600, 128, 1, None, "float32", {"dispatch": True}),
+    # the direct kernel over many key blocks: masked edges, key padding, windows, two row blocks
+    "direct_gqa_sq4_sk300_keypad": (2, 8, 2, 4, 300, 64, 1, (2, 1, 1, 300), "float16",
+                                    {"keypad": "left", "split_keys": 512}),
+    "direct_mqa_sq16_sk300_window": (1, 8, 1, 16, 300, 64, 1, None, "float32",
+                                     {"window": (100, -1), "split_keys": 512}),
+    "direct_dead_batch": (3, 8, 2, 1, 300, 128, 0, (3, 1, 1, 300), "float32", {"keypad": "dead", "split_keys": 512}),
 }
 
 
@@ -69,9 +76,13 @@ def _run_case(B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra):
         plan = T.case_plan(dtype, shapes, attrs)
         assert plan is not None, "launch.py must pick the decode plan here"
     else:
-        cfg = L.DecodeConfig(split_keys=64, block_n=16, num_warps=1, num_stages=1, combine_splits=4)
+        cfg = L.DecodeConfig(split_keys=extra.get("split_keys", 64), block_n=16, num_warps=1, num_stages=1,
+                             combine_splits=4)
         plan = T.forced_decode_plan(dtype, shapes, attrs, decode=cfg)
-    assert [s.source.entry for s in plan.steps] == ["_decode_split_kernel", "_decode_combine_kernel"]
+    one_split = Sk <= plan.steps[0].source.meta["config"]["split_keys"]
+    assert [s.source.entry for s in plan.steps] == (
+        ["_decode_split_kernel"] if one_split else ["_decode_split_kernel", "_decode_combine_kernel"])
+    assert plan.steps[0].source.meta["kernel"] == ("decode_direct" if one_split else "decode_split")
     out = torch.full_like(q, float("nan"))
     T.run_plan_triton(plan, [q, k, v, bias], [out], interpret=True)
     ref = T.reference_of(q, k, v, bias, attrs)

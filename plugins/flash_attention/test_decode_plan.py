@@ -277,19 +277,24 @@ def test_runtime_decode_kernels_are_prebuilt(arch, D, causal, dtype):
                 assert src.name in pre, (B, H, Hkv, Sk, bias)
                 assert pre[src.name].spec_dict() == src.spec_dict(), src.name
             sizes.add(plan.steps[0].source.constexprs["SPLIT_KEYS"])
-    assert sizes == set(LD.SPLIT_SIZES)  # the shapes reach every split size
+    assert sizes == {0, *LD.SPLIT_SIZES}  # the shapes reach every split size and the direct kernel
 
 
 @pytest.mark.parametrize("arch", [None, 80, 89, 90])
 def test_prebuilt_decode_kernels(arch):
     """The decode part of prebuild_sources: per (dtype, D, causal, bias pattern) one split kernel
-    per split size (BLOCK_M 16: Sq = 1 with G <= 16), per (dtype, D) one combine per split size;
-    the PDL builds exactly where the plan launches the combine programmatically (sm_90)."""
+    per split size and one direct kernel (BLOCK_M 16: Sq = 1 with G <= 16), per (dtype, D) one
+    combine per split size; the PDL builds exactly where the plan launches the combine
+    programmatically (sm_90); the direct kernel has no dependent launch."""
     srcs = [s for s in L.prebuild_sources(arch) if s.entry in (LD.SPLIT_ENTRY, LD.COMBINE_ENTRY)]
-    split = [s for s in srcs if s.entry == LD.SPLIT_ENTRY]
+    split = [s for s in srcs if s.entry == LD.SPLIT_ENTRY and not s.constexprs["DIRECT"]]
+    direct = [s for s in srcs if s.entry == LD.SPLIT_ENTRY and s.constexprs["DIRECT"]]
     combine = [s for s in srcs if s.entry == LD.COMBINE_ENTRY]
     assert len(split) == 2 * 2 * 2 * 4 * len(LD.SPLIT_SIZES) and len(combine) == 2 * 2 * len(LD.SPLIT_SIZES)
-    assert {s.constexprs["SPLIT_KEYS"] for s in srcs} == set(LD.SPLIT_SIZES)
-    assert {s.constexprs["BLOCK_M"] for s in split} == {16}
-    assert all(s.constexprs["PDL"] is (arch == 90) for s in srcs)
-    assert all(s.name.endswith("_pdl") is (arch == 90) for s in srcs)
+    assert len(direct) == 2 * 2 * 2 * 4
+    assert {s.constexprs["SPLIT_KEYS"] for s in split + combine} == set(LD.SPLIT_SIZES)
+    assert {s.constexprs["SPLIT_KEYS"] for s in direct} == {0}
+    assert {s.constexprs["BLOCK_M"] for s in split + direct} == {16}
+    assert all(s.constexprs["PDL"] is (arch == 90) for s in split + combine)
+    assert all(s.name.endswith("_pdl") is (arch == 90) for s in split + combine)
+    assert not any(s.constexprs["PDL"] or s.name.endswith("_pdl") for s in direct)
