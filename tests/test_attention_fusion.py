@@ -58,7 +58,8 @@ def _rejections(result):
 # hand-built graphs
 # ------------------------------------------------------------------------------------------------
 def attention_graph(*, H=4, Hkv=None, D=32, S: int | None = None, k_layout="bhsd", scale="mul", mask=None,
-                    nan_guard=False, dropout=None, probs_output=False, scores_use=None, opset=17, window=3):
+                    nan_guard=False, dropout=None, probs_output=False, scores_use=None, opset=17, window=3,
+                    position_bias=None):
     """One attention block as an exporter writes it; S=None keeps the sequence symbolic ("s").
 
     k_layout: bhsd (Transpose(0,1,3,2) of k), bshd (head split straight to k^T, perm 0,2,3,1),
@@ -67,6 +68,8 @@ def attention_graph(*, H=4, Hkv=None, D=32, S: int | None = None, k_layout="bhsd
     mask: None | bias_input | padding_min | padding_1e4 | range_causal | range_causal_padding |
           range_window | range_window_padding | where_causal | where_causal_weak | where_window | where_block | where_input | where_input_weak |
           where_inverted.
+    position_bias: None | before_fill | after_fill: a per-head [1, H, 1, S] graph input (ALiBi) added to
+          the scores before a ``where_*`` mask's Where (MPT) or after it.
     """
     Hkv = Hkv or H
     s = S if S is not None else "s"
@@ -152,11 +155,17 @@ def attention_graph(*, H=4, Hkv=None, D=32, S: int | None = None, k_layout="bhsd
             cond = "cond"
         else:
             cond = b.const(keep.reshape(1, 1, n, n), dtype=np.bool_)
+        if position_bias:
+            inputs.append(graphs.io("pos_bias", [1, H, 1, s]))
+        if position_bias == "before_fill":
+            scores = b.node("Add", scores, "pos_bias")
         if mask == "where_inverted":
             cond = b.const(~keep.reshape(1, 1, n, n), dtype=np.bool_)
             scores = b.node("Where", cond, b.const(fill), scores)
         else:
             scores = b.node("Where", cond, scores, b.const(fill))
+        if position_bias == "after_fill":
+            scores = b.node("Add", scores, "pos_bias")
     # --- softmax and PV --------------------------------------------------------------------------
     probs = b.node("Softmax", scores, axis=-1)
     sm_out = probs
@@ -303,6 +312,22 @@ def test_masked_fill(mask, cls, causal):
     assert acc.rewrite.attrs["causal"] == causal
     if cls == "sliding_window":
         assert acc.rewrite.info["window"] == 3 and acc.rewrite.attrs["window_left"] == 2
+    assert err <= 1e-4
+
+
+@pytest.mark.parametrize("position_bias", ["after_fill"])
+@pytest.mark.parametrize("mask", ["where_causal", "where_input"])
+def test_masked_fill_with_position_bias(mask, position_bias):
+    """A per-head position bias added after the masked_fill: one fused node whose bias holds both;
+    the mask's new Where and Add nodes are distinct tensors."""
+    model = attention_graph(S=8, mask=mask, position_bias=position_bias)
+    fused, res, err = _fuse_and_compare(model)
+    assert res.counts() == {OP: 1}, _rejections(res)
+    acc = _fa(res)[0]
+    assert acc.rule == "attention.masked_fill"
+    node = next(n for n in fused.graph.node if n.op_type == OP)
+    assert {"Where", "Add"} <= {n.op_type for n in fused.graph.node}, _ops(fused)
+    assert len(set(node.input)) == len(node.input) == 4
     assert err <= 1e-4
 
 
