@@ -315,11 +315,11 @@ def test_masked_fill(mask, cls, causal):
     assert err <= 1e-4
 
 
-@pytest.mark.parametrize("position_bias", ["after_fill"])
+@pytest.mark.parametrize("position_bias", ["before_fill", "after_fill"])
 @pytest.mark.parametrize("mask", ["where_causal", "where_input"])
 def test_masked_fill_with_position_bias(mask, position_bias):
-    """A per-head position bias added after the masked_fill: one fused node whose bias holds both;
-    the mask's new Where and Add nodes are distinct tensors."""
+    """A per-head position bias added before the masked_fill (MPT's ALiBi) or after it: one fused
+    node whose bias holds both; the mask's new Where and Add nodes are distinct tensors."""
     model = attention_graph(S=8, mask=mask, position_bias=position_bias)
     fused, res, err = _fuse_and_compare(model)
     assert res.counts() == {OP: 1}, _rejections(res)

@@ -12,7 +12,8 @@ attention) write around it as an alternative::
     any kᵀ [B,H,D,Sk] ─┘                                                                              │
                                                                                                       ▼
         ┌─ attention.additive:    [+ bias] [+ bias2]                       (padding / causal / position bias)
-        └─ attention.masked_fill: Where(cond, ., fill) | Where(cond, fill, .) [+ bias]
+        └─ attention.masked_fill: [+ bias2] Where(cond, ., fill) | Where(cond, fill, .) [+ bias]
+                                  (bias2: a position bias added before the masked_fill, MPT's ALiBi)
                                                                                                       │
              [Cast] ─► Softmax(axis=-1) ─► [Cast] ─► [Where(IsNaN(p), 0, p)] [Dropout(eval)] ─► MatMul ─► o
                                                                                                  ▲
@@ -70,8 +71,8 @@ What the fused node gets:
                          that keeps no key, stays FlashAttention with the whole mask
     anything else        the mask as it is (block from shapes, bias, dynamic, unknown, ...)
 
-  ``Where(cond, scores, fill)`` becomes the bias ``Where(cond, 0, fill)`` (a new node) when that
-  cannot change a result: fill <= -1e30 or -inf (it absorbs the score), or a constant cond whose
+  ``Where(cond, scores [+ bias2], fill)`` becomes the bias ``[bias2 +] Where(cond, 0, fill)`` (new
+  nodes) when that cannot change a result: fill <= -1e30 or -inf (it absorbs the score), or a constant cond whose
   every row keeps a key and fill <= -1e4; otherwise the match is rejected.
 
 Input-side nodes of a match (the head splits, transposes, scales and repeat_kv of q, k, v) that
