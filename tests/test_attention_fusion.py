@@ -414,10 +414,12 @@ def test_onnx_attention_op():
     assert _max_abs(_run(model, feeds), _run(fused, feeds)) <= 1e-4
 
 
-def batched_graph(*, H=2, D=32, alibi=True, mask="additive"):
+def batched_graph(*, H=2, D=32, alibi=True, mask="additive", merge_heads=False):
     """BLOOM / DeBERTa-v2 style: bmm over [B*H, S, D], scores reshaped to [B, H, S, S] around Softmax.
 
     mask: additive (+ [B, 1, S, S] bias) | masked_fill (Where(Not(cond), min, scores), DeBERTa).
+    merge_heads: BLOOM's TorchScript _merge_heads: batch and sequence read from the 3-D output's
+    Shape, the output [B, S, H * D].
     """
     b = graphs.Builder(17)
     seq = b.node("Slice", b.node("Shape", "q"), b.const([2], dtype=np.int64), b.const([3], dtype=np.int64))
@@ -442,16 +444,29 @@ def batched_graph(*, H=2, D=32, alibi=True, mask="additive"):
     p = b.node("Softmax", logits, axis=-1)
     p3 = b.node("Reshape", p, b.node("Concat", b.const([-1], dtype=np.int64), seq, seq, axis=0))
     o3 = b.node("MatMul", p3, v3)
+    if merge_heads:
+        shape = b.node("Shape", o3)
+        bsz = b.node("Div", b.node("Gather", shape, b.const([0], dtype=np.int64)), b.const([H], dtype=np.int64))
+        sq = b.node("Gather", b.node("Shape", o3), b.const([1], dtype=np.int64))
+        o4 = b.node("Reshape", o3, b.node("Concat", bsz, b.const([H], dtype=np.int64), sq, b.const([D], dtype=np.int64),
+                                          axis=0))
+        b.node("Reshape", b.node("Transpose", o4, perm=[0, 2, 1, 3]),
+               b.node("Concat", bsz, sq, b.const([H * D], dtype=np.int64), axis=0), out="y")
+        return b.model(inputs, [graphs.io("y", ["b", "s", H * D])])
     b.node("Reshape", o3, b.node("Concat", b.const([-1, H], dtype=np.int64), seq, b.const([D], dtype=np.int64), axis=0),
            out="y")
     return b.model(inputs, [graphs.io("y", ["b", H, "s", D])])
 
 
-@pytest.mark.parametrize("alibi,mask", [(True, "additive"), (False, "masked_fill"), (True, "masked_fill")])
-def test_batched_heads_3d(alibi, mask):
-    model = batched_graph(alibi=alibi, mask=mask)
+@pytest.mark.parametrize("alibi,mask,merge_heads", [(True, "additive", False), (False, "masked_fill", False),
+                                                   (True, "masked_fill", False), (True, "additive", True)])
+def test_batched_heads_3d(alibi, mask, merge_heads):
+    model = batched_graph(alibi=alibi, mask=mask, merge_heads=merge_heads)
     fused, res = fuse_model(model)
     assert res.counts() == {OP: 1}, _rejections(res)
+    assert "MatMul" not in _ops(fused)
+    # the 3-D output whose Shape BLOOM's _merge_heads reads stays, as the fused output reshaped
+    assert ("kept_3d_output" in _fa(res)[0].rewrite.info) == merge_heads
     acc = _fa(res)[0]
     assert acc.rule == "attention.batched"
     assert acc.rewrite.attrs["scale"] == pytest.approx(32 ** -0.5, rel=1e-6)

@@ -29,7 +29,9 @@ attention) write around it as an alternative::
         ─► MatMul(., v3) ─► Reshape [B,H,S,D] = o
 
   the fused node reads the 4-D q, k, v and writes the final 4-D output; a 3-D bias term is split
-  back into heads (new Unsqueeze + Reshape [-1, H, 0, 0]).
+  back into heads (new Unsqueeze + Reshape [-1, H, 0, 0]). A 3-D output that something outside the
+  match also reads (BLOOM's TorchScript ``_merge_heads`` reads its shape) stays, as the fused output
+  reshaped by q's own [B*H, S, D] target (a new Reshape; ``info["kept_3d_output"]``).
 - ``attention.onnx``: ONNX's own ``Attention`` op (opset 23+) with 4-D q/k/v, an optional bool or
   additive ``attn_mask``, ``is_causal``, ``scale`` (no cache inputs, no softcap, only output Y used).
 - ``attention.unrecognized``: never fuses; reports a Softmax -> MatMul that no rule above took,
