@@ -212,11 +212,15 @@ def test_static_dims_through_slice_and_split_along_their_axis():
     y = gs.Variable("y", f32, ["b", "s", 4, 32])
     parts = [gs.Variable(f"p{i}", f32, ["b", "s", f"v{i}", 32]) for i in range(3)]
     halves = [gs.Variable(f"h{i}", f32, ["b", "s", f"w{i}", 32]) for i in range(2)]
+    computed = gs.Variable("computed_sizes", np.int64, [2])
+    unknown = [gs.Variable(f"u{i}", f32, ["b", "s", f"z{i}", 32]) for i in range(2)]
     nodes += [gs.Node("Split", inputs=[y, i64("sizes", [2, 1, 1])], outputs=parts, attrs={"axis": 2}),
-              gs.Node("Split", inputs=[y], outputs=halves, attrs={"axis": -2, "num_outputs": 2})]
-    gs.Graph(nodes=nodes, inputs=[x, y], outputs=[q, k, every2, *parts, *halves], opset=18)
+              gs.Node("Split", inputs=[y], outputs=halves, attrs={"axis": -2, "num_outputs": 2}),
+              gs.Node("Split", inputs=[y, computed], outputs=unknown, attrs={"axis": 2})]
+    gs.Graph(nodes=nodes, inputs=[x, y, computed], outputs=[q, k, every2, *parts, *halves, *unknown], opset=18)
     st = StaticEval()
     assert [st.dim(t, 3) for t in (q, k, every2)] == [2, 1, 2]
     assert [st.dim(t, 2) for t in parts] == [2, 1, 1]
     assert [st.dim(t, 2) for t in halves] == [2, 2]
+    assert [st.dim(t, 2) for t in unknown] == [None, None]  # sizes computed at run time
     assert st.dim(q, 0) is None  # the batch stays symbolic

@@ -229,8 +229,9 @@ class StaticEval:
         """The size of output `t` of a Split along its axis: its entry of the constant sizes (the
         ``split`` input, opset 13+, or attribute), else an equal share of a static input dim."""
         i = next((k for k, o in enumerate(node.outputs) if o is t), None)
-        sizes = const_value(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1].name else node_attr(node, "split")
-        if i is None:
+        given = len(node.inputs) > 1 and node.inputs[1].name  # the sizes input (opset 13+), else the attribute
+        sizes = const_value(node.inputs[1]) if given else node_attr(node, "split")
+        if i is None or (given and sizes is None):  # computed sizes: unknown
             return None
         if sizes is not None:
             sizes = np.atleast_1d(np.asarray(sizes)).reshape(-1)
