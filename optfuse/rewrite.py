@@ -212,13 +212,17 @@ def _materialize(x: NewTensor, name: str, graph: gs.Graph, made: dict[int, gs.Te
     """The tensor of a NewTensor: its node is created once per plan (shared NewTensors stay shared)."""
     if id(x) in made:
         return made[id(x)]
+    # the NewTensors it reads first, so its name's index comes after theirs (a nested NewTensor of
+    # the same name, such as a mask's Where inside its Add, must not get the same tensor name)
+    made_inputs = {j: _materialize(a, name, graph, made, new_nodes) for j, a in enumerate(x.inputs)
+                   if isinstance(a, NewTensor)}
     base = f"{name}/{x.name or x.op.lower()}_{len(made)}"
     inputs: list[gs.Tensor] = []
     for j, a in enumerate(x.inputs):
         if a is None:
             inputs.append(gs.Variable.empty())
         elif isinstance(a, NewTensor):
-            inputs.append(_materialize(a, name, graph, made, new_nodes))
+            inputs.append(made_inputs[j])
         elif isinstance(a, np.ndarray):
             inputs.append(gs.Constant(f"{base}/in{j}", np.ascontiguousarray(a)))
         else:

@@ -54,7 +54,8 @@ def io(name, shape, elem=F32):
 
 def layer_norm(hidden=64, variant="pow_div", opset=17, axes=(-1,), eps=1e-5, affine=True, casts=False,
                extra_output=None, seed=0, shape=None):
-    """Decomposed LayerNorm; variant in pow_div, mul_div, pow_reciprocal."""
+    """Decomposed LayerNorm; variant in pow_div, mul_div, pow_reciprocal, pow_div_one (d * (1 / std):
+    TorchScript's rsqrt)."""
     rng = np.random.default_rng(seed)
     b = Builder(opset)
     x = "x"
@@ -66,6 +67,8 @@ def layer_norm(hidden=64, variant="pow_div", opset=17, axes=(-1,), eps=1e-5, aff
     std = b.node("Sqrt", b.node("Add", var, b.const(eps)))
     if variant.endswith("reciprocal"):
         normed = b.node("Mul", d, b.node("Reciprocal", std))
+    elif variant.endswith("div_one"):
+        normed = b.node("Mul", d, b.node("Div", b.const(1.0), std))
     else:
         normed = b.node("Div", d, std)
     if casts:

@@ -58,7 +58,8 @@ def _rejections(result):
 # hand-built graphs
 # ------------------------------------------------------------------------------------------------
 def attention_graph(*, H=4, Hkv=None, D=32, S: int | None = None, k_layout="bhsd", scale="mul", mask=None,
-                    nan_guard=False, dropout=None, probs_output=False, scores_use=None, opset=17, window=3):
+                    nan_guard=False, dropout=None, probs_output=False, scores_use=None, opset=17, window=3,
+                    position_bias=None):
     """One attention block as an exporter writes it; S=None keeps the sequence symbolic ("s").
 
     k_layout: bhsd (Transpose(0,1,3,2) of k), bshd (head split straight to k^T, perm 0,2,3,1),
@@ -67,6 +68,8 @@ def attention_graph(*, H=4, Hkv=None, D=32, S: int | None = None, k_layout="bhsd
     mask: None | bias_input | padding_min | padding_1e4 | range_causal | range_causal_padding |
           range_window | range_window_padding | where_causal | where_causal_weak | where_window | where_block | where_input | where_input_weak |
           where_inverted.
+    position_bias: None | before_fill | after_fill: a per-head [1, H, 1, S] graph input (ALiBi) added to
+          the scores before a ``where_*`` mask's Where (MPT) or after it.
     """
     Hkv = Hkv or H
     s = S if S is not None else "s"
@@ -152,11 +155,17 @@ def attention_graph(*, H=4, Hkv=None, D=32, S: int | None = None, k_layout="bhsd
             cond = "cond"
         else:
             cond = b.const(keep.reshape(1, 1, n, n), dtype=np.bool_)
+        if position_bias:
+            inputs.append(graphs.io("pos_bias", [1, H, 1, s]))
+        if position_bias == "before_fill":
+            scores = b.node("Add", scores, "pos_bias")
         if mask == "where_inverted":
             cond = b.const(~keep.reshape(1, 1, n, n), dtype=np.bool_)
             scores = b.node("Where", cond, b.const(fill), scores)
         else:
             scores = b.node("Where", cond, scores, b.const(fill))
+        if position_bias == "after_fill":
+            scores = b.node("Add", scores, "pos_bias")
     # --- softmax and PV --------------------------------------------------------------------------
     probs = b.node("Softmax", scores, axis=-1)
     sm_out = probs
@@ -306,6 +315,22 @@ def test_masked_fill(mask, cls, causal):
     assert err <= 1e-4
 
 
+@pytest.mark.parametrize("position_bias", ["before_fill", "after_fill"])
+@pytest.mark.parametrize("mask", ["where_causal", "where_input"])
+def test_masked_fill_with_position_bias(mask, position_bias):
+    """A per-head position bias added before the masked_fill (MPT's ALiBi) or after it: one fused
+    node whose bias holds both; the mask's new Where and Add nodes are distinct tensors."""
+    model = attention_graph(S=8, mask=mask, position_bias=position_bias)
+    fused, res, err = _fuse_and_compare(model)
+    assert res.counts() == {OP: 1}, _rejections(res)
+    acc = _fa(res)[0]
+    assert acc.rule == "attention.masked_fill"
+    node = next(n for n in fused.graph.node if n.op_type == OP)
+    assert {"Where", "Add"} <= {n.op_type for n in fused.graph.node}, _ops(fused)
+    assert len(set(node.input)) == len(node.input) == 4
+    assert err <= 1e-4
+
+
 def test_sdpa_nan_guard_and_eval_dropout_are_absorbed():
     for kw in (dict(nan_guard=True), dict(dropout="eval")):
         model = attention_graph(mask="padding_min", **kw)
@@ -389,10 +414,12 @@ def test_onnx_attention_op():
     assert _max_abs(_run(model, feeds), _run(fused, feeds)) <= 1e-4
 
 
-def batched_graph(*, H=2, D=32, alibi=True, mask="additive"):
+def batched_graph(*, H=2, D=32, alibi=True, mask="additive", merge_heads=False):
     """BLOOM / DeBERTa-v2 style: bmm over [B*H, S, D], scores reshaped to [B, H, S, S] around Softmax.
 
     mask: additive (+ [B, 1, S, S] bias) | masked_fill (Where(Not(cond), min, scores), DeBERTa).
+    merge_heads: BLOOM's TorchScript _merge_heads: batch and sequence read from the 3-D output's
+    Shape, the output [B, S, H * D].
     """
     b = graphs.Builder(17)
     seq = b.node("Slice", b.node("Shape", "q"), b.const([2], dtype=np.int64), b.const([3], dtype=np.int64))
@@ -417,16 +444,29 @@ def batched_graph(*, H=2, D=32, alibi=True, mask="additive"):
     p = b.node("Softmax", logits, axis=-1)
     p3 = b.node("Reshape", p, b.node("Concat", b.const([-1], dtype=np.int64), seq, seq, axis=0))
     o3 = b.node("MatMul", p3, v3)
+    if merge_heads:
+        shape = b.node("Shape", o3)
+        bsz = b.node("Div", b.node("Gather", shape, b.const([0], dtype=np.int64)), b.const([H], dtype=np.int64))
+        sq = b.node("Gather", b.node("Shape", o3), b.const([1], dtype=np.int64))
+        o4 = b.node("Reshape", o3, b.node("Concat", bsz, b.const([H], dtype=np.int64), sq, b.const([D], dtype=np.int64),
+                                          axis=0))
+        b.node("Reshape", b.node("Transpose", o4, perm=[0, 2, 1, 3]),
+               b.node("Concat", bsz, sq, b.const([H * D], dtype=np.int64), axis=0), out="y")
+        return b.model(inputs, [graphs.io("y", ["b", "s", H * D])])
     b.node("Reshape", o3, b.node("Concat", b.const([-1, H], dtype=np.int64), seq, b.const([D], dtype=np.int64), axis=0),
            out="y")
     return b.model(inputs, [graphs.io("y", ["b", H, "s", D])])
 
 
-@pytest.mark.parametrize("alibi,mask", [(True, "additive"), (False, "masked_fill"), (True, "masked_fill")])
-def test_batched_heads_3d(alibi, mask):
-    model = batched_graph(alibi=alibi, mask=mask)
+@pytest.mark.parametrize("alibi,mask,merge_heads", [(True, "additive", False), (False, "masked_fill", False),
+                                                   (True, "masked_fill", False), (True, "additive", True)])
+def test_batched_heads_3d(alibi, mask, merge_heads):
+    model = batched_graph(alibi=alibi, mask=mask, merge_heads=merge_heads)
     fused, res = fuse_model(model)
     assert res.counts() == {OP: 1}, _rejections(res)
+    assert "MatMul" not in _ops(fused)
+    # the 3-D output whose Shape BLOOM's _merge_heads reads stays, as the fused output reshaped
+    assert ("kept_3d_output" in _fa(res)[0].rewrite.info) == merge_heads
     acc = _fa(res)[0]
     assert acc.rule == "attention.batched"
     assert acc.rewrite.attrs["scale"] == pytest.approx(32 ** -0.5, rel=1e-6)

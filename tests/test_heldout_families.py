@@ -2,17 +2,26 @@
 
 The fusion rules were developed on the families of ``optfuse.models.FAMILIES`` (BERT, GPT-2, ViT,
 LLaMA, T5). Issue 5 asks that every attention block fuses on families never seen as well; these
-five differ from those in how they build the attention subgraph:
+differ from those in how they build the attention subgraph:
 
 - Qwen2: q/k/v projections with bias, GQA (4 query / 2 KV heads), rotary, causal + padding;
 - GPT-NeoX: one fused QKV projection split per head, partial rotary (a quarter of the head dim);
 - OPT: q scaled before Q K^T, causal mask from its own decoder code;
 - DistilBERT: its own padding-mask chain (masked_fill on a boolean mask), no token types;
-- CLIP text: causal + padding masks combined, quick-GELU.
+- CLIP text: causal + padding masks combined, quick-GELU;
+- Falcon (new decoder architecture): q, k, v sliced out of one [B, S, Hkv, G + 2, D] view of the
+  fused QKV projection (TorchScript leaves the sliced head counts to the static dims), k and v
+  broadcast to the query heads, attention and MLP in parallel;
+- MPT (eager only): ALiBi added to the scores before the masked_fill of the padding mask;
+- GPT-Neo (eager only): unscaled scores, a masked_fill by the causal buffer plus an additive
+  padding mask, global and local (window) layers;
+- BLOOM (eager only): heads merged into the batch around 3-D bmm's, ALiBi added to the 3-D
+  scores, and (TorchScript) the merged output's batch and sequence read from its shape.
 
-Each is exported with both torch exporters and both attention implementations (SDPA, eager),
-fused, and must have one ``FlashAttention`` node per layer, no Softmax left, and match the
-unfused model in onnxruntime on right-padded masks (max abs error <= 1e-4, FP32). The families
+Each is exported with both torch exporters and both attention implementations (SDPA, eager; MPT,
+GPT-Neo and BLOOM have no SDPA attention in transformers), fused, and must have one ``FlashAttention``
+node per layer, no Softmax and no unfused norm left, and match the unfused model in onnxruntime
+on right-padded masks (max abs error <= 1e-4, FP32). The families
 are registered only for this module's tests (a fixture adds and removes them), so nothing else
 parametrized over ``FAMILIES`` sees them. An encoder-decoder model (BART, its own export wrapper)
 adds cross-attention: every encoder, decoder and cross-attention block must fuse as well.
@@ -57,11 +66,39 @@ def _families():
                dict(vocab_size=1000, max_position_embeddings=64, hidden_size=64, num_hidden_layers=2,
                     num_attention_heads=2, intermediate_size=128, attention_dropout=0.0),
                ("input_ids", "attention_mask"), "layer_norm", causal=True),
+        Family("heldout_falcon", "Falcon decoder (new decoder architecture: QKV view sliced into q, k, v)",
+               "FalconConfig", "FalconModel",
+               dict(_TEXT, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                    ffn_hidden_size=128, new_decoder_architecture=True, alibi=False, parallel_attn=True,
+                    bias=False, use_cache=False, attention_dropout=0.0, hidden_dropout=0.0),
+               ("input_ids", "attention_mask"), "layer_norm", causal=True, position="rotary", call_kwargs=_NO_CACHE),
+        Family("heldout_mpt", "MPT decoder (ALiBi added before the padding masked_fill)", "MptConfig", "MptModel",
+               dict(vocab_size=1000, d_model=64, n_layers=2, n_heads=2, expansion_ratio=2, max_seq_len=128,
+                    use_cache=False),
+               ("input_ids", "attention_mask"), "layer_norm", causal=True, call_kwargs=_NO_CACHE),
+        Family("heldout_gpt_neo", "GPT-Neo decoder (unscaled, causal masked_fill + padding, local layers)",
+               "GPTNeoConfig", "GPTNeoModel",
+               dict(_TEXT, hidden_size=64, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+                    window_size=10, intermediate_size=128, use_cache=False, resid_dropout=0.0, embed_dropout=0.0,
+                    attention_dropout=0.0),
+               ("input_ids", "attention_mask"), "layer_norm", causal=True, scaled=False, call_kwargs=_NO_CACHE),
+        Family("heldout_bloom", "BLOOM decoder (3-D batched heads, ALiBi, merged heads read from the output shape)",
+               "BloomConfig", "BloomModel",
+               dict(vocab_size=1000, hidden_size=64, n_layer=2, n_head=2, use_cache=False, hidden_dropout=0.0,
+                    attention_dropout=0.0),
+               ("input_ids", "attention_mask"), "layer_norm", causal=True, position="relative_bias",
+               call_kwargs=_NO_CACHE),
     ]
 
 
-NAMES = ["heldout_qwen2", "heldout_gpt_neox", "heldout_opt", "heldout_distilbert", "heldout_clip_text"]
-CASES = [(f, e, a) for f in NAMES for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")]
+NAMES = ["heldout_qwen2", "heldout_gpt_neox", "heldout_opt", "heldout_distilbert", "heldout_clip_text",
+         "heldout_falcon", "heldout_mpt", "heldout_gpt_neo", "heldout_bloom"]
+#: families whose transformers model has no SDPA attention
+EAGER_ONLY = {"heldout_mpt", "heldout_gpt_neo", "heldout_bloom"}
+CASES = [(f, e, a) for f in NAMES for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")
+         if not (f in EAGER_ONLY and a == "sdpa")]
+#: ops of a norm that did not fuse
+UNFUSED_NORM = {"ReduceMean", "LayerNormalization", "RMSNormalization"}
 LAYERS = 2
 
 
@@ -107,6 +144,8 @@ def test_heldout_family_attention_fused(heldout_export, family, exporter, attn):
     why = [str(r) for r in res.rejected if r.op == "FlashAttention"]
     assert ops.count("FlashAttention") == LAYERS, why
     assert "Softmax" not in ops
+    assert not UNFUSED_NORM & set(ops), [str(r) for r in res.rejected if r.op in ("LayerNorm", "RMSNorm")]
+    assert {"LayerNorm", "RMSNorm", "SkipLayerNorm", "SkipRMSNorm"} & set(ops)
     for seed in range(2):  # make_inputs right-pads rows 1.. of the attention mask
         feeds = make_inputs(em.inputs, {"batch": 3, "sequence": 12}, seed=seed)
         for want, got in zip(_run(model, feeds), _run(fused, feeds)):
@@ -170,7 +209,9 @@ def test_encoder_decoder_cross_attention_fused(tmp_path, exporter, attn):
 #: The FFN of each held-out family: the rule that fuses it and its activation.
 HELDOUT_FFN = {"heldout_qwen2": ("gemm.gated", "silu"), "heldout_gpt_neox": ("gemm.act", "gelu_erf"),
                "heldout_opt": ("gemm.act", "relu"), "heldout_distilbert": ("gemm.act", "gelu_erf"),
-               "heldout_clip_text": ("gemm.act", "quick_gelu")}
+               "heldout_clip_text": ("gemm.act", "quick_gelu"), "heldout_falcon": ("gemm.act", "gelu_erf"),
+               "heldout_mpt": ("gemm.act", "gelu_erf"), "heldout_gpt_neo": ("gemm.act", "gelu_tanh"),
+               "heldout_bloom": ("gemm.act", "gelu_tanh")}
 
 
 @pytest.mark.slow

@@ -190,3 +190,37 @@ def test_derived_weights_are_computed_once_into_aligned_scratch_tensors():
         for v in (first, second):
             offset = int(next(e.value for e in v.tensor.external_data if e.key == "offset"))
             assert offset % 4096 == 0
+
+
+def test_static_dims_through_slice_and_split_along_their_axis():
+    """Where shape inference leaves a sliced / split axis symbolic (Falcon's TorchScript export:
+    qkv viewed as [B, S, Hkv, G + 2, D], q = [..., :-2, :], or [B, S, H + 2, D] split [H, 1, 1]),
+    the static dims follow from the constant starts / ends / steps and split sizes."""
+    import onnx_graphsurgeon as gs
+
+    from optfuse.ir.static import StaticEval
+
+    f32 = np.float32
+    x = gs.Variable("x", f32, ["b", "s", 2, 4, 32])
+    i64 = lambda name, v: gs.Constant(name, np.array(v, np.int64))  # noqa: E731
+    q, k = gs.Variable("q", f32, ["b", "s", 2, "u0", 32]), gs.Variable("k", f32, ["b", "s", 2, "u1", 32])
+    every2 = gs.Variable("every2", f32, ["b", "s", 2, "u2", 32])
+    nodes = [gs.Node("Slice", inputs=[x, i64("st", [0]), i64("en", [-2]), i64("ax", [3])], outputs=[q]),
+             gs.Node("Slice", inputs=[x, i64("st1", [-2]), i64("en1", [-1]), i64("ax1", [-2])], outputs=[k]),
+             gs.Node("Slice", inputs=[x, i64("st2", [0]), i64("en2", [99]), i64("ax2", [3]), i64("sp2", [2])],
+                     outputs=[every2])]
+    y = gs.Variable("y", f32, ["b", "s", 4, 32])
+    parts = [gs.Variable(f"p{i}", f32, ["b", "s", f"v{i}", 32]) for i in range(3)]
+    halves = [gs.Variable(f"h{i}", f32, ["b", "s", f"w{i}", 32]) for i in range(2)]
+    computed = gs.Variable("computed_sizes", np.int64, [2])
+    unknown = [gs.Variable(f"u{i}", f32, ["b", "s", f"z{i}", 32]) for i in range(2)]
+    nodes += [gs.Node("Split", inputs=[y, i64("sizes", [2, 1, 1])], outputs=parts, attrs={"axis": 2}),
+              gs.Node("Split", inputs=[y], outputs=halves, attrs={"axis": -2, "num_outputs": 2}),
+              gs.Node("Split", inputs=[y, computed], outputs=unknown, attrs={"axis": 2})]
+    gs.Graph(nodes=nodes, inputs=[x, y, computed], outputs=[q, k, every2, *parts, *halves, *unknown], opset=18)
+    st = StaticEval()
+    assert [st.dim(t, 3) for t in (q, k, every2)] == [2, 1, 2]
+    assert [st.dim(t, 2) for t in parts] == [2, 1, 1]
+    assert [st.dim(t, 2) for t in halves] == [2, 2]
+    assert [st.dim(t, 2) for t in unknown] == [None, None]  # sizes computed at run time
+    assert st.dim(q, 0) is None  # the batch stays symbolic

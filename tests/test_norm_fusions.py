@@ -28,7 +28,7 @@ def _assert_same(original, fused, hidden=64, shape=(2, 8)):
         assert np.abs(r - g).max() <= 1e-4
 
 
-@pytest.mark.parametrize("variant", ["pow_div", "mul_div", "pow_reciprocal"])
+@pytest.mark.parametrize("variant", ["pow_div", "mul_div", "pow_reciprocal", "pow_div_one"])
 @pytest.mark.parametrize("opset", [14, 17, 18])
 @pytest.mark.parametrize("casts", [False, True])
 def test_decomposed_layer_norm_variants(variant, opset, casts):

@@ -7,11 +7,13 @@ Exporter variants matched (rule ids):
 - ``layer_norm.decomposed``: what opset < 17 exports and hand-written LayerNorms look like::
 
         x ──┬──────────────► Sub ──┬──► Pow(2) | Mul(d, d) ─► ReduceMean ─► Add(eps) ─► Sqrt ─┐
-            └─► ReduceMean ─┘      └────────────────────────────────► Div | Mul(Reciprocal) ◄┘
+            └─► ReduceMean ─┘      └─────────────────────► Div | Mul(Reciprocal) | Mul(Div(1, .)) ◄┘
                                                                           │
                                                    [Cast] ─► Mul(gamma) ─► Add(beta) ─► y
 
-  with optional Casts (fp32 statistics in fp16 models) and optional affine parameters.
+  with optional Casts (fp32 statistics in fp16 models) and optional affine parameters. A
+  hand-written ``(x - mean) * torch.rsqrt(var + eps)`` (Cohere's LayerNorm) is exported as
+  Mul(Reciprocal(Sqrt)) by dynamo and as Mul(Div(1, Sqrt)) by TorchScript.
 
 Target: ``optfuse::LayerNorm`` v1 (plugins/layer_norm).
 """
@@ -52,7 +54,7 @@ def _decomposed(affine: str) -> object:
     d = op.Sub(maybe_cast(x), mean)
     var = op.ReduceMean(AnyOf(op.Pow(d, Const(2.0)), op.Mul(d, d)), axes=Capture("axes2"))
     std = op.Sqrt(op.Add(var, Const(name="eps")))
-    normed = maybe_cast(AnyOf(op.Div(d, std), op.Mul(d, op.Reciprocal(std))))
+    normed = maybe_cast(AnyOf(op.Div(d, std), op.Mul(d, op.Reciprocal(std)), op.Mul(d, op.Div(Const(1.0), std))))
     if affine == "gamma_beta":
         return op.Add(op.Mul(normed, Var("gamma")), Var("beta"))
     if affine == "gamma":

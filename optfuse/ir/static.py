@@ -166,7 +166,7 @@ class StaticEval:
         if nop == "Reshape":
             return self._reshape_dim(node, t, axis, depth)
         if nop in ("Slice", "Split"):
-            return self._slice_dim(node, r, axis, depth)
+            return self._slice_dim(node, t, r, axis, depth)
         return None
 
     def _squeeze_dim(self, node: gs.Node, r: int, axis: int, depth: int) -> int | None:
@@ -196,18 +196,49 @@ class StaticEval:
             return int(shape[axis])
         return d if shape is not None and len(shape) == r and int(shape[axis]) in (0, 1) else None
 
-    def _slice_dim(self, node: gs.Node, r: int, axis: int, depth: int) -> int | None:
+    def _slice_dim(self, node: gs.Node, t: gs.Tensor, r: int, axis: int, depth: int) -> int | None:
         x = node.inputs[0]
         if rank(x) != r:
             return None
         if node.op == "Split":
             sax = int(node.attrs.get("axis", 0)) % r
-            return self.dim(x, axis, depth - 1) if sax != axis else None
+            return self.dim(x, axis, depth - 1) if sax != axis else self._split_size(node, t, axis, depth)
         axes = const_value(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else np.arange(
             len(const_value(node.inputs[1]) if const_value(node.inputs[1]) is not None else []))
         if axes is None or len(axes) == 0:
             return None
-        return self.dim(x, axis, depth - 1) if axis not in {int(a) % r for a in axes} else None
+        axes = [int(a) % r for a in np.atleast_1d(axes)]
+        if axis not in axes:
+            return self.dim(x, axis, depth - 1)
+        return self._sliced_size(node, axes.index(axis), self.dim(x, axis, depth - 1))
+
+    @staticmethod
+    def _sliced_size(node: gs.Node, i: int, d: int | None) -> int | None:
+        """The length of entry ``i`` of a Slice's constant starts / ends / steps over a static dim ``d``."""
+        if d is None or len(node.inputs) < 3:
+            return None
+        vals = [const_value(x) if x.name else None for x in node.inputs[1:3]]
+        steps = const_value(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else np.ones(1, np.int64)
+        if any(v is None for v in vals) or steps is None:
+            return None
+        start, end = (int(np.atleast_1d(v)[i]) for v in vals)
+        step = int(np.atleast_1d(steps)[i if np.size(steps) > 1 else 0])
+        return len(range(*slice(start, end, step).indices(d))) if step else None
+
+    def _split_size(self, node: gs.Node, t: gs.Tensor, axis: int, depth: int) -> int | None:
+        """The size of output `t` of a Split along its axis: its entry of the constant sizes (the
+        ``split`` input, opset 13+, or attribute), else an equal share of a static input dim."""
+        i = next((k for k, o in enumerate(node.outputs) if o is t), None)
+        given = len(node.inputs) > 1 and node.inputs[1].name  # the sizes input (opset 13+), else the attribute
+        sizes = const_value(node.inputs[1]) if given else node_attr(node, "split")
+        if i is None or (given and sizes is None):  # computed sizes: unknown
+            return None
+        if sizes is not None:
+            sizes = np.atleast_1d(np.asarray(sizes)).reshape(-1)
+            return int(sizes[i]) if len(sizes) == len(node.outputs) else None
+        whole = self.dim(node.inputs[0], axis, depth - 1)
+        n = len(node.outputs)
+        return whole // n if whole is not None and whole % n == 0 else None
 
     def _broadcast_dim(self, ins, r, axis, depth) -> int | None:
         found = []

@@ -88,7 +88,9 @@ def model_meta(family: str, config: Any) -> dict[str, Any]:
         # None where the config has no such field (OPT, DistilBERT: eps fixed in the modeling code)
         "norm_eps": _float_or_none(g("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps")),
         "activation": str(g("hidden_act", "activation_function", "feed_forward_proj", "activation")),
-        "intermediate_size": int(g("intermediate_size", "n_inner", "d_ff", "ffn_dim", "hidden_dim")),
+        # None where the config names no FFN width (MPT: expansion_ratio * d_model)
+        "intermediate_size": _int_or_none(g("intermediate_size", "n_inner", "d_ff", "ffn_dim", "hidden_dim",
+                                            "ffn_hidden_size")),
         "description": fam.description,
         "notes": fam.notes,
     }
@@ -96,3 +98,7 @@ def model_meta(family: str, config: Any) -> dict[str, Any]:
 
 def _float_or_none(v: Any) -> float | None:
     return None if v is None else float(v)
+
+
+def _int_or_none(v: Any) -> int | None:
+    return None if v is None else int(v)

@@ -12,7 +12,8 @@ attention) write around it as an alternative::
     any kᵀ [B,H,D,Sk] ─┘                                                                              │
                                                                                                       ▼
         ┌─ attention.additive:    [+ bias] [+ bias2]                       (padding / causal / position bias)
-        └─ attention.masked_fill: Where(cond, ., fill) | Where(cond, fill, .) [+ bias]
+        └─ attention.masked_fill: [+ bias2] Where(cond, ., fill) | Where(cond, fill, .) [+ bias]
+                                  (bias2: a position bias added before the masked_fill, MPT's ALiBi)
                                                                                                       │
              [Cast] ─► Softmax(axis=-1) ─► [Cast] ─► [Where(IsNaN(p), 0, p)] [Dropout(eval)] ─► MatMul ─► o
                                                                                                  ▲
@@ -28,7 +29,9 @@ attention) write around it as an alternative::
         ─► MatMul(., v3) ─► Reshape [B,H,S,D] = o
 
   the fused node reads the 4-D q, k, v and writes the final 4-D output; a 3-D bias term is split
-  back into heads (new Unsqueeze + Reshape [-1, H, 0, 0]).
+  back into heads (new Unsqueeze + Reshape [-1, H, 0, 0]). A 3-D output that something outside the
+  match also reads (BLOOM's TorchScript ``_merge_heads`` reads its shape) stays, as the fused output
+  reshaped by q's own [B*H, S, D] target (a new Reshape; ``info["kept_3d_output"]``).
 - ``attention.onnx``: ONNX's own ``Attention`` op (opset 23+) with 4-D q/k/v, an optional bool or
   additive ``attn_mask``, ``is_causal``, ``scale`` (no cache inputs, no softcap, only output Y used).
 - ``attention.unrecognized``: never fuses; reports a Softmax -> MatMul that no rule above took,
@@ -70,8 +73,8 @@ What the fused node gets:
                          that keeps no key, stays FlashAttention with the whole mask
     anything else        the mask as it is (block from shapes, bias, dynamic, unknown, ...)
 
-  ``Where(cond, scores, fill)`` becomes the bias ``Where(cond, 0, fill)`` (a new node) when that
-  cannot change a result: fill <= -1e30 or -inf (it absorbs the score), or a constant cond whose
+  ``Where(cond, scores [+ bias2], fill)`` becomes the bias ``[bias2 +] Where(cond, 0, fill)`` (new
+  nodes) when that cannot change a result: fill <= -1e30 or -inf (it absorbs the score), or a constant cond whose
   every row keeps a key and fill <= -1e4; otherwise the match is rejected.
 
 Input-side nodes of a match (the head splits, transposes, scales and repeat_kv of q, k, v) that

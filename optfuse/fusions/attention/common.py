@@ -27,6 +27,7 @@ class AttentionPlan:
     info: dict[str, Any] = field(default_factory=dict)
     op: str = "FlashAttention"
     keep: list[gs.Node] = field(default_factory=list)  # input-side nodes that stay for outside readers
+    after: list[Any] = field(default_factory=list)  # `After` nodes: outputs of the match others read
 
 
 class AttentionFacts:

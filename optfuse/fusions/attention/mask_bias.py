@@ -224,6 +224,10 @@ class MaskExpr:
             tuple(sorted(self.split.items()))
 
     def evaluate(self, values: list[np.ndarray]) -> np.ndarray:
+        with np.errstate(over="ignore"):  # two masking terms (finfo.min + finfo.min) sum to -inf: masked as well
+            return self._evaluate(values)
+
+    def _evaluate(self, values: list[np.ndarray]) -> np.ndarray:
         out = None
         for i, v in enumerate(values[:len(self.terms)]):
             v = np.asarray(v, dtype=self.dtype)

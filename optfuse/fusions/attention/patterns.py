@@ -79,8 +79,10 @@ def _additive():
 
 def _masked_fill():
     s = _scores()
-    filled = AnyOf(op.Where(Var("cond"), s, Var("fill"), capture="where"),
-                   op.Where(Var("cond_inv"), Var("fill"), s, capture="where"))
+    # a position bias may come before the masked_fill (MPT: scores + ALiBi, then masked_fill)
+    pre = AnyOf(op.Add(s, Var("bias2")), s)
+    filled = AnyOf(op.Where(Var("cond"), pre, Var("fill"), capture="where"),
+                   op.Where(Var("cond_inv"), Var("fill"), pre, capture="where"))
     return _probs(AnyOf(op.Add(filled, Var("bias")), filled))
 
 

@@ -12,7 +12,7 @@ import onnx_graphsurgeon as gs
 
 from ...ir.query import const_value, rank
 from ...ir.static import UNKNOWN_DIM, StaticEval
-from ...pattern import Context, Match, NewTensor
+from ...pattern import After, Context, FusedOutput, Match, NewTensor
 from .common import AttentionPlan, check_dtypes, check_head_dim, need
 from .mask_bias import plan_mask
 
@@ -91,7 +91,16 @@ def plan_batched(m: Match, ctx: Context) -> AttentionPlan:
     info = mp.info
     info.update(scale=scale, num_heads=H, num_kv_heads=H, head_dim=D, layout="3-D batched heads")
     attrs = {"scale": scale, **mp.attrs, "num_heads": H, "num_kv_heads": H}
-    return AttentionPlan([q, k, v, mp.bias, *mp.layout_inputs], attrs, info, mp.op)
+    plan = AttentionPlan([q, k, v, mp.bias, *mp.layout_inputs], attrs, info, mp.op)
+    o3 = m["pv"].outputs[0]
+    if any(c is not m["o_unflat"] for c in o3.outputs) or any(t is o3 for t in g.outputs):
+        # read outside the match (TorchScript's _merge_heads reads its shape): the fused output o
+        # reshaped by q's own flattening target, which gives o [B, H, Sq, D] (q's shape) as
+        # [B*H, Sq, D], the value the 3-D product wrote
+        flatten_q = m["q3"].inputs[0]
+        plan.after.append(After("Reshape", [FusedOutput(0), m["q_flat_shape"]], [o3], dict(flatten_q.attrs)))
+        info["kept_3d_output"] = f"{o3.name!r}: Reshape of the output by q's [B*H, Sq, D] target"
+    return plan
 
 
 def _check_dropout(m: Match) -> None:

@@ -28,7 +28,7 @@ def _check(m: Match, ctx: Context) -> str | AttentionPlan:
 
 def _rewrite(m: Match, p: AttentionPlan) -> Rewrite:
     out = m["attn"].outputs[0] if "attn" in m else m.root
-    return Rewrite(p.op, list(p.inputs), [out], dict(p.attrs), dict(p.info), keep=list(p.keep))
+    return Rewrite(p.op, list(p.inputs), [out], dict(p.attrs), dict(p.info), after=list(p.after), keep=list(p.keep))
 
 
 # ------------------------------------------------------------------------------------------------
