@@ -31,6 +31,14 @@ def _act(b: graphs.Builder, x: str, form: str) -> str:
     c = b.const
     if form == "relu":
         return b.node("Relu", x)
+    if form.startswith("relu2_"):  # torch.square(relu(x)) / relu(x) ** 2 as the exporters write it
+        r = b.node("Relu", x)
+        if form == "relu2_mul":
+            return b.node("Mul", r, r)
+        exponent = {"relu2_pow": lambda: c(2.0), "relu2_pow_int": lambda: c(2, dtype=np.int64),
+                    "relu2_pow_node": lambda: b.node("Constant", value=onnx.numpy_helper.from_array(
+                        np.array([2.0], np.float32), "two"))}[form]()
+        return b.node("Pow", r, exponent)
     if form in ("sigmoid", "tanh"):
         return b.node(form.capitalize(), x)
     if form == "silu":
@@ -134,6 +142,7 @@ FORMS = {
     "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "silu": "silu", "quick_gelu": "quick_gelu",
     "gelu_erf_a_div": "gelu_erf", "gelu_erf_b_div": "gelu_erf", "gelu_erf_c_mul": "gelu_erf",
     "gelu_tanh_pow": "gelu_tanh", "gelu_tanh_cube": "gelu_tanh", "gelu_tanh_fast": "gelu_tanh",
+    "relu2_pow": "relu2", "relu2_pow_int": "relu2", "relu2_pow_node": "relu2", "relu2_mul": "relu2",
 }
 
 
@@ -259,6 +268,17 @@ def test_residual_after_or_before_the_activation(position, rule):
     fused, res, ops = _fuse_one(model)
     (acc,) = _gemm(res)
     assert acc.rule == rule and ops == ["GemmEpilogue"]
+    assert acc.rewrite.attrs["residual_position"] == f"{position}_activation"
+    _assert_same(model, fused)
+
+
+@pytest.mark.parametrize("form", ["relu2_pow", "relu2_mul"])
+@pytest.mark.parametrize("position,rule", [("after", "gemm.act_residual"), ("before", "gemm.residual_act")])
+def test_relu2_with_a_residual(form, position, rule):
+    model = linear(form, residual=position)
+    fused, res, ops = _fuse_one(model)
+    (acc,) = _gemm(res)
+    assert acc.rule == rule and ops == ["GemmEpilogue"] and acc.rewrite.attrs["activation"] == "relu2"
     assert acc.rewrite.attrs["residual_position"] == f"{position}_activation"
     _assert_same(model, fused)
 
@@ -423,6 +443,54 @@ def test_pre_activation_read_elsewhere_fuses_the_gemm_and_bias_only():
     (acc,) = _gemm(res)
     assert acc.rule == "gemm.bias" and acc.rewrite.attrs["activation"] == "none"
     assert "Erf" in ops
+    _assert_same(model, fused)
+
+
+def _relu_read_elsewhere(form: str, reader: str):
+    """y = square(r) and r = Relu(X @ W + b) read by something else too: a graph output, an Add
+    with the square (r + r^2: r would be a residual the match itself computes) or a second Relu2."""
+    rng = np.random.default_rng(0)
+    b = graphs.Builder(17)
+    pre = b.node("Add", b.node("MatMul", "x", b.const(rng.standard_normal((K, N)) / np.sqrt(K))),
+                 b.const(rng.standard_normal(N)))
+    r = b.node("Relu", pre)
+    sq = (lambda: b.node("Mul", r, r)) if form == "relu2_mul" else (lambda: b.node("Pow", r, b.const(2.0)))
+    y = sq()
+    outputs = [graphs.io("y", ["b", "s", N])]
+    if reader == "output":
+        outputs.append(graphs.io(r, ["b", "s", N]))
+    elif reader == "add":
+        y = b.node("Add", y, r)
+    else:  # "second_square"
+        y = b.node("Add", y, sq())
+    b.nodes[-1].output[0] = "y"
+    return b.model([graphs.io("x", ["b", "s", K])], outputs)
+
+
+@pytest.mark.parametrize("reader", ["output", "add", "second_square"])
+@pytest.mark.parametrize("form", ["relu2_pow", "relu2_mul"])
+def test_relu_read_elsewhere_fuses_as_relu_and_the_square_stays(form, reader):
+    """Fusion boundary: relu2 may not absorb a Relu whose output another reader needs; the GEMM,
+    bias and ReLU fuse (relu) and the square stays, as without relu2."""
+    model = _relu_read_elsewhere(form, reader)
+    fused, res, ops = _fuse_one(model)
+    (acc,) = _gemm(res)
+    assert acc.rule == "gemm.act" and acc.rewrite.attrs["activation"] == "relu", (acc.rule, acc.rewrite.attrs)
+    square_op = "Mul" if form == "relu2_mul" else "Pow"
+    assert ops.count("GemmEpilogue") == 1 and "Relu" not in ops and "MatMul" not in ops
+    assert ops.count(square_op) == (2 if reader == "second_square" else 1), ops
+    _assert_same(model, fused)
+
+
+@pytest.mark.parametrize("exponent", [3.0, 2.5])
+def test_relu_to_another_power_is_relu_and_a_pow(exponent):
+    b = graphs.Builder(17)
+    w = np.random.default_rng(0).standard_normal((K, N)).astype(np.float32) / np.sqrt(K)
+    b.node("Pow", b.node("Relu", b.node("MatMul", "x", b.const(w))), b.const(exponent), out="y")
+    model = b.model([graphs.io("x", ["b", "s", K])], [graphs.io("y", ["b", "s", N])])
+    fused, res, ops = _fuse_one(model)
+    (acc,) = _gemm(res)
+    assert acc.rewrite.attrs["activation"] == "relu" and ops == ["GemmEpilogue", "Pow"]
     _assert_same(model, fused)
 
 

@@ -16,7 +16,12 @@ differ from those in how they build the attention subgraph:
 - GPT-Neo (eager only): unscaled scores, a masked_fill by the causal buffer plus an additive
   padding mask, global and local (window) layers;
 - BLOOM (eager only): heads merged into the batch around 3-D bmm's, ALiBi added to the 3-D
-  scores, and (TorchScript) the merged output's batch and sequence read from its shape.
+  scores, and (TorchScript) the merged output's batch and sequence read from its shape;
+- Nemotron: half-rotary heads, LayerNorm1P (weight + 1), and a squared-ReLU MLP without bias
+  (``relu(x) ** 2``: TorchScript writes ``Mul(r, r)``, dynamo ``Pow(r, 2)``), which fuses into
+  GemmEpilogue's ``relu2``;
+- Persimmon: one fused QKV projection split per head, half-rotary heads, and the squared-ReLU MLP
+  with bias (``relu2`` as well).
 
 Each is exported with both torch exporters and both attention implementations (SDPA, eager; MPT,
 GPT-Neo and BLOOM have no SDPA attention in transformers), fused, and must have one ``FlashAttention``
@@ -88,11 +93,21 @@ def _families():
                     attention_dropout=0.0),
                ("input_ids", "attention_mask"), "layer_norm", causal=True, position="relative_bias",
                call_kwargs=_NO_CACHE),
+        Family("heldout_nemotron", "Nemotron decoder (squared-ReLU MLP, LayerNorm1P, partial rotary)",
+               "NemotronConfig", "NemotronModel",
+               dict(_TEXT, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                    head_dim=32, intermediate_size=128, use_cache=False, attention_dropout=0.0),
+               ("input_ids", "attention_mask"), "layer_norm", causal=True, position="rotary", call_kwargs=_NO_CACHE),
+        Family("heldout_persimmon", "Persimmon decoder (squared-ReLU MLP with bias, fused QKV, partial rotary)",
+               "PersimmonConfig", "PersimmonModel",
+               dict(_TEXT, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                    use_cache=False, attention_dropout=0.0, hidden_dropout=0.0),
+               ("input_ids", "attention_mask"), "layer_norm", causal=True, position="rotary", call_kwargs=_NO_CACHE),
     ]
 
 
 NAMES = ["heldout_qwen2", "heldout_gpt_neox", "heldout_opt", "heldout_distilbert", "heldout_clip_text",
-         "heldout_falcon", "heldout_mpt", "heldout_gpt_neo", "heldout_bloom"]
+         "heldout_falcon", "heldout_mpt", "heldout_gpt_neo", "heldout_bloom", "heldout_nemotron", "heldout_persimmon"]
 #: families whose transformers model has no SDPA attention
 EAGER_ONLY = {"heldout_mpt", "heldout_gpt_neo", "heldout_bloom"}
 CASES = [(f, e, a) for f in NAMES for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")
@@ -211,7 +226,8 @@ HELDOUT_FFN = {"heldout_qwen2": ("gemm.gated", "silu"), "heldout_gpt_neox": ("ge
                "heldout_opt": ("gemm.act", "relu"), "heldout_distilbert": ("gemm.act", "gelu_erf"),
                "heldout_clip_text": ("gemm.act", "quick_gelu"), "heldout_falcon": ("gemm.act", "gelu_erf"),
                "heldout_mpt": ("gemm.act", "gelu_erf"), "heldout_gpt_neo": ("gemm.act", "gelu_tanh"),
-               "heldout_bloom": ("gemm.act", "gelu_tanh")}
+               "heldout_bloom": ("gemm.act", "gelu_tanh"), "heldout_nemotron": ("gemm.act", "relu2"),
+               "heldout_persimmon": ("gemm.act", "relu2")}
 
 
 @pytest.mark.slow
@@ -233,6 +249,10 @@ def test_heldout_family_gemms_fused(heldout_export, family, exporter, attn):
     rule, act = HELDOUT_FFN[family]
     ffn = [a for a in res.accepted if a.rule == rule]
     assert len(ffn) == LAYERS and all(a.rewrite.attrs["activation"] == act for a in ffn)
+    if act == "relu2":  # each Relu's square (Pow, or Mul(r, r)) went into the GEMM with it
+        relu_out = {n.output[0] for n in model.graph.node if n.op_type == "Relu"}
+        squares = {n.name for n in model.graph.node if set(n.input) & relu_out}
+        assert len(squares) == LAYERS and not squares & {n.name for n in fused.graph.node}, squares
     feeds = make_inputs(em.inputs, {"batch": 3, "sequence": 12}, seed=0)
     for want, got in zip(_run(model, feeds), _run(fused, feeds)):
         assert float(np.max(np.abs(want.astype(np.float64) - got))) <= 1e-4

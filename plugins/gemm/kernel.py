@@ -71,6 +71,9 @@ def _activation(x, ACTIVATION: tl.constexpr):
         x = _sigmoid(x)
     elif ACTIVATION == "tanh":
         x = _tanh(x)
+    elif ACTIVATION == "relu2":
+        x = tl.maximum(x, 0.0)
+        x = x * x
     else:
         tl.static_assert(ACTIVATION == "none", "unknown activation")
     return x

@@ -6,6 +6,7 @@ With FP8 (float8e4m3fn) A and weights the product of the FP8 values (exact in fl
 float32 (kernel) or float64 (reference) pre-activation value x:
 
     relu        max(x, 0)
+    relu2       max(x, 0)^2 (squared ReLU)                            Primer, Persimmon, Nemotron
     gelu_erf    0.5 x (1 + erf(x / sqrt(2)))                          BERT, ViT, torch's default GELU
     gelu_tanh   0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))     GPT-2 NewGELU, FastGelu, Gemma
     quick_gelu  x sigmoid(1.702 x)                                    CLIP
@@ -79,6 +80,8 @@ def activation64(name: str, x: np.ndarray) -> np.ndarray:
         return _sigmoid(x)
     if name == "tanh":
         return np.tanh(x)
+    if name == "relu2":
+        return np.square(np.maximum(x, 0.0))
     raise ValueError(f"unknown activation {name!r}")
 
 
@@ -204,6 +207,8 @@ def _activation_nodes(name: str, x: str, y: str, tag: str) -> list:
         return [mk("Identity", [x], [y])]
     if name == "relu":
         return [mk("Relu", [x], [y])]
+    if name == "relu2":
+        return [mk("Relu", [x], [t("r")]), mk("Mul", [t("r"), t("r")], [y])]
     if name == "sigmoid":
         return [mk("Sigmoid", [x], [y])]
     if name == "tanh":

@@ -115,6 +115,7 @@ SM90_CASES = [
     T.Case("GemmEpilogue", (-1,), 1024, 4096, "bfloat16", "none", "vector", "full"),
     T.Case("GemmEpilogue", (-1,), 896, 1000, "float16", "silu", "scalar", "scalar", "before_activation", 0.5),
     T.Case("GatedGemm", (-1,), 11008, 4096, "bfloat16", "silu"),
+    T.Case("GemmEpilogue", (-1,), 1024, 768, "bfloat16", "relu2", "none", "none"),  # ACTIVATION 8, every schedule
 ]
 
 
@@ -125,6 +126,7 @@ SM90_FP8_CASES = [
     T.Case("GemmEpilogue", (-1,), 4096, 4096, "float8e4m3fn", "silu", "scalar", "none", output_dtype="float16",
            w_scale="scalar"),
     T.Case("GatedGemm", (-1,), 11008, 4096, "float8e4m3fn", "silu", output_dtype="bfloat16"),
+    T.Case("GemmEpilogue", (-1,), 3072, 768, "float8e4m3fn", "relu2", "vector", "none", output_dtype="float16"),
 ]
 
 
@@ -270,10 +272,13 @@ def test_split_k_plan_buffers_and_workspace():
     assert not red.params.programmatic and not gemm.params.programmatic  # plain launches (README, "Tried")
 
 
-def test_split_k_plan_compiles(tmp_path):
+@pytest.mark.parametrize("case,reduce_inputs", [
+    (T.Case("GemmEpilogue", (300,), 768, 3072, "float16", "silu", "vector", "full", "before_activation"), 3),
+    (T.Case("GemmEpilogue", (300,), 768, 3072, "bfloat16", "relu2", "vector", "none"), 2),
+], ids=lambda x: x.id() if hasattr(x, "id") else str(x))
+def test_split_k_plan_compiles(tmp_path, case, reduce_inputs):
     """Both steps of a split-K plan build for sm_90a (NVRTC): the GEMM with wgmma and its QDP-order
     parameters, the reduce with the partials, the present epilogue inputs, M and y."""
-    case = T.Case("GemmEpilogue", (300,), 768, 3072, "float16", "silu", "vector", "full", "before_activation")
     plan = _plan(case)
     for step in plan.steps:
         art = KernelCache(tmp_path).build(step.source, 90)
@@ -282,4 +287,4 @@ def test_split_k_plan_compiles(tmp_path):
         assert re.findall(r"\.param\s+\.(\w+)", entry) == ["u64"] * step.source.n_inputs + ["u32", "u64"]
     gemm_ptx = KernelCache(tmp_path).build(plan.steps[0].source, 90).ptx
     assert "wgmma.mma_async" in gemm_ptx
-    assert plan.steps[1].source.n_inputs == 3
+    assert plan.steps[1].source.n_inputs == reduce_inputs

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.gpu
 KERNEL_SOURCES = ["cuda_sm90_pingpong", "cuda_sm90", "cuda_sm90_epilogue_wg", "triton"]
 
 C = T.Case
-_ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh")
+_ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh", "relu2")
 # M, N, K chosen so that none is a multiple of the tiles (M: 128; N: 64..256; K: 32 / 64).
 CASES = [
     *[C("GemmEpilogue", (3, 201), 1000, 776, "float16", a, "vector", "full") for a in _ACTS],
@@ -53,6 +53,11 @@ CASES = [
     C("GemmEpilogue", (2, 4000), 1024, 520, "bfloat16", "none", "none", "none"),
     C("GemmEpilogue", (301,), 264, 136, "float32", "tanh", "scalar", "full", "before_activation", 0.5),
     C("GemmEpilogue", (301,), 264, 136, "float16", "quick_gelu", "vector", "none", alpha=0.125),
+    # relu2 where the sm_90 CUDA kernel takes it (N a multiple of 32; the _ACTS cases above are
+    # Triton's only): Persimmon's FFN up (bias), Nemotron's (no bias), before a TMA residual
+    C("GemmEpilogue", (2, 1050), 3072, 768, "float16", "relu2", "vector", "none"),
+    C("GemmEpilogue", (1000,), 1024, 776, "bfloat16", "relu2", "none", "none"),
+    C("GemmEpilogue", (4, 129), 1024, 1544, "float16", "relu2", "scalar", "full", "before_activation"),
     C("GatedGemm", (3, 201), 1000, 776, "float16", "silu"),
     C("GatedGemm", (1000,), 1032, 1544, "bfloat16", "gelu_erf"),
     C("GatedGemm", (333,), 1000, 776, "float32", "gelu_tanh"),
@@ -81,6 +86,7 @@ FP8_CASES = [
     # the sm_90 CUDA kernel's FP8 path (N a multiple of 32): one-value weight scales, a scalar bias
     C("GemmEpilogue", (2, 1050), 3072, 768, _FP8, "silu", "scalar", "full", output_dtype="float16", w_scale="scalar"),
     C("GatedGemm", (1031,), 2752, 1024, _FP8, "silu", output_dtype="bfloat16", w_scale="scalar"),
+    C("GemmEpilogue", (2, 1050), 3072, 768, _FP8, "relu2", "vector", "none", output_dtype="bfloat16"),
 ]
 CASES += FP8_CASES
 #: Shapes whose M leaves the statically chosen kernel's tiles on few SMs: launch_plan runs the
@@ -93,6 +99,7 @@ PLAN_CASES = [
     (C("GemmEpilogue", (77,), 1024, 4096, "float16", "quick_gelu", "none", "full"), 8),
     (C("GemmEpilogue", (512,), 4096, 1024, "float16", "gelu_erf", "vector", "none"), 1),     # pingpong tiles
     (C("GemmEpilogue", (333,), 4096, 11008, "bfloat16", "none", "none", "full"), 1),
+    (C("GemmEpilogue", (300,), 768, 3072, "float16", "relu2", "vector", "none"), 6),      # relu2 in the reduce
 ]
 #: The cases every candidate config runs on (one per op and dtype class).
 CONFIG_CASES = [

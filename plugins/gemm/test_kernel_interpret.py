@@ -17,7 +17,7 @@ from optfuse.kernels.testing import interpreter_results, run_interpreter_cases
 
 # id -> (op, A's leading dims, N, K, dtype, activation, bias, residual, residual_position, alpha, config)
 _TAIL = ((37,), 40, 56)  # M, N, K: none a multiple of the 16-wide tiles
-_ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh")
+_ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh", "relu2")
 CASES: dict[str, tuple] = {}
 for _act in _ACTS:  # every activation, with a bias and a full residual after it; fp32 tells gelu_erf
     for _dt in ("float16", "float32"):  # from gelu_tanh (they differ by < 1e-3, within fp16's bound)
@@ -27,6 +27,13 @@ CASES.update({
                                   "before_activation", 1.0, None),
     "res_before_gelu": ("GemmEpilogue", *_TAIL, "float16", "gelu_erf", "vector", "full", "before_activation", 1.0, None),
     "no_bias_no_residual": ("GemmEpilogue", *_TAIL, "float16", "relu", "none", "none", "after_activation", 1.0, None),
+    # relu2 as Nemotron's FFN up (no bias, no residual), before a residual, and with alpha in column halves
+    "relu2_no_bias_no_residual": ("GemmEpilogue", (3, 13), 40, 56, "float16", "relu2", "none", "none",
+                                  "after_activation", 1.0, None),
+    "relu2_res_before_fp32": ("GemmEpilogue", *_TAIL, "float32", "relu2", "vector", "full", "before_activation",
+                              1.0, None),
+    "relu2_alpha_split": ("GemmEpilogue", *_TAIL, "float16", "relu2", "scalar", "none", "after_activation", 0.5,
+                          (16, 32, 16, 2, 1, 1, "triton", True)),
     "scalar_bias_scalar_residual": ("GemmEpilogue", *_TAIL, "float32", "silu", "scalar", "scalar",
                                     "after_activation", 1.0, None),
     "scalar_residual_before": ("GemmEpilogue", *_TAIL, "float16", "sigmoid", "none", "scalar",
@@ -59,6 +66,8 @@ CASES.update({
                           SMALL_FP8, "float16", "vector", 0.5),
     "fp8_one_weight_scale": ("GemmEpilogue", *_TAIL, _FP8, "none", "none", "none", "after_activation", 1.0,
                              SMALL_FP8, "float32", "scalar", 1.0),
+    "fp8_relu2_f16": ("GemmEpilogue", *_TAIL, _FP8, "relu2", "vector", "full", "after_activation", 1.0,
+                      SMALL_FP8, "float16", "vector", 1.0),
     "fp8_k_tail_split": ("GemmEpilogue", (37,), 40, 40, _FP8, "tanh", "vector", "none", "after_activation", 1.0,
                          (16, 32, 32, 2, 1, 1, "triton", True), "float32", "vector", 1.0),
     "fp8_gated_silu": ("GatedGemm", *_TAIL, _FP8, "silu", "none", "none", "after_activation", 1.0,
@@ -101,14 +110,14 @@ def test_interpreter_matches_reference(results, case):
 
 def test_the_check_catches_a_wrong_activation():
     """The comparison these cases rely on tells the activations apart on the inputs they use (in
-    fp32: at fp16 gelu_erf and gelu_tanh agree within the bound)."""
+    fp32: at fp16 gelu_erf and gelu_tanh agree within the bound), relu2 from relu too."""
     np = pytest.importorskip("numpy")
     torch = pytest.importorskip("torch")
     from optfuse.kernels.registry import plugin_module
 
     T = plugin_module("gemm", "testing")
     R = plugin_module("gemm", "reference")
-    for act, other in zip(_ACTS, _ACTS[1:] + _ACTS[:1]):
+    for act, other in [*zip(_ACTS, _ACTS[1:] + _ACTS[:1]), ("relu2", "relu")]:
         case = T.Case("GemmEpilogue", *_TAIL, "float32", act, "vector", "full")
         ins = T.case_inputs(case, generator=torch.Generator().manual_seed(0))
         x = [T.to_numpy64(t) for t in ins]

@@ -61,10 +61,31 @@ def test_bad_attributes_and_dtypes():
     for attrs in ({"activation": "gelu"}, {"residual_position": "middle"}):
         with pytest.raises(ValueError):
             L.kernel_config("GemmEpilogue", "float16", attrs, static)
-    with pytest.raises(ValueError):
-        L.kernel_config("GatedGemm", "float16", {"activation": "relu"}, static)  # not a gated choice
+    for act in ("relu", "relu2"):  # not gated choices
+        with pytest.raises(ValueError):
+            L.kernel_config("GatedGemm", "float16", {"activation": act}, static)
     with pytest.raises(ValueError):
         L.kernel_config("GemmEpilogue", "int32", {}, static)
+
+
+def test_sm90_activation_codes_are_the_spec_order_and_the_headers():
+    """The CUDA kernel's ACTIVATION code is the index in GemmEpilogue's choices: a new activation is
+    appended (ids never move), and the list in sm90/epilogue.cuh names the same codes."""
+    import re
+    from pathlib import Path
+
+    S = plugin_module("gemm", "launch_sm90")
+    codes = tuple(S.ACTIVATION_CODES)
+    assert codes == ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh", "relu2")
+    header = (Path(L.__file__).parent / "sm90" / "epilogue.cuh").read_text()
+    listed = re.search(r"// ACTIVATION: (.*?)\(the order", header, re.S).group(1)
+    named = dict((int(i), n) for i, n in re.findall(r"(\d+) (\w+)", listed.replace("//", "")))
+    assert named == dict(enumerate(codes))
+    for i in range(1, len(codes)):
+        assert f"#elif ACTIVATION == {i}\n" in header
+    src = L.kernel_config("GemmEpilogue", "float16", {"activation": "relu2"},
+                          {"N": 3072, "K": 768, "bias_mode": "vector", "residual_mode": "none", "arch": 90})
+    assert src.defines["ACTIVATION"] == "8" and "/relu2_bias-vector_res-none/" in src.name
 
 
 def test_argument_order_is_qdp():

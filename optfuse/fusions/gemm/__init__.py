@@ -20,6 +20,7 @@ Then, in rule order (rule ids):
 Activations (``patterns.ACTIVATIONS``, every association of the products)::
 
     relu      Relu(x)
+    relu2     Pow(Relu(x), 2) | Mul(r, r), r = Relu(x)      squared ReLU (Primer, Persimmon, Nemotron)
     gelu_erf  x * 0.5 * (1 + Erf(x / √2 | x * (1/√2))), Gelu(x) (opset 20)
     gelu_tanh x * 0.5 * (1 + Tanh(√(2/π) (x + 0.044715 Pow(x, 3) | x*x*x)))     GPT-2 NewGELU
               x * 0.5 * (1 + Tanh(√(2/π) x (1 + 0.044715 x x)))                   FastGelu
@@ -32,15 +33,17 @@ residual is flattened to [-1, N] by a new Reshape). A GEMM's residual and a Skip
 the same Add: see ``epilogue`` (the GEMM takes it when the sum has another reader).
 
 Boundaries: a match fuses only up to a value nobody else reads (the planner's leak check, so the
-largest safe part fuses: MatMul + bias when the pre-activation is read elsewhere). Rejected with a
+largest safe part fuses: MatMul + bias when the pre-activation is read elsewhere). A Relu whose only
+reader is its square is left to ``relu2`` (the planner meets the Relu first); a Relu read elsewhere
+too fuses as ``relu`` and its square stays. Rejected with a
 reason: a weight that is not a constant (attention's Q.K^T and P.V when attention did not fuse),
 dtypes outside the spec, K or N not a multiple of the spec's k_multiple / n_multiple, K over max_k,
-a residual that broadcasts, Gemm transA=1, a non-constant Gemm C.
+a residual that broadcasts or that the match itself computes, Gemm transA=1, a non-constant Gemm C.
 
 The family's summary (``summary``) gives the GEMM count before and after the pass.
 
-Targets: ``optfuse::GemmEpilogue`` v2, ``optfuse::GatedGemm`` v2 (plugins/gemm; the rules write FP16 / BF16 / FP32
-nodes with the v2 defaults, which compute what v1 did).
+Targets: ``optfuse::GemmEpilogue`` v3, ``optfuse::GatedGemm`` v2 (plugins/gemm; the rules write FP16 / BF16 / FP32
+nodes with the defaults, which compute what v1 did; ``relu2`` needs GemmEpilogue v3).
 
 Modules, by role: ``patterns`` (what the rules match), ``common`` (spec facts, weight and bias),
 ``epilogue`` (one GEMM and its epilogue; the residual decision), ``gated``, ``siblings``,

@@ -30,6 +30,7 @@ from ...ir.query import dtype_name, static_dim
 from ...pattern import After, Context, FusedOutput, Match, NewTensor, Rewrite
 from ...spec import get_spec
 from .common import EPILOGUE, Reject, absent, check_a, check_limits, need, np_dtype, vector, weight
+from .patterns import squared_by
 
 _NORMS = ("LayerNorm", "RMSNorm")
 
@@ -100,6 +101,8 @@ def _residual(m: Match, ctx: Context, dt: str, n: int, flat: bool) -> tuple[Any,
     add, r = m["residual_add"], m["residual"]
     s = add.outputs[0]
     other = next(t for t in add.inputs if t is not r)
+    need(not any(o is r for n in m.nodes for o in n.outputs),
+         f"the residual {r.name!r} is computed inside the match (the GEMM would run twice)")
     need(dtype_name(r) == dt, f"residual {r.name!r} has dtype {dtype_name(r)}, A has {dt}")
     need(ctx.same_shape(r, other), f"residual Add broadcasts ({r.shape} + {other.shape}); "
                                    f"{EPILOGUE} adds a residual of the output's shape")
@@ -124,6 +127,12 @@ def plan_epilogue(m: Match, ctx: Context, residual_position: str | None) -> Gemm
     wt = weight(mm, m["w"], a, dt, m.get("gemm_c"))
     check_limits(EPILOGUE, wt.k, wt.n, f"{mm.op} {mm.name!r}")
     act = matched_activation(m)
+    if act == "relu" and root.inputs and root.inputs[0].op == "Relu":
+        # The planner meets the Relu before its square: leave the pair to relu2 (which fails the
+        # leak check, and so leaves the Relu to this match, when the Relu has another reader).
+        sq = squared_by(root, ctx.graph)
+        if sq is not None:
+            raise Reject(f"the Relu's output is squared by {sq.op} {sq.name!r} alone: relu2 takes the pair")
     flat = "out_reshape" in m
     if flat and ("bias_out" in m or residual_position is not None):
         last = _last_dim(m["pre"], ctx)

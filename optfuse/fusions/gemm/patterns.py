@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from ...ir.query import const_value
-from ...pattern import AnyOf, Const, Pattern, Var, op
+from ...pattern import AnyOf, Const, Pattern, Var, match, op
 
 _SQRT2 = math.sqrt(2.0)
 _TANH_K = math.sqrt(2.0 / math.pi)
@@ -112,9 +112,33 @@ def _gelu_tanh(x: Pattern, v: Var) -> Pattern:
                  op.Gelu(x, approximate=lambda a: a in ("tanh", b"tanh")))
 
 
+def square(t: Pattern, name: str = "squared") -> Pattern:
+    """t ** 2: Pow(t, 2) (the exponent a constant of any float or int dtype) or Mul(t, t) (torch.square,
+    ``x ** 2`` and ``x * x`` as the exporters write them); ``t`` is matched once and bound to ``name``."""
+    return AnyOf(op.Pow(Named(name, t), _c(2.0)), op.Mul(Named(name, t), Var(name)))
+
+
+def _relu2(x: Pattern, v: Var) -> Pattern:
+    return square(op.Relu(x), "relu2_r")
+
+
+def squared_by(t: gs.Tensor, graph: gs.Graph) -> gs.Node | None:
+    """The node squaring ``t`` (a ``square`` of it) where that node is ``t``'s only reader and ``t``
+    is no output of ``graph`` (so ``relu2`` can take the pair), else None. A tensor read twice by
+    one ``Mul`` lists the node twice."""
+    readers = {id(n): n for n in t.outputs}
+    if len(readers) != 1 or any(o is t for o in graph.outputs):
+        return None
+    (node,) = readers.values()
+    if len(node.outputs) != 1:
+        return None
+    return node if any(m["t"] is t for m in match(square(Var("x"), "t"), node.outputs[0])) else None
+
+
 #: activation name (spec choices) -> the pattern of act(x), x matched once, ``v`` standing for it elsewhere
 ACTIVATIONS: dict[str, Callable[[Pattern, Var], Pattern]] = {
     "relu": lambda x, v: op.Relu(x),
+    "relu2": _relu2,
     "gelu_erf": _gelu_erf,
     "gelu_tanh": _gelu_tanh,
     "quick_gelu": lambda x, v: op.Mul(x, op.Sigmoid(op.Mul(v, _c(1.702)))),

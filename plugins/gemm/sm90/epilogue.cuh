@@ -5,10 +5,10 @@
 // 16 w + l / 4 (+ 8) and, for each group j of 8 columns, columns 8 j + 2 (l % 4) (+ 1):
 // registers d[4 j + 2 h + e] for row half h and column e.
 
-// ACTIVATION: 0 none, 1 relu, 2 gelu_erf, 3 gelu_tanh, 4 quick_gelu, 5 silu, 6 sigmoid, 7 tanh
-// (the order of the spec's choices; launch_sm90.py passes the index). Sigmoids as x / (1 + e^-x)
-// with the fast exponential and division: an exponential that overflows gives x / inf = 0, the
-// right limit.
+// ACTIVATION: 0 none, 1 relu, 2 gelu_erf, 3 gelu_tanh, 4 quick_gelu, 5 silu, 6 sigmoid, 7 tanh,
+// 8 relu2 (max(x, 0)^2) (the order of the spec's choices; launch_sm90.py passes the index).
+// Sigmoids as x / (1 + e^-x) with the fast exponential and division: an exponential that
+// overflows gives x / inf = 0, the right limit.
 __device__ __forceinline__ float activate(float x) {
 #if ACTIVATION == 0
     return x;
@@ -34,6 +34,9 @@ __device__ __forceinline__ float activate(float x) {
     return __fdividef(1.f, 1.f + __expf(-x));
 #elif ACTIVATION == 7
     return tanhf(x);
+#elif ACTIVATION == 8
+    const float r = fmaxf(x, 0.f);
+    return r * r;
 #else
 #error "unknown ACTIVATION"
 #endif
