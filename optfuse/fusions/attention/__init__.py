@@ -60,7 +60,8 @@ What the fused node gets:
                          mask's last query row, shared by all layers)
     causal+padding       causal=1 and that row
     sliding_window       causal=1, window_left = w - 1 (HF's keys i - w < j <= i), no bias: the
-                         window holds for every sequence length (nothing is baked for one)
+                         window holds for every sequence length (nothing is baked for one; a
+                         window sliced from a constant buffer, GPT-Neo's, at every length of it)
     sliding_window+padding  causal=1, window_left = w - 1 and the key-padding row [B, 1, 1, Sk]
                          (``ReduceMax`` of the mask over the query axis, shared by all layers:
                          the last row misses the keys before its window)

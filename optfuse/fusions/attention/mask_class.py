@@ -20,6 +20,13 @@ classified by what it evaluates to, not by how it is spelled:
   ``where(attention_mask[b, j], base, F)`` for one fill value F;
 - anything else (a bias computed from hidden states, several inputs, ...) is ``dynamic``.
 
+A causal or sliding-window mask that reads a constant buffer of n x n (GPT-Neo's
+``bias[:, :, Sk - Sq:Sk, :Sk]``) must have that pattern at every size up to n (`_sweep_buffer`),
+not only at the probe sizes; otherwise it is ``block`` (a size where it differs) or ``dynamic``
+(n past MAX_PROBE_SEQ). Where a padded key is masked by the base as well, its value may differ
+from the padding's fill (finfo.min + finfo.min = -inf): only where the base allows the key must
+the padding write one fill.
+
 Probes run the mask's own subgraph in onnxruntime (nodes that feed it only through Shape/Size get
 zero-filled stand-ins for large weights; optfuse nodes already in it run their reference
 functions). Classes of the base mask over the last two axes (allowed = 0, masked <= -1e30 or -inf):
@@ -201,6 +208,7 @@ class _Region:
     value_inputs: list[gs.Variable]  # graph inputs whose *values* matter
     shape_only: set[int]  # ids of nodes reached only through Shape/Size
     int_constants: list[int]  # scalar integer constants feeding arithmetic in the value region
+    buffer_size: int = 0  # largest min(last two dims) of a >= 2-D constant read by value (a mask buffer)
 
 
 def _region(graph: gs.Graph, sources: Sequence[gs.Tensor], order: dict[int, int]) -> _Region | str:
@@ -240,14 +248,20 @@ def _region(graph: gs.Graph, sources: Sequence[gs.Tensor], order: dict[int, int]
                 stack.append((x, child_value))
     nodes = sorted(all_nodes.values(), key=lambda n: order.get(id(n), 1 << 60))
     ints: list[int] = []
+    buffer = 0
     for n in nodes:
-        if id(n) in value_nodes and n.op in _ARITH:
-            for x in n.inputs:
-                v = const_value(x)
-                if v is not None and v.size == 1 and np.issubdtype(v.dtype, np.integer):
-                    ints.append(int(v.reshape(())))
+        if id(n) not in value_nodes:
+            continue
+        for x in n.inputs:
+            v = const_value(x)
+            if v is None:
+                continue
+            if n.op in _ARITH and v.size == 1 and np.issubdtype(v.dtype, np.integer):
+                ints.append(int(v.reshape(())))
+            if v.ndim >= 2 and min(v.shape[-2:]) > 1:
+                buffer = max(buffer, int(min(v.shape[-2:])))
     shape_only = {id(n) for n in nodes if id(n) not in value_nodes}
-    return _Region(nodes, list(inputs.values()), list(value_inputs.values()), shape_only, ints)
+    return _Region(nodes, list(inputs.values()), list(value_inputs.values()), shape_only, ints, buffer)
 
 
 def _probe_model(graph: gs.Graph, region: _Region, outputs: Sequence[gs.Tensor]) -> onnx.ModelProto:
@@ -328,12 +342,16 @@ def _onnx_dtype(t: gs.Tensor) -> int:
     return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
 
 
-def _run(model: onnx.ModelProto, feeds_list: Sequence[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+def _session(model: onnx.ModelProto):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _run(model: onnx.ModelProto, feeds_list: Sequence[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+    sess = _session(model)
     return [sess.run(None, f) for f in feeds_list]
 
 
@@ -492,6 +510,10 @@ class MaskAnalyzer:
         outs = _run(model, [_feeds(region, roles, sh, mask_input, None) for sh in shapes])
         bases = {sh: evaluate(o) for sh, o in zip(shapes, outs)}
         base = _merge_probes(list(bases.values()))
+        if region.buffer_size and base.base in ("causal", "sliding_window"):
+            unproven = _sweep_buffer(model, region, roles, mask_input, base, evaluate)
+            if unproven is not None:
+                return unproven
         if mask_input is None:
             return base
         # key padding on top of the base mask, at every padding probe shape
@@ -507,11 +529,63 @@ class MaskAnalyzer:
                          fully_masked_rows=base.fully_masked_rows)
 
 
+def _sweep_shapes(roles: dict[str, str], n: int) -> list[ProbeShape]:
+    """Every size a mask buffer of n rows is sliced to: Sq = Sk = 1..n, or, when a dim takes the
+    past, Sk = 2..n at one query (past Sk - 1) and at Sk - WIDE_PAST queries (past WIDE_PAST)."""
+    if any(r in ("past", "keys") for r in roles.values()):
+        return [ProbeShape(1, 1, k - 1) for k in range(2, n + 1)] + \
+            [ProbeShape(1, k - WIDE_PAST, WIDE_PAST) for k in range(WIDE_PAST + 1, n + 1)]
+    return [ProbeShape(1, s) for s in range(1, n + 1)]
+
+
+def _sweep_buffer(model: onnx.ModelProto, region: _Region, roles: dict[str, str], mask_input: gs.Variable | None,
+                  base: MaskClass, evaluate) -> MaskClass | None:
+    """None when the base mask has ``base``'s pattern at every size its constant buffer is sliced
+    to; else the class saying why not.
+
+    A mask sliced out of a constant buffer (GPT-Neo's ``bias[:, :, Sk - Sq:Sk, :Sk]``, [1, 1, n, n])
+    is whatever the buffer holds at each size: the probe sizes see the window only where they cut
+    the buffer, so the window must hold at every size up to n (beyond it the slice is short and the
+    model cannot run). One session, one size at a time (sum of Sk^2 values, never held together).
+    """
+    n = region.buffer_size
+    if n > MAX_PROBE_SEQ:
+        return MaskClass("dynamic", detail={"buffer": f"mask buffer of {n} rows: sizes past {MAX_PROBE_SEQ} "
+                                                      f"are not probed"})
+    sess = _session(model)
+    for sh in _sweep_shapes(roles, n):
+        got = evaluate(sess.run(None, _feeds(region, roles, sh, mask_input, None)))
+        if not _has_pattern(base, np.asarray(got)):
+            return MaskClass("block", detail={"buffer": f"mask buffer of {n} rows is not {base.name} at "
+                                                        f"Sq = {sh.query}, Sk = {sh.keys}"})
+    return None
+
+
+def _has_pattern(cls: MaskClass, a: np.ndarray) -> bool:
+    """The additive mask ``a`` allows exactly the keys of a causal / sliding_window class (every
+    plane) and masks the others."""
+    if a.ndim < 2:
+        a = a.reshape((1,) * (2 - a.ndim) + a.shape)
+    sq, sk = a.shape[-2:]
+    i = np.arange(sq)[:, None] + (sk - sq)
+    j = np.arange(sk)[None, :]
+    want = j <= i
+    if cls.base == "sliding_window":
+        want &= j > i - cls.window
+    allowed = a == 0
+    return bool((allowed | _is_masked(a)).all()) and np.array_equal(allowed, np.broadcast_to(want, allowed.shape))
+
+
 def _padding_fill(model: onnx.ModelProto, region: _Region, roles: dict[str, str], shape: ProbeShape,
                   mask_input: gs.Variable, b0: np.ndarray, evaluate, fill):
     """The fill value of the padding probes at one shape (None: the mask input masks nothing), or
     the MaskClass saying why the mask is not ``where(mask[b, j], base, fill)`` (base "keep": the
-    base class stands, without padding)."""
+    base class stands, without padding).
+
+    Where the base masks a padded key as well, any masked value stands: a padding mask added to a
+    base that masks (GPT-Neo: a masked_fill by its causal / window buffer, plus HF's causal + padding
+    mask) is -inf there (finfo.min + finfo.min) and finfo.min where only the padding masks. Where the
+    base allows the key, the padding writes the one fill."""
     sk = shape.keys
     patterns = _mask_patterns(shape.batch, sk)
     outs = _run(model, [_feeds(region, roles, shape, mask_input, p) for p in patterns])
@@ -524,16 +598,23 @@ def _padding_fill(model: onnx.ModelProto, region: _Region, roles: dict[str, str]
         if keep is None:
             return dynamic
         dropped = np.broadcast_to(~keep, got.shape)
-        if dropped.any():
-            vals = np.unique(got[dropped])
-            if len(vals) != 1 or not (vals[0] <= masked_below(got.dtype) or np.isneginf(vals[0])) or \
-                    (fill is not None and not _same(fill, vals[0])):
+        base = np.broadcast_to(b0, got.shape)
+        open_ = ~_is_masked(base)
+        if (dropped & open_).any():
+            vals = np.unique(got[dropped & open_])
+            if len(vals) != 1 or not _is_masked(vals[0]) or (fill is not None and not _same(fill, vals[0])):
                 return dynamic
             fill = vals[0]
-        expected = np.where(keep, np.broadcast_to(b0, got.shape), fill if fill is not None else 0)
-        if not np.array_equal(expected, got):
+        if not _is_masked(got[dropped & ~open_]).all():
+            return dynamic
+        if not np.array_equal(np.where(dropped, 0, base), np.where(dropped, 0, got)):
             return dynamic
     return fill
+
+
+def _is_masked(a):
+    a = np.asarray(a)
+    return (a <= masked_below(a.dtype)) | np.isneginf(a)
 
 
 def _same(a, b) -> bool:
