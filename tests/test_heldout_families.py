@@ -44,6 +44,11 @@ from optfuse.fusions import fuse_model
 
 _TEXT = dict(vocab_size=1000, max_position_embeddings=128)
 _NO_CACHE = {"use_cache": False}
+#: GPT-Neo's window (keys i - w < j <= i): smaller than the test sequences (12, 16)
+GPT_NEO_WINDOW = 6
+#: Config fields changed after a family's first export, passed again as overrides: the export cache
+#: key covers the overrides, not the family configs defined in this module.
+_CACHE_OVERRIDES = {"heldout_gpt_neo": {"window_size": GPT_NEO_WINDOW}}
 
 
 def _families():
@@ -84,7 +89,7 @@ def _families():
         Family("heldout_gpt_neo", "GPT-Neo decoder (unscaled, causal masked_fill + padding, local layers)",
                "GPTNeoConfig", "GPTNeoModel",
                dict(_TEXT, hidden_size=64, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
-                    window_size=10, intermediate_size=128, use_cache=False, resid_dropout=0.0, embed_dropout=0.0,
+                    window_size=GPT_NEO_WINDOW, intermediate_size=128, use_cache=False, resid_dropout=0.0, embed_dropout=0.0,
                     attention_dropout=0.0),
                ("input_ids", "attention_mask"), "layer_norm", causal=True, scaled=False, call_kwargs=_NO_CACHE),
         Family("heldout_bloom", "BLOOM decoder (3-D batched heads, ALiBi, merged heads read from the output shape)",
@@ -110,6 +115,8 @@ NAMES = ["heldout_qwen2", "heldout_gpt_neox", "heldout_opt", "heldout_distilbert
          "heldout_falcon", "heldout_mpt", "heldout_gpt_neo", "heldout_bloom", "heldout_nemotron", "heldout_persimmon"]
 #: families whose transformers model has no SDPA attention
 EAGER_ONLY = {"heldout_mpt", "heldout_gpt_neo", "heldout_bloom"}
+#: families with sliding-window layers
+WINDOWED = {"heldout_gpt_neo"}
 CASES = [(f, e, a) for f in NAMES for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")
          if not (f in EAGER_ONLY and a == "sdpa")]
 #: ops of a norm that did not fuse
@@ -131,7 +138,8 @@ def heldout_export(model_cache_dir):
         if missing:
             pytest.skip(f"exporting with {exporter} needs {', '.join(missing)} (not installed)")
         if (family, exporter, attn) not in memo:
-            memo[(family, exporter, attn)] = models.cached_export(family, exporter, attn, cache_dir=model_cache_dir)
+            memo[(family, exporter, attn)] = models.cached_export(family, exporter, attn, cache_dir=model_cache_dir,
+                                                                  **_CACHE_OVERRIDES.get(family, {}))
         return memo[(family, exporter, attn)]
 
     try:
@@ -163,8 +171,16 @@ def test_heldout_family_attention_fused(heldout_export, family, exporter, attn):
     assert {"LayerNorm", "RMSNorm", "SkipLayerNorm", "SkipRMSNorm"} & set(ops)
     for seed in range(2):  # make_inputs right-pads rows 1.. of the attention mask
         feeds = make_inputs(em.inputs, {"batch": 3, "sequence": 12}, seed=seed)
-        for want, got in zip(_run(model, feeds), _run(fused, feeds)):
-            assert float(np.max(np.abs(want.astype(np.float64) - got))) <= 1e-4
+        _assert_equal(family, feeds, _run(model, feeds), _run(fused, feeds))
+
+
+def _assert_equal(family, feeds, want, got):
+    """Every output equal (max abs error <= 1e-4); with a window, on the real tokens: a right-padded
+    query more than w - 1 positions past the last real key sees no real key (README, "Masks")."""
+    real = feeds["attention_mask"].astype(bool) if family in WINDOWED else None
+    for w, g in zip(want, got):
+        err = np.abs(w.astype(np.float64) - g)
+        assert float(np.max(err if real is None else err[real])) <= 1e-4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,5 +270,83 @@ def test_heldout_family_gemms_fused(heldout_export, family, exporter, attn):
         squares = {n.name for n in model.graph.node if set(n.input) & relu_out}
         assert len(squares) == LAYERS and not squares & {n.name for n in fused.graph.node}, squares
     feeds = make_inputs(em.inputs, {"batch": 3, "sequence": 12}, seed=0)
-    for want, got in zip(_run(model, feeds), _run(fused, feeds)):
-        assert float(np.max(np.abs(want.astype(np.float64) - got))) <= 1e-4
+    _assert_equal(family, feeds, _run(model, feeds), _run(fused, feeds))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPT-Neo's local layers: a masked_fill by a constant [1, 1, n, n] window buffer sliced to the
+# sequence (keys i - w < j <= i: w keys, the query's own included), plus HF's causal + padding mask
+# ------------------------------------------------------------------------------------------------
+def _padded_rows(S):
+    """Right- and left-padded batches (one full row, two padded), every row with a real token."""
+    return {"right": np.array([[1] * S, [1] * 7 + [0] * (S - 7), [1] * (S - 3) + [0] * 3], np.int64),
+            "left": np.array([[1] * S, [0] * (S - 7) + [1] * 7, [0] * 3 + [1] * (S - 3)], np.int64)}
+
+
+def _real_token_error(model, fused, em, mask):
+    from optfuse.models import make_inputs
+
+    feeds = make_inputs(em.inputs, {"batch": mask.shape[0], "sequence": mask.shape[1]}, seed=0)
+    feeds["attention_mask"] = mask
+    ref, got = _run(model, feeds)[0], _run(fused, feeds)[0]
+    return float(np.abs(ref.astype(np.float64) - got)[mask.astype(bool)].max())
+
+
+def _bias_shapes(fused):
+    """The [.., Sq, Sk] dims of each FlashAttention node's bias input, from onnx shape inference."""
+    inferred = onnx.shape_inference.infer_shapes(fused)
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in list(inferred.graph.value_info) + list(inferred.graph.input)}
+    shapes.update({t.name: list(t.dims) for t in fused.graph.initializer})
+    return [shapes.get(n.input[3]) for n in fused.graph.node if n.op_type == "FlashAttention"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_gpt_neo_local_layers_fuse_with_their_window(heldout_export, exporter):
+    """The global layer fuses causal + key padding, the local one causal with window_left = w - 1
+    plus key padding; neither takes a dense [Sq, Sk] bias, and both are exact on every real token
+    of left- and right-padded batches longer than the window."""
+    em = heldout_export("heldout_gpt_neo", exporter, "eager")
+    model = onnx.load(str(em.path))
+    fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16})
+    acc = [a for a in res.accepted if a.op == "FlashAttention"]
+    got = sorted((a.rewrite.info["mask_class"], a.rewrite.info.get("window"), a.rewrite.attrs["causal"],
+                  a.rewrite.attrs.get("window_left", -1)) for a in acc)
+    assert got == [("causal+padding", None, 1, -1),
+                   ("sliding_window+padding", GPT_NEO_WINDOW, 1, GPT_NEO_WINDOW - 1)], got
+    for shape in _bias_shapes(fused):  # a key-padding row [B, 1, 1, Sk], not the whole mask
+        assert shape is not None and len(shape) == 4 and shape[-2] == 1, shape
+    for name, mask in _padded_rows(16).items():
+        assert _real_token_error(model, fused, em, mask) <= 1e-4, name
+
+
+@pytest.mark.slow
+def test_gpt_neo_window_must_hold_for_every_length_of_its_buffer(heldout_export):
+    """A window buffer that holds the window at the probe lengths but not at one longer length
+    (one key past the window allowed in row 40 of the 128-row buffer) gets no window: the mask
+    is passed whole, and the fused model stays exact."""
+    import onnx_graphsurgeon as gs
+
+    em = heldout_export("heldout_gpt_neo", "torchscript", "eager")
+    g = gs.import_onnx(onnx.load(str(em.path)))
+    buffers = [n.attrs["value"] for n in g.nodes if n.op == "Constant" and isinstance(n.attrs.get("value"), gs.Constant)
+               and n.attrs["value"].values.dtype == bool and n.attrs["value"].values.ndim == 4]
+    buffers += [t for t in g.tensors().values() if isinstance(t, gs.Constant) and t.values.dtype == bool
+                and t.values.ndim == 4]
+    local = [b for b in buffers if not b.values[0, 0, -1, 0]]  # the local layer's: row n - 1 misses key 0
+    assert local, "no window buffer in the export"
+    for b in local:
+        v = b.values.copy()
+        assert not v[0, 0, 40, 40 - GPT_NEO_WINDOW]
+        v[0, 0, 40, 40 - GPT_NEO_WINDOW] = True
+        b.values = v
+    model = gs.export_onnx(g)
+    fused, res = fuse_model(model, dims={"batch": 2, "sequence": 16})
+    acc = [a for a in res.accepted if a.op == "FlashAttention"]
+    assert sorted(a.rewrite.info["mask_class"] for a in acc) == ["block", "causal+padding"]
+    tampered = next(a for a in acc if a.rewrite.info["mask_class"] == "block")
+    assert "window_left" not in tampered.rewrite.attrs and tampered.rewrite.attrs["causal"] == 0
+    assert "Sq = 41" in tampered.rewrite.info["mask_detail"]["buffer"]
+    for name, mask in _padded_rows(16).items():
+        assert _real_token_error(model, fused, em, mask) <= 1e-4, name
