@@ -46,9 +46,6 @@ _TEXT = dict(vocab_size=1000, max_position_embeddings=128)
 _NO_CACHE = {"use_cache": False}
 #: GPT-Neo's window (keys i - w < j <= i): smaller than the test sequences (12, 16)
 GPT_NEO_WINDOW = 6
-#: Config fields changed after a family's first export, passed again as overrides: the export cache
-#: key covers the overrides, not the family configs defined in this module.
-_CACHE_OVERRIDES = {"heldout_gpt_neo": {"window_size": GPT_NEO_WINDOW}}
 
 
 def _families():
@@ -138,8 +135,7 @@ def heldout_export(model_cache_dir):
         if missing:
             pytest.skip(f"exporting with {exporter} needs {', '.join(missing)} (not installed)")
         if (family, exporter, attn) not in memo:
-            memo[(family, exporter, attn)] = models.cached_export(family, exporter, attn, cache_dir=model_cache_dir,
-                                                                  **_CACHE_OVERRIDES.get(family, {}))
+            memo[(family, exporter, attn)] = models.cached_export(family, exporter, attn, cache_dir=model_cache_dir)
         return memo[(family, exporter, attn)]
 
     try:

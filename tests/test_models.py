@@ -99,6 +99,21 @@ def test_unknown_names_are_errors():
         models.cached_export("bert", "onnxscript")  # type: ignore[arg-type]
 
 
+def test_export_cache_key_follows_the_family_definition(monkeypatch):
+    """A family registered outside the package (a test module's) changes its export's cache key
+    when its config defaults change: a stale export is never reused for another config."""
+    import dataclasses
+
+    from optfuse.models.cache import cache_key
+
+    base = models.FAMILIES["bert"]
+    key = cache_key("bert", "dynamo", "sdpa")
+    monkeypatch.setitem(models.FAMILIES, "bert", dataclasses.replace(base, defaults={**base.defaults, "num_hidden_layers": 3}))
+    assert cache_key("bert", "dynamo", "sdpa") != key
+    monkeypatch.setitem(models.FAMILIES, "bert", base)
+    assert cache_key("bert", "dynamo", "sdpa") == key
+
+
 # ------------------------------------------------------------------------------------------------
 # Exports
 # ------------------------------------------------------------------------------------------------

@@ -31,10 +31,15 @@ def default_cache_dir() -> Path:
 
 def cache_key(family: str, exporter: str, attn: str, opset: int | None = None, seed: int = 0,
               past: bool = False, **overrides: Any) -> str:
-    """Stable key over the request, the torch/transformers/onnx/onnxscript versions and this package's source."""
+    """Stable key over the request, the family's definition (what the export reads of it: a family a
+    test module registers is not in this package's source), the torch/transformers/onnx/onnxscript
+    versions and this package's source."""
     src = _source_digest()
+    fam = get_family(family)
+    definition = {"config_class": fam.config_class, "model_class": fam.model_class, "defaults": fam.defaults,
+                  "inputs": fam.inputs, "call_kwargs": fam.call_kwargs}
     request = {"family": family, "exporter": exporter, "attn": attn, "opset": opset, "seed": seed,
-               "overrides": overrides}
+               "overrides": overrides, "definition": definition}
     if past:  # absent when False: the keys of the other exports stay as they were
         request["past"] = True
     blob = json.dumps({**request, "versions": versions(), "src": src},
