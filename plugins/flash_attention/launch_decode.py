@@ -4,13 +4,15 @@ sources and launch parameters, the launch plan and its workspace. launch.py disp
 * :func:`decode_applies`: FlashAttention (not the block-sparse op) with Sq <= DECODE_MAX_QUERIES
   and Sk >= DECODE_MIN_KEYS, concrete, and no bias / one broadcast value / a key-padding row;
 * :func:`decode_plan`: a :class:`LaunchPlan` of two steps -- the split kernel (inputs q, k, v[,
-  bias] -> the partials in the workspace) and the combine kernel (partials -> o);
+  bias] -> the partials in the workspace) and the combine kernel (partials -> o) -- or, where one
+  split holds the cache, of one: the direct kernel (q, k, v[, bias] -> o, no workspace);
 * :func:`workspace_layout`: the partials' byte offsets and the workspace size, + - * cdiv of the
   shapes (monotone in B, Sq and Sk, so a profile's largest plan is at its max shapes).
 
 Split kernel arguments: ``q, k, v[, bias], H, Hkv, Sq, Sk (int32), Part, RowMax, RowSum``; grid
 ``cdiv(G * Sq, BLOCK_M) * cdiv(Sk, SPLIT_KEYS) * (B * Hkv)``. Combine kernel: ``Part, RowMax,
-RowSum, Sk (int32), o``; grid ``B * H * Sq``.
+RowSum, Sk (int32), o``; grid ``B * H * Sq``. Direct kernel: ``q, k, v[, bias], H, Hkv, Sq, Sk, o``;
+grid ``cdiv(G * Sq, BLOCK_M) * (B * Hkv)``.
 """
 
 from __future__ import annotations
@@ -208,8 +210,8 @@ def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float,
         n_inputs=3 + has_bias, n_extra=4, n_outputs=1 if direct else 3,
         signature=signature, constexprs=constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, pointer_align=16,
-        meta={"op": OP, "kernel": "decode_direct" if direct else "decode_split", "dtype": dtype, "head_dim": head_dim, "causal": bool(causal),
-              "scale": scale, "bias_pattern": pattern, "block_m": block_m, "config": asdict(cfg),
+        meta={"op": OP, "kernel": "decode_direct" if direct else "decode_split", "dtype": dtype,
+              "head_dim": head_dim, "causal": bool(causal), "scale": scale, "bias_pattern": pattern, "block_m": block_m, "config": asdict(cfg),
               "sparsity": asdict(sparsity)},
     )
 
