@@ -25,6 +25,7 @@ from optfuse.pipeline.fp8 import calibration_feeds  # noqa: E402
 from optfuse.precision import PrecisionOptions, apply_precision  # noqa: E402
 from optfuse.precision.fp8 import FP8_OPSET, KEPT_BY_POLICY, PLUGIN_GEMMS, fp8_ready  # noqa: E402
 from optfuse.report import precision_markdown  # noqa: E402
+from optfuse.spec import get_spec  # noqa: E402
 from optfuse.verify import verify  # noqa: E402
 
 CASES = [(f, e) for f in ("bert", "gpt2", "vit", "llama") for e in ("dynamo", "torchscript")]
@@ -124,7 +125,7 @@ def test_optfuse_gemms_take_fp8_directly(family, exporter, exported_model, tmp_p
         if n.domain != DOMAIN or n.op_type not in PLUGIN_GEMMS:
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-        assert attrs["plugin_version"] == b"2" and attrs["output_dtype"] == b"float16"
+        assert attrs["plugin_version"] == str(get_spec(n.op_type).version).encode() and attrs["output_dtype"] == b"float16"
         a = prod[n.input[0]]  # no DQ in front of the plugin: a Q, or a norm writing FP8 itself (fp8_norm)
         assert a.op_type == "QuantizeLinear" or (a.op_type in NORM_OPS and a.overload == "fp8")
         n_w = 2 if n.op_type == "GatedGemm" else 1
