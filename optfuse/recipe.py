@@ -185,6 +185,9 @@ class Calibration(_Strict):
     # max (amax = max |x|) | percentile (of |x|) | mse (E4M3 fake-quant error); see optfuse.precision.calibrate
     method: Literal["max", "percentile", "mse"] = "max"
     percentile: float = Field(99.99, gt=0, le=100)
+    # scale candidates per binade of the E4M3 grid-alignment search (weights per channel, max-calibrated
+    # activations per tensor); 1: amax / 448 exactly. See optfuse.precision.calibrate
+    scale_steps: int = Field(8, ge=1, le=64)
 
 
 class Precision(_Strict):

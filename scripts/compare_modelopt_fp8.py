@@ -19,7 +19,8 @@ where they sit (the op types a DequantizeLinear feeds, the optfuse nodes a Quant
 Rows per model: optfuse FP16 (the base precision alone), optfuse FP8 with the GEMM fusions off
 (TensorRT's Q/DQ pattern on the unfused GEMMs), the same with the attention fusion off too (plus
 TensorRT's FP8 MHA pattern: ModelOpt's placement), optfuse FP8 fused (the optfuse GEMM nodes take FP8
-directly once the GEMM spec has its FP8 form), ModelOpt FP8 with ``--calibration_method max`` (its
+directly once the GEMM spec has its FP8 form), the same with ``scale_steps`` 1 (amax / 448 exactly,
+no grid-alignment search: ``optfuse.precision.calibrate``), ModelOpt FP8 with ``--calibration_method max`` (its
 default op types, and only MatMul/Gemm: optfuse's placement) and with its default calibrator
 (entropy). Prints a Markdown table; ``--json`` writes every number.
 
@@ -47,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -116,7 +118,7 @@ SCALE_GRID = ((36.0, "amax / 36: ModelOpt's scales"), (288.0, "amax / 288: Model
 @contextlib.contextmanager
 def _scale_target(target: float):
     """Diagnostic only: optfuse's FP8 scales with amax mapped to `target` instead of 448 (activations
-    and weights; the E4M3 saturation stays at +-448)."""
+    and weights; the E4M3 saturation stays at +-448; no grid-alignment search: scale_steps 1)."""
     from optfuse.precision import calibrate as cal, fp8
 
     saved = cal.scale_of, cal.weight_scales, fp8.weight_scales
@@ -125,8 +127,9 @@ def _scale_target(target: float):
     def scale_of(amax: float) -> float:
         return float(amax) / target if amax > 0 and np.isfinite(amax) else 1.0
 
-    def weight_scales(w: np.ndarray, axis: int) -> np.ndarray:
-        return (saved[1](w, axis).astype(np.float64) * factor).astype(np.float32)
+    def weight_scales(w: np.ndarray, axis: int, steps: int = 1, rounding=None) -> np.ndarray:
+        s = (saved[1](w, axis, 1).astype(np.float64) * factor).astype(np.float32)
+        return s if rounding is None else np.asarray(rounding(s), np.float32)
 
     cal.scale_of, cal.weight_scales, fp8.weight_scales = scale_of, weight_scales, weight_scales
     try:
@@ -186,6 +189,9 @@ def compare(family: str, exporter: str, workdir: Path, python: str, batches: int
     ready = all(fp8_ready(op) for op in PLUGIN_GEMMS)
     row(f"optfuse FP8 fused ({method})", plugin, workdir / f"{family}.fp8-fused.onnx",
         "" if ready else f"GEMM spec without FP8: {len(res.fp8['gemms'])} GEMM(s) quantized")
+    exact, _ = apply_precision(fused, replace(options, scale_steps=1), feeds)
+    row(f"optfuse FP8 fused ({method}), scale_steps 1: amax / 448, no grid alignment", exact,
+        workdir / f"{family}.fp8-fused-steps1.onnx")
     for m, gemms_only in (("max", False), ("max", True), (None, False)):
         out = workdir / f"{family}.modelopt-{m or 'default'}{'-gemms' if gemms_only else ''}.onnx"
         note = _modelopt(python, source, npz, out, m, gemms_only)
@@ -193,7 +199,7 @@ def compare(family: str, exporter: str, workdir: Path, python: str, batches: int
         row(f"ModelOpt FP8 ({label})", None, out, note)
     for target, label in SCALE_GRID if scale_grid else ():
         with _scale_target(target):
-            grid, _ = apply_precision(bare, options, feeds)
+            grid, _ = apply_precision(bare, replace(options, scale_steps=1), feeds)
         row(f"diagnostic: optfuse FP8 Q/DQ + MHA ({method}), {label}", grid,
             workdir / f"{family}.fp8-mha-amax{target:g}.onnx")
     return rows

@@ -1,5 +1,6 @@
-"""FP8 calibration: each calibrator on a known distribution, the onnxruntime collection, the scales
-of :func:`quantize_fp8` reproducible with a seed, and bad calibration settings."""
+"""FP8 calibration: each calibrator on a known distribution, the grid-alignment search of weight and
+activation scales, the onnxruntime collection, the scales of :func:`quantize_fp8` reproducible with a
+seed, and bad calibration settings."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import graphs
 from optfuse.errors import InputError
 from optfuse.fusions import fuse_model
 from optfuse.precision import PrecisionOptions, apply_precision
-from optfuse.precision.calibrate import (E4M3_MAX, Histogram, calibrate, fake_quant_e4m3, quantize_e4m3, scale_of,
-                                         weight_scales)
+from optfuse.precision.calibrate import (E4M3_MAX, SCALE_STEPS, Histogram, calibrate, fake_quant_e4m3, quantize_e4m3,
+                                         scale_of, weight_scales)
 
 
 def _values(seed: int = 0, outliers: int = 20, n: int = 200_000) -> np.ndarray:
@@ -92,10 +93,75 @@ def test_quantize_saturates_and_rounds_like_e4m3():
     assert q.dtype == ml_dtypes.float8_e4m3fn
     assert q.astype(np.float32).tolist() == [E4M3_MAX, -E4M3_MAX, 1.0, 0.0]
     w = np.array([[1.0, -2.0], [0.0, 0.0], [4.0, 0.5]])
-    s = weight_scales(w, axis=0)
+    s = weight_scales(w, axis=0, steps=1)
     assert s.tolist() == pytest.approx([2.0 / E4M3_MAX, 1.0, 4.0 / E4M3_MAX])  # all-zero row: scale 1
     assert np.abs(quantize_e4m3(w, s, axis=0).astype(np.float32)).max(axis=1).tolist() == [E4M3_MAX, 0.0, E4M3_MAX]
     assert scale_of(0.0) == 1.0 and scale_of(448.0) == 1.0
+
+
+def _channel_errors(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+    return ((quantize_e4m3(w, s, axis=0).astype(np.float64) * s[:, None] - w) ** 2).sum(axis=1)
+
+
+def test_weight_scales_align_the_grid_per_channel():
+    """Each channel's scale is the candidate amax / 448 * 2^(j / 8) with the least squared rounding
+    error of that channel: never more error than amax / 448 (j = 0 is a candidate), less over the
+    weight, and nothing saturates (every candidate maps amax to 448 / 2^(j/8) <= 448)."""
+    w = np.random.default_rng(4).standard_normal((256, 96)).astype(np.float32)
+    w[7] = 0.0
+    exact, aligned = weight_scales(w, 0, steps=1), weight_scales(w, 0)
+    ratio = aligned / exact
+    assert np.all(ratio >= 1) and np.all(ratio < 2) and ratio[7] == 1.0
+    steps = np.log2(ratio.astype(np.float64)) * SCALE_STEPS
+    assert np.allclose(steps, np.round(steps), atol=1e-4)  # a candidate, up to the float32 rounding of the scale
+    e_exact, e_aligned = _channel_errors(w, exact), _channel_errors(w, aligned)
+    assert np.all(e_aligned <= e_exact)
+    assert e_aligned.sum() < 0.9 * e_exact.sum()
+    assert np.abs(quantize_e4m3(w, aligned, axis=0).astype(np.float32)).max() <= E4M3_MAX
+    # any axis: the transposed weight gets the same scales along axis 1
+    assert np.array_equal(weight_scales(w.T.copy(), 1), aligned)
+
+
+def test_weight_scales_search_with_the_scales_the_graph_holds():
+    """A DequantizeLinear's scale has the base type: the search compares candidates as FP16 rounds them."""
+    w = np.random.default_rng(5).standard_normal((64, 48)).astype(np.float32)
+    fp16 = weight_scales(w, 0, rounding=lambda v: v.astype(np.float16).astype(np.float32))
+    assert np.array_equal(fp16.astype(np.float16).astype(np.float32), fp16)
+    e = _channel_errors(w, fp16)
+    for j in range(SCALE_STEPS):  # no FP16 candidate beats the one chosen
+        cand = (weight_scales(w, 0, steps=1) * 2.0 ** (j / SCALE_STEPS)).astype(np.float16).astype(np.float32)
+        assert np.all(e <= _channel_errors(w, cand) + 1e-12)
+
+
+@pytest.mark.parametrize("case", ["normal", "off-grid bulk"])
+def test_aligned_amax_is_the_least_error_candidate_and_clips_nothing(case):
+    rng = np.random.default_rng(6)
+    if case == "normal":
+        x = rng.standard_normal(100_000)
+    else:  # most values 232 scale units at amax / 448: midway between E4M3's 224 and 240
+        x = np.concatenate([rng.uniform(231.9, 232.1, 100_000) / E4M3_MAX, [1.0]])
+    h = _hist(x)
+    peak = float(np.abs(x).max())
+    assert h.aligned_amax(peak, 1) == peak
+    amax = h.aligned_amax(peak)
+    assert peak <= amax < 2 * peak
+
+    def mse(a):
+        return float(((fake_quant_e4m3(x, a) - x) ** 2).mean())
+
+    candidates = [mse(peak * 2 ** (j / SCALE_STEPS)) for j in range(SCALE_STEPS)]
+    assert mse(amax) <= min(candidates) * 1.05  # the histogram's bin centres stand for the values
+    if case == "off-grid bulk":
+        assert mse(amax) < 0.5 * mse(peak)
+
+
+@pytest.mark.parametrize("steps", [0, 65, 2.5, True])
+def test_bad_scale_steps(steps):
+    with pytest.raises(InputError, match="scale_steps"):
+        weight_scales(np.ones((2, 2)), 0, steps=steps)
+    fused, _ = fuse_model(graphs.residual_block(n_layers=1), dims={"b": 2, "s": 8}, families=graphs.NORM_FAMILIES)
+    with pytest.raises(InputError, match="scale_steps"):
+        apply_precision(fused, PrecisionOptions(mode="fp8", scale_steps=steps), _block_feeds(0, 1))
 
 
 def _relu_matmul() -> onnx.ModelProto:
@@ -115,8 +181,11 @@ def test_calibrate_runs_the_model_with_tensors_as_outputs(method):
     assert cal["r"].max_abs == pytest.approx(top_r) and cal["x"].max_abs == pytest.approx(
         max(float(np.abs(f["x"]).max()) for f in feeds))
     assert cal["r"].batches == 3 and cal["r"].elements == 3 * 16 * 8
-    if method == "max":
-        assert cal["r"].amax == pytest.approx(top_r) and cal["r"].scale == pytest.approx(top_r / E4M3_MAX)
+    if method == "max":  # max |x| aligned: one of top * 2^(j / 8), j < 8
+        assert top_r <= cal["r"].amax < 2 * top_r
+        assert np.log2(cal["r"].amax / top_r) * SCALE_STEPS == pytest.approx(round(np.log2(cal["r"].amax / top_r) * 8))
+        exact = calibrate(_relu_matmul(), ["r"], feeds, method, scale_steps=1)["r"]
+        assert exact.amax == pytest.approx(top_r) and exact.scale == pytest.approx(top_r / E4M3_MAX)
     else:
         assert 0 < cal["r"].amax <= top_r * (1 + 2 / 2048)  # within a histogram bin of max
 

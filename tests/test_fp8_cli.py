@@ -117,3 +117,33 @@ def test_verify_shows_cosine_for_an_fp8_candidate(tmp_path):
     res = invoke("verify", tmp_path / "m.onnx", tmp_path / "c.onnx", "--shapes", "x:2x8x64", "--json")
     o = json.loads(res.stdout)["outputs"][0]
     assert o["cosine"] > 0.99 and o["min_cosine"] == 0.99 and o["atol"] == 0.5
+
+
+@pytest.mark.parametrize("steps", [0, 65])
+def test_scale_steps_out_of_range(tmp_path, steps):
+    d, r = _recipe(tmp_path, calibration={"scale_steps": steps})
+    out = tmp_path / "out"
+    one_line(invoke("convert", "-r", r, "-o", out, "--skip-build"), 2, "precision.calibration.scale_steps")
+    assert not out.exists()
+
+
+def test_scale_steps_reach_the_scales_and_the_report(tmp_path):
+    """scale_steps 1: amax / 448 exactly; the default aligns each scale to the data (a_scale a
+    candidate amax / 448 * 2^(j/8)), and the report says so."""
+    fp8 = {}
+    for steps in (1, None):
+        calibration = {} if steps is None else {"scale_steps": steps}
+        d, r = _recipe(tmp_path / str(steps), {"gemm": False}, calibration=calibration)
+        out = tmp_path / str(steps) / "out"
+        res = invoke("convert", "-r", r, "-o", out, "--skip-build")
+        assert res.exit_code == 0, res.stderr
+        fp8[steps] = json.loads((out / "precision_report.json").read_text())["fp8"]
+        fp8[steps]["md"] = (out / "report.md").read_text()
+    exact, aligned = fp8[1], fp8[None]
+    assert exact["scale_steps"] == 1 and aligned["scale_steps"] == 8
+    assert "grid alignment" not in exact["md"] and "grid alignment (scale_steps 8)" in aligned["md"]
+    for e, a in zip(exact["gemms"], aligned["gemms"]):
+        assert e["a_amax"] == pytest.approx(e["a_scale"] * 448, rel=1e-3)  # FP16-rounded scale
+        j = np.log2(a["a_amax"] / e["a_amax"]) * 8
+        assert 0 <= j < 8 and j == pytest.approx(round(j), abs=1e-6)
+        assert ("grid-aligned" in a["a_source"]) == (round(j) > 0) and "grid-aligned" not in e["a_source"]

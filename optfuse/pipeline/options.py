@@ -475,7 +475,8 @@ def precision_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES
         return PrecisionOptions(mode=mode, keep_fp32=tuple(keep), target_arch=target_arch)
     c = p.calibration
     return PrecisionOptions(mode=mode, keep_fp32=tuple(keep), io_dtype=p.io_dtype, fp8_base=p.fp8_base,
-                            calibrator=c.method, percentile=c.percentile, fp8_exclude=tuple(p.fp8_exclude),
+                            calibrator=c.method, percentile=c.percentile, scale_steps=c.scale_steps,
+                            fp8_exclude=tuple(p.fp8_exclude),
                             fp8_attention=p.fp8_attention, target_arch=target_arch)
 
 

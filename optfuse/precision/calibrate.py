@@ -26,11 +26,23 @@ bulk of a distribution until that bulk would reach the subnormals: MSE keeps iso
 
 A scale is amax / 448 (E4M3's largest finite value), per tensor for activations; :func:`weight_scales`
 gives the per-output-channel weight scales (max |W| over each channel's row / 448).
+
+**Grid alignment** (``scale_steps`` > 1, default :data:`SCALE_STEPS`). Every value rounds to a
+neighbour on E4M3's grid, and where that grid sits relative to the data is the scale's choice: any
+scale from amax / 448 up to twice that keeps every calibrated value in range with the same relative
+resolution, and each rounds the data differently. So each scale is the candidate
+``amax / 448 * 2^(j / scale_steps)`` (j = 0 .. scale_steps - 1) with the least squared rounding error:
+per output channel over the channel's own weights (:func:`weight_scales`, exact), and per tensor
+over the calibration histogram for the ``max`` calibrator (:meth:`Histogram.aligned_amax`; the
+tensor's amax is then the chosen candidate, max |x| <= amax < 2 max |x|, so nothing calibrated
+saturates). ``percentile`` and ``mse`` choose their clipping value themselves. Measured on the test
+models (``scripts/compare_modelopt_fp8.py``, README "Against ModelOpt"): the output's mean |error| 4-6 %
+lower than at amax / 448.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +57,10 @@ DEFAULT_PERCENTILE = 99.99
 NUM_BINS = 2048
 #: ``_compute_amax_mse``'s first candidate bin (ModelOpt's default): amax below 1/16 of the range is never tried
 MSE_START_BIN = 128
+#: Scale candidates per binade of the grid-alignment search (1: amax / 448 exactly)
+SCALE_STEPS = 8
+#: Weight elements per block of the alignment search (bounds its float32 temporaries to ~64 MB each)
+_SEARCH_BLOCK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,19 @@ class Histogram:
         idx = int(np.searchsorted(cdf, percentile / 100.0))
         return float(self.edges[min(idx, len(self.edges) - 1)])
 
+    def aligned_amax(self, peak: float, steps: int = SCALE_STEPS) -> float:
+        """The candidate ``peak * 2^(j / steps)`` (j = 0 .. steps - 1) whose E4M3 fake quantization of the
+        histogram (count-weighted bin centres) has the least squared error: the grid's alignment
+        to the data, nothing clipped. ``peak`` = max |x|; steps 1 or an empty histogram: ``peak``."""
+        if steps <= 1 or peak <= 0 or self.counts is None or self.counts.sum() == 0:
+            return float(peak)
+        centres = (self.edges[1:] + self.edges[:-1]) / 2
+        keep = self.counts > 0
+        c, w = centres[keep], self.counts[keep].astype(np.float64)
+        candidates = peak * 2.0 ** (np.arange(steps) / steps)
+        errors = ((fake_quant_e4m3(c[None, :], candidates[:, None]) - c[None, :]) ** 2 * w).sum(axis=1)
+        return float(candidates[int(np.argmin(errors))])
+
     def mse_amax(self, start_bin: int = MSE_START_BIN) -> float:
         """ModelOpt's ``_compute_amax_mse`` with E4M3 fake quantization: the candidate amax (a bin
         centre from `start_bin` on) with the least count-weighted squared error over the bin centres."""
@@ -128,6 +157,11 @@ class Histogram:
         return float(candidates[int(np.argmin(errors))])
 
 
+def check_scale_steps(steps: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 64:
+        raise InputError(f"precision.calibration.scale_steps {steps!r}: expected an integer from 1 to 64")
+
+
 def check_calibrator(method: str, percentile: float = DEFAULT_PERCENTILE) -> None:
     if method not in CALIBRATORS:
         raise InputError(f"precision.calibration.method {method!r}: expected one of {', '.join(CALIBRATORS)}")
@@ -136,17 +170,20 @@ def check_calibrator(method: str, percentile: float = DEFAULT_PERCENTILE) -> Non
 
 
 def calibrate(model: onnx.ModelProto, tensors: Sequence[str], feeds: Sequence[Mapping[str, np.ndarray]],
-              method: str = "max", percentile: float = DEFAULT_PERCENTILE) -> dict[str, TensorCalibration]:
+              method: str = "max", percentile: float = DEFAULT_PERCENTILE,
+              scale_steps: int = SCALE_STEPS) -> dict[str, TensorCalibration]:
     """Run `model` (FP32) in onnxruntime on every feed with `tensors` as extra outputs; each tensor's
-    amax by `method` (:data:`CALIBRATORS`) over all feeds."""
+    amax by `method` (:data:`CALIBRATORS`) over all feeds; ``max`` with ``scale_steps`` > 1: max |x|
+    aligned (:meth:`Histogram.aligned_amax`)."""
     check_calibrator(method, percentile)
+    check_scale_steps(scale_steps)
     if not feeds:
         raise InputError("calibration needs at least one batch of inputs")
     names = list(dict.fromkeys(tensors))
     inputs = {i.name for i in model.graph.input}
     peak = {n: 0.0 for n in names}
     elements = {n: 0 for n in names}
-    hists = {n: Histogram() for n in names} if method != "max" else {}
+    hists = {n: Histogram() for n in names} if method != "max" or scale_steps > 1 else {}
     session, wanted = _session_with_outputs(model, [n for n in names if n not in inputs])
     for feed in feeds:
         needed = {k: v for k, v in feed.items() if k in {i.name for i in session.get_inputs()}}
@@ -165,8 +202,12 @@ def calibrate(model: onnx.ModelProto, tensors: Sequence[str], feeds: Sequence[Ma
                 hists[n].add(v)
     out = {}
     for n in names:
-        amax = (peak[n] if method == "max" else hists[n].percentile_amax(percentile) if method == "percentile"
-                else hists[n].mse_amax())
+        if method == "max":
+            amax = hists[n].aligned_amax(peak[n], scale_steps) if hists else peak[n]
+        elif method == "percentile":
+            amax = hists[n].percentile_amax(percentile)
+        else:
+            amax = hists[n].mse_amax()
         out[n] = TensorCalibration(n, amax, method, len(feeds), elements[n], peak[n])
     return out
 
@@ -191,12 +232,37 @@ def _session_with_outputs(model: onnx.ModelProto, extra: Sequence[str]):
     return session, list(extra)
 
 
-def weight_scales(w: np.ndarray, axis: int) -> np.ndarray:
-    """Per-output-channel scales of a weight: max |W| over every axis but `axis`, / 448 (float32;
-    an all-zero channel gets scale 1)."""
-    a = np.abs(np.asarray(w, np.float64))
-    amax = a.max(axis=tuple(i for i in range(a.ndim) if i != axis))
-    return np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+def weight_scales(w: np.ndarray, axis: int, steps: int = SCALE_STEPS,
+                  rounding: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+    """Per-output-channel scales of a weight (float32; an all-zero channel gets scale 1): max |W| over
+    every axis but `axis` / 448, times the 2^(j / steps) (j < steps) whose E4M3 rounding of the
+    channel has the least squared error. ``rounding`` maps candidate scales to the values the graph
+    will hold (a DequantizeLinear's FP16 scale), so the search rounds with those."""
+    import ml_dtypes
+
+    check_scale_steps(steps)
+    rounding = rounding or (lambda s: s)
+    rows = np.moveaxis(np.asarray(w, np.float32), axis, 0).reshape(np.shape(w)[axis], -1)
+    amax = np.abs(rows).max(axis=1).astype(np.float64) if rows.size else np.zeros(len(rows))
+    base = np.where(amax > 0, amax / E4M3_MAX, 1.0)
+    if steps == 1:
+        return np.asarray(rounding(base.astype(np.float32)), np.float32)
+    candidates = [np.asarray(rounding((base * 2.0 ** (j / steps)).astype(np.float32)), np.float32)
+                  for j in range(steps)]
+    best = candidates[0].copy()
+    block = max(1, _SEARCH_BLOCK // max(rows.shape[1], 1))
+    for lo in range(0, len(rows), block):
+        r = rows[lo:lo + block]
+        least = np.full(len(r), np.inf)
+        for s in candidates:
+            s_r = s[lo:lo + block, None]
+            # float32 division: correctly rounded, so the same E4M3 values as quantize_e4m3's float64 path
+            q = np.clip(r / s_r, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            err = q * s_r - r
+            e = np.einsum("ij,ij->i", err, err, dtype=np.float64)
+            better = e < least
+            least[better], best[lo:lo + block][better] = e[better], s[lo:lo + block][better]
+    return best
 
 
 def quantize_e4m3(x: np.ndarray, scale: np.ndarray | float, axis: int | None = None) -> np.ndarray:

@@ -36,6 +36,7 @@ from onnx import TensorProto, numpy_helper
 
 from .. import DOMAIN
 from ..errors import InputError
+from .calibrate import SCALE_STEPS
 
 #: Ops kept in FP32 by default: they overflow FP16 (x^2, exp, sums of squares) or lose too much
 #: precision in it (sin/cos of large angles: rotary embeddings; log). Unfused norms compute their
@@ -67,6 +68,8 @@ class PrecisionOptions:
     #: fp8 only: the activation calibrator (max | percentile | mse) and its percentile
     calibrator: str = "max"
     percentile: float = 99.99
+    #: fp8 only: scale candidates per binade of the E4M3 grid-alignment search (calibrate.SCALE_STEPS; 1: amax / 448)
+    scale_steps: int = SCALE_STEPS
     #: fp8 only: GEMM node names or globs (over the fused node's name and the nodes it replaced) kept in fp8_base
     fp8_exclude: tuple[str, ...] = ()
     #: fp8 only: which FlashAttention nodes take their FP8 form: auto (where it pays on target_arch,

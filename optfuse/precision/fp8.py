@@ -47,7 +47,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .. import DOMAIN
 from ..errors import InputError
-from .calibrate import E4M3_MAX, TensorCalibration, calibrate, check_calibrator, quantize_e4m3, weight_scales
+from .calibrate import (E4M3_MAX, TensorCalibration, calibrate, check_calibrator, check_scale_steps, quantize_e4m3,
+                        weight_scales)
 from .fp16 import PrecisionOptions, PrecisionResult, convert_precision
 from .fp8_attention import check_mode as check_fp8_attention_mode, place_flash_attention
 from .fp8_mha import AttentionTarget, find_attention
@@ -110,6 +111,8 @@ class Fp8Plan:
     percentile: float | None
     batches: int
     opset: list[int]  # [the model's, the result's]
+    #: scale candidates per binade of the grid-alignment search (calibrate.SCALE_STEPS; 1: amax / 448)
+    scale_steps: int = 1
     gemms: list[Fp8Gemm] = field(default_factory=list)
     attention: list[Fp8Attention] = field(default_factory=list)
     skipped: list[Fp8Skip] = field(default_factory=list)
@@ -141,17 +144,19 @@ def quantize_fp8(model: onnx.ModelProto, options: PrecisionOptions,
         raise InputError(f"precision.fp8_base {options.fp8_base!r}: expected fp16 or bf16")
     check_fp8_attention_mode(options.fp8_attention)
     check_calibrator(options.calibrator, options.percentile)
+    check_scale_steps(options.scale_steps)
     opset_before = default_opset(model)
     fp32 = raise_opset(model, FP8_OPSET)
     targets, skipped = plan_targets(fp32, options.fp8_exclude)
     attention, skipped = _attention_targets(fp32, options.fp8_exclude, skipped)
     tensors = [t.activation for t in targets] + [x for a in attention for x, _, _ in a.tensors]
-    cal = calibrate(fp32, tensors, calibration, options.calibrator, options.percentile)
+    cal = calibrate(fp32, tensors, calibration, options.calibrator, options.percentile, options.scale_steps)
     base, result = convert_precision(fp32, options.fp8_base, keep_fp32=options.keep_fp32, io_dtype=options.io_dtype)
     plan = Fp8Plan(options.fp8_base, options.calibrator,
                    options.percentile if options.calibrator == "percentile" else None, len(calibration),
-                   [opset_before, default_opset(base)], skipped=skipped, kept=_kept_by_policy(fp32))
-    out = _place(base, fp32, targets, cal, plan)
+                   [opset_before, default_opset(base)], scale_steps=options.scale_steps, skipped=skipped,
+                   kept=_kept_by_policy(fp32))
+    out = _place(base, fp32, targets, cal, plan, options.scale_steps)
     _place_attention(out, attention, cal, plan, BASE_TYPES[options.fp8_base])
     check_fp8_io(out)
     result.mode = "fp8"
@@ -297,7 +302,7 @@ def _kept_by_policy(model: onnx.ModelProto) -> dict[str, list]:
 # placement
 # ------------------------------------------------------------------------------------------------
 def _place(base: onnx.ModelProto, fp32: onnx.ModelProto, targets: Sequence[_Target],
-           cal: Mapping[str, TensorCalibration], plan: Fp8Plan) -> onnx.ModelProto:
+           cal: Mapping[str, TensorCalibration], plan: Fp8Plan, steps: int) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(base)
     g = out.graph
@@ -315,8 +320,8 @@ def _place(base: onnx.ModelProto, fp32: onnx.ModelProto, targets: Sequence[_Targ
         fp8_weights = []
         for w, axis in zip(t.weights, t.axes):
             wf = numpy_helper.to_array(fp32_inits[w]).astype(np.float32)
-            ws = weight_scales(wf, axis)  # float32: the plugin's w_scale; a DQ's scale has the base type
-            ws = round_to(ws, dtype) if t.form == "qdq" else ws
+            # float32: the plugin's w_scale; a DQ's scale has the base type (the search rounds with it)
+            ws = weight_scales(wf, axis, steps, (lambda v: round_to(v, dtype)) if t.form == "qdq" else None)
             fp8_weights.append((w, b.constant(f"{w}/fp8", quantize_e4m3(wf, ws, axis), TensorProto.FLOAT8E4M3FN), ws,
                                 axis))
             scales.append(ws)

@@ -164,7 +164,7 @@ def place_flash_attention(out: onnx.ModelProto, fp32: onnx.ModelProto, options, 
     if not targets:
         return
     cal = calibrate(fp32, [x for n in targets for x in n.input[:3]], calibration, options.calibrator,
-                    options.percentile)
+                    options.percentile, options.scale_steps)
     placed = _place(out, targets, cal, options.fp8_base)
     _check_io(out, {p.name for p in placed})
     if result.fp8 is not None:

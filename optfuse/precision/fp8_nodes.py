@@ -120,7 +120,8 @@ def round_to(values: np.ndarray, data_type: int) -> np.ndarray:
 def calibration_source(c: TensorCalibration) -> str:
     what = {"max": "max |x|", "percentile": "percentile of |x|", "mse": "E4M3 MSE-optimal clip"}[c.method]
     clip = f"; clips max |x| {c.max_abs:.4g}" if c.method != "max" and c.amax < c.max_abs else ""
-    return f"{what} over {c.batches} calibration batch(es){clip}"
+    aligned = f", grid-aligned x{c.amax / c.max_abs:.4g}" if c.method == "max" and c.amax > c.max_abs > 0 else ""
+    return f"{what}{aligned} over {c.batches} calibration batch(es){clip}"
 
 
 def insert_nodes(model: onnx.ModelProto, b: QdqBuilder) -> None:

@@ -34,6 +34,15 @@ def precision_markdown(result: PrecisionResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _alignment(fp8: dict) -> list[str]:
+    steps = fp8.get("scale_steps", 1)
+    if steps <= 1:
+        return []
+    act = " and each max-calibrated activation's amax" if fp8["calibrator"] == "max" else ""
+    return [f"- grid alignment (scale_steps {steps}): each weight channel's scale{act} times the 2^(j/{steps}), "
+            f"j < {steps}, whose E4M3 rounding has the least squared error (nothing calibrated saturates)"]
+
+
 def fp8_markdown(fp8: dict) -> list[str]:
     """The FP8 placement: each GEMM that runs E4M3 with its scales and their sources, the
     FlashAttention nodes in FP8 (and those kept, with why), the norms feeding FP8 GEMMs, the GEMMs
@@ -43,7 +52,7 @@ def fp8_markdown(fp8: dict) -> list[str]:
              f"- base precision (everything not quantized): {fp8['base']}; opset {fp8['opset'][0]} -> {fp8['opset'][1]}",
              f"- activation scales: per tensor, amax / 448, calibrator {cal}, "
              f"{fp8.get('calibration_source') or str(fp8['batches']) + ' batch(es)'}",
-             "- weight scales: per output channel, max |W| / 448 of the FP32 weights", "",
+             "- weight scales: per output channel, max |W| / 448 of the FP32 weights", *_alignment(fp8), "",
              "| node | op | form | activation amax | a_scale | a_scale source | weight channels | w_scale range |",
              "|---|---|---|---|---|---|---|---|"]
     for g in fp8["gemms"]:
