@@ -5,6 +5,7 @@
     python scripts/compare_modelopt_fp8.py --family llama --method max --markdown table.md
     python scripts/compare_modelopt_fp8.py --modelopt-python /tmp/modelopt-venv/bin/python
     python scripts/compare_modelopt_fp8.py --seeds 10 --iterations 30 --scale-grid   # spread over verify seeds
+    python scripts/compare_modelopt_fp8.py --seeds 10 --first-seed 10 --iterations 30  # seeds 10 .. 19
 
 ModelOpt is never an optfuse dependency: it runs as ``python -m modelopt.onnx.quantization
 --quantize_mode fp8`` in a separate environment (``--modelopt-python``, default
@@ -14,7 +15,7 @@ on the exported FP32 model, calibrating on the CPU with the same batches optfuse
 generator, seed 1, concatenated along the batch axis into one ``.npz``), high precision FP16.
 
 Each candidate is compared with the FP32 original in onnxruntime (CPU) on the same verify batches
-(``--iterations`` batches, seed 0): max / mean |diff| and cosine similarity per output; and its Q/DQ nodes are counted with
+(``--iterations`` batches, seed 0 or ``--first-seed``): max / mean |diff| and cosine similarity per output; and its Q/DQ nodes are counted with
 where they sit (the op types a DequantizeLinear feeds, the optfuse nodes a QuantizeLinear feeds).
 Rows per model: optfuse FP16 (the base precision alone), optfuse FP8 with the GEMM fusions off
 (TensorRT's Q/DQ pattern on the unfused GEMMs), the same with the attention fusion off too (plus
@@ -91,10 +92,12 @@ def qdq_placement(model: onnx.ModelProto) -> dict:
             "q_feeds_optfuse": dict(direct)}
 
 
-def _errors(original: Path, candidate: Path, iterations: int, seeds: int = 1) -> dict:
-    """Per output: max / mean |diff| and cosine on `iterations` verify batches of seed 0 (seeds == 1),
-    else per seed (``per_seed``) and over the seeds: max |diff| mean / lowest / highest, the others' means."""
-    runs = [verify(str(original), str(candidate), None, iterations=iterations, seed=s) for s in range(seeds)]
+def _errors(original: Path, candidate: Path, iterations: int, seeds: int = 1, first_seed: int = 0) -> dict:
+    """Per output: max / mean |diff| and cosine on `iterations` verify batches of seed `first_seed`
+    (seeds == 1), else per seed (``per_seed``) and over the seeds: max |diff| mean / lowest / highest,
+    the others' means."""
+    runs = [verify(str(original), str(candidate), None, iterations=iterations, seed=s)
+            for s in range(first_seed, first_seed + seeds)]
     out = {}
     for i, o in enumerate(runs[0].outputs):
         per = [{"max_abs": r.outputs[i].max_abs, "mean_abs": r.outputs[i].mean_abs, "cosine": r.outputs[i].cosine}
@@ -154,7 +157,7 @@ def _modelopt(python: str, original: Path, npz: Path, out: Path, method: str | N
 
 
 def compare(family: str, exporter: str, workdir: Path, python: str, batches: int, method: str,
-            iterations: int, seeds: int = 1, scale_grid: bool = False) -> list[dict]:
+            iterations: int, seeds: int = 1, scale_grid: bool = False, first_seed: int = 0) -> list[dict]:
     em = models.cached_export(family, exporter, "sdpa", None, cache_dir=Path.home() / ".cache" / "optfuse" / "models")
     # ModelOpt writes its shape-inferred model back over --onnx_path: it gets a copy, never the cached export
     source = workdir / f"{family}.fp32.onnx"
@@ -172,7 +175,7 @@ def compare(family: str, exporter: str, workdir: Path, python: str, batches: int
             rows.append({"model": family, "candidate": label, "note": note})
             return
         m = onnx.load(str(path), load_external_data=False)
-        rows.append({"model": family, "candidate": label, "errors": _errors(source, path, iterations, seeds),
+        rows.append({"model": family, "candidate": label, "errors": _errors(source, path, iterations, seeds, first_seed),
                      "qdq": qdq_placement(m), "note": note})
 
     options = PrecisionOptions(mode="fp8", calibrator=method)
@@ -235,14 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=3, help="verify batches per seed (default 3)")
     p.add_argument("--seeds", type=int, default=1,
                    help="verify seeds 0 .. N-1 (default 1); N > 1: max abs as mean [lowest, highest] over the seeds")
+    p.add_argument("--first-seed", type=int, default=0, help="the first verify seed (default 0)")
     p.add_argument("--scale-grid", action="store_true",
                    help="diagnostic rows: the Q/DQ + MHA placement with amax mapped to 36, 288, 224, ... (not policy)")
     p.add_argument("--workdir", type=Path, help="where the candidates are written (default: a temporary folder)")
     p.add_argument("--markdown", type=Path, help="also write the table here")
     p.add_argument("--json", type=Path, help="write every number here")
     a = p.parse_args(argv)
-    if a.seeds < 1 or a.iterations < 1:
-        p.error("--seeds and --iterations must be >= 1")
+    if a.seeds < 1 or a.iterations < 1 or a.first_seed < 0:
+        p.error("--seeds and --iterations must be >= 1, --first-seed >= 0")
     if not Path(a.modelopt_python).is_file():
         print(f"error: --modelopt-python {a.modelopt_python} not found (see the module doc)", file=sys.stderr)
         return 2
@@ -252,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     for family in a.family or FAMILIES:
         print(f"{family}: ...", file=sys.stderr)
         rows += compare(family, a.exporter, workdir, a.modelopt_python, a.batches, a.method, a.iterations, a.seeds,
-                        a.scale_grid)
+                        a.scale_grid, a.first_seed)
     table = markdown(rows)
     print(table)
     if a.markdown:
