@@ -156,8 +156,7 @@ def test_mha_pattern_on_unfused_attention(family, exporter, exported_model, tmp_
     by_name = {n.name: n for n in out.graph.node}
     for a in blocks:
         assert [t["role"] for t in a["tensors"]] == list("QKPV")
-        # softmax probabilities: max |p| <= 1, aligned (calibrate.SCALE_STEPS) to below twice that
-        assert 0 < a["tensors"][2]["amax"] < 2.0
+        assert 0 < a["tensors"][2]["amax"] <= 1.0 + 1e-6  # softmax probabilities: max |p|, not grid-aligned
         for name in a["matmuls"]:
             for i in by_name[name].input:
                 dq = prod[i]

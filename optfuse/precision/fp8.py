@@ -39,7 +39,7 @@ The Q/DQ node builder and the helpers the FlashAttention placement shares are in
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -361,6 +361,10 @@ def _place_attention(out: onnx.ModelProto, attention: Sequence[AttentionTarget],
             act = node.input[idx]
             dtype = types.get(act, base_type)
             c = cal[tensor]
+            if role == "P" and c.method == "max":
+                # probabilities: max |p| (<= 1) / 448, never grid-aligned past 1 (ModelOpt's exporter
+                # fixes this scale at 1 / 448 for TensorRT's MHA fusion; a causal row's first p is 1)
+                c = replace(c, amax=c.max_abs)
             scale = float(round_to(np.array([c.scale]), dtype)[0])
             node.input[idx] = b.qdq(act, scale, dtype, consumer)
             entries.append({"role": role, "tensor": tensor, "amax": c.amax, "scale": scale, "source": calibration_source(c)})
