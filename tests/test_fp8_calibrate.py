@@ -13,8 +13,8 @@ import graphs
 from optfuse.errors import InputError
 from optfuse.fusions import fuse_model
 from optfuse.precision import PrecisionOptions, apply_precision
-from optfuse.precision.calibrate import (E4M3_MAX, SCALE_STEPS, Histogram, calibrate, fake_quant_e4m3, quantize_e4m3,
-                                         scale_of, weight_scales)
+from optfuse.precision.calibrate import (E4M3_MAX, MAX_SCALE_STEPS, SCALE_STEPS, Histogram, calibrate,
+                                         fake_quant_e4m3, quantize_e4m3, scale_of, weight_scales)
 
 
 def _values(seed: int = 0, outliers: int = 20, n: int = 200_000) -> np.ndarray:
@@ -153,6 +153,20 @@ def test_aligned_amax_is_the_least_error_candidate_and_clips_nothing(case):
     assert mse(amax) <= min(candidates) * 1.05  # the histogram's bin centres stand for the values
     if case == "off-grid bulk":
         assert mse(amax) < 0.5 * mse(peak)
+
+
+def test_recipe_scale_steps_match_the_calibrator():
+    """The recipe (a lower layer, which cannot import the calibrator) states the default and the bound
+    again: they must agree with optfuse.precision.calibrate."""
+    from pydantic import ValidationError
+
+    from optfuse.recipe import Calibration
+
+    assert Calibration().scale_steps == SCALE_STEPS
+    assert Calibration(scale_steps=MAX_SCALE_STEPS).scale_steps == MAX_SCALE_STEPS
+    for bad in (0, MAX_SCALE_STEPS + 1):
+        with pytest.raises(ValidationError):
+            Calibration(scale_steps=bad)
 
 
 @pytest.mark.parametrize("steps", [0, 65, 2.5, True])

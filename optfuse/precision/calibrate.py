@@ -60,6 +60,8 @@ NUM_BINS = 2048
 MSE_START_BIN = 128
 #: Scale candidates per binade of the grid-alignment search (1: amax / 448 exactly)
 SCALE_STEPS = 8
+#: The most candidates per binade a recipe may ask for
+MAX_SCALE_STEPS = 64
 #: Weight elements per block of the alignment search (bounds its float32 temporaries to ~64 MB each)
 _SEARCH_BLOCK = 1 << 24
 
@@ -159,8 +161,9 @@ class Histogram:
 
 
 def check_scale_steps(steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 64:
-        raise InputError(f"precision.calibration.scale_steps {steps!r}: expected an integer from 1 to 64")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_SCALE_STEPS:
+        raise InputError(f"precision.calibration.scale_steps {steps!r}: expected an integer from 1 to "
+                         f"{MAX_SCALE_STEPS}")
 
 
 def check_calibrator(method: str, percentile: float = DEFAULT_PERCENTILE) -> None:

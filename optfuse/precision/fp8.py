@@ -112,7 +112,7 @@ class Fp8Plan:
     batches: int
     opset: list[int]  # [the model's, the result's]
     #: scale candidates per binade of the grid-alignment search (calibrate.SCALE_STEPS; 1: amax / 448)
-    scale_steps: int = 1
+    scale_steps: int
     gemms: list[Fp8Gemm] = field(default_factory=list)
     attention: list[Fp8Attention] = field(default_factory=list)
     skipped: list[Fp8Skip] = field(default_factory=list)
@@ -156,7 +156,7 @@ def quantize_fp8(model: onnx.ModelProto, options: PrecisionOptions,
                    options.percentile if options.calibrator == "percentile" else None, len(calibration),
                    [opset_before, default_opset(base)], scale_steps=options.scale_steps, skipped=skipped,
                    kept=_kept_by_policy(fp32))
-    out = _place(base, fp32, targets, cal, plan, options.scale_steps)
+    out = _place(base, fp32, targets, cal, plan)
     _place_attention(out, attention, cal, plan, BASE_TYPES[options.fp8_base])
     check_fp8_io(out)
     result.mode = "fp8"
@@ -302,7 +302,7 @@ def _kept_by_policy(model: onnx.ModelProto) -> dict[str, list]:
 # placement
 # ------------------------------------------------------------------------------------------------
 def _place(base: onnx.ModelProto, fp32: onnx.ModelProto, targets: Sequence[_Target],
-           cal: Mapping[str, TensorCalibration], plan: Fp8Plan, steps: int) -> onnx.ModelProto:
+           cal: Mapping[str, TensorCalibration], plan: Fp8Plan) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(base)
     g = out.graph
@@ -321,7 +321,7 @@ def _place(base: onnx.ModelProto, fp32: onnx.ModelProto, targets: Sequence[_Targ
         for w, axis in zip(t.weights, t.axes):
             wf = numpy_helper.to_array(fp32_inits[w]).astype(np.float32)
             # float32: the plugin's w_scale; a DQ's scale has the base type (the search rounds with it)
-            ws = weight_scales(wf, axis, steps, (lambda v: round_to(v, dtype)) if t.form == "qdq" else None)
+            ws = weight_scales(wf, axis, plan.scale_steps, (lambda v: round_to(v, dtype)) if t.form == "qdq" else None)
             fp8_weights.append((w, b.constant(f"{w}/fp8", quantize_e4m3(wf, ws, axis), TensorProto.FLOAT8E4M3FN), ws,
                                 axis))
             scales.append(ws)
