@@ -125,8 +125,7 @@ def classify_base(a: np.ndarray) -> MaskClass:
     if a.size == 0:
         return MaskClass("none")
     allowed = a == 0
-    masked = (a <= masked_below(a.dtype)) | np.isneginf(a)
-    if not np.all(allowed | masked):
+    if not np.all(allowed | _is_masked(a)):
         return MaskClass("bias")
     sq, sk = a.shape[-2:]
     planes = allowed.reshape(-1, sq, sk)
@@ -136,15 +135,20 @@ def classify_base(a: np.ndarray) -> MaskClass:
     dead = bool((~al).all(-1).any())
     if al.all():
         return MaskClass("none")
-    i = np.arange(sq)[:, None]
-    j = np.arange(sk)[None, :]
-    causal = j <= i + (sk - sq)
-    if np.array_equal(al, causal):
+    if np.array_equal(al, _allowed_keys(sq, sk)):
         return MaskClass("causal")
     w = int(al.sum(-1).max())
-    if 0 < w and np.array_equal(al, causal & (j > i + (sk - sq) - w)):
+    if 0 < w and np.array_equal(al, _allowed_keys(sq, sk, w)):
         return MaskClass("sliding_window", window=w)
     return MaskClass("block", fully_masked_rows=dead)
+
+
+def _allowed_keys(sq: int, sk: int, window: int | None = None) -> np.ndarray:
+    """[sq, sk] keys a causal mask (query i at position i + Sk - Sq sees j <= it) allows; with
+    ``window``, the sliding window's (and j > that position - window)."""
+    i = np.arange(sq)[:, None] + (sk - sq)
+    j = np.arange(sk)[None, :]
+    return (j <= i) & (j > i - window) if window else j <= i
 
 
 def _merge_sizes(classes: Sequence[MaskClass]) -> MaskClass:
@@ -190,11 +194,10 @@ def _merge_probes(values: Sequence[np.ndarray]) -> MaskClass:
 
 def _last_row_allowed(cls: MaskClass, sk: int) -> np.ndarray | None:
     """The keys the last query row of a mask of this class allows (None: the class does not say)."""
-    j = np.arange(sk)
     if cls.base in ("none", "causal"):
         return np.ones(sk, dtype=bool)
     if cls.base == "sliding_window" and cls.window:
-        return j > sk - 1 - cls.window
+        return _allowed_keys(1, sk, cls.window)[0]
     return None
 
 
@@ -567,11 +570,7 @@ def _has_pattern(cls: MaskClass, a: np.ndarray) -> bool:
     if a.ndim < 2:
         a = a.reshape((1,) * (2 - a.ndim) + a.shape)
     sq, sk = a.shape[-2:]
-    i = np.arange(sq)[:, None] + (sk - sq)
-    j = np.arange(sk)[None, :]
-    want = j <= i
-    if cls.base == "sliding_window":
-        want &= j > i - cls.window
+    want = _allowed_keys(sq, sk, cls.window if cls.base == "sliding_window" else None)
     allowed = a == 0
     return bool((allowed | _is_masked(a)).all()) and np.array_equal(allowed, np.broadcast_to(want, allowed.shape))
 
