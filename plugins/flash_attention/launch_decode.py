@@ -211,8 +211,8 @@ def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float,
         signature=signature, constexprs=constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, pointer_align=16,
         meta={"op": OP, "kernel": "decode_direct" if direct else "decode_split", "dtype": dtype,
-              "head_dim": head_dim, "causal": bool(causal), "scale": scale, "bias_pattern": pattern, "block_m": block_m, "config": asdict(cfg),
-              "sparsity": asdict(sparsity)},
+              "head_dim": head_dim, "causal": bool(causal), "scale": scale, "bias_pattern": pattern,
+              "block_m": block_m, "config": asdict(cfg), "sparsity": asdict(sparsity)},
     )
 
 
