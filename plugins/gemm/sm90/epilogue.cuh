@@ -7,31 +7,69 @@
 
 // ACTIVATION: 0 none, 1 relu, 2 gelu_erf, 3 gelu_tanh, 4 quick_gelu, 5 silu, 6 sigmoid, 7 tanh,
 // 8 relu2 (max(x, 0)^2) (the order of the spec's choices; launch_sm90.py passes the index).
-// Sigmoids as x / (1 + e^-x) with the fast exponential and division: an exponential that
-// overflows gives x / inf = 0, the right limit.
+// Sigmoids as x / (1 + e^-x) with the fast exponential and reciprocal: an exponential that
+// overflows gives x * (1 / inf) = 0, the right limit.
+//
+// e^x and 1 / x are the SFU's approximations (ex2 / rcp .approx). With FTZ, denormals are flushed
+// (.ftz): without, each costs a range test and two scaling multiplies more, a quarter of GELU's
+// instructions; a flushed value (below 2^-126: e^-x past x = 87, 1 / (1 + e^-x) before x = -87)
+// moves an activation by less than 2^-126 |x|. The epilogue warps (epilogue_wg.cuh), whose
+// instruction rate bounds their schedule, take FTZ; the consumers do not: with the shorter code
+// ptxas schedules their epilogue wider and spills (3 registers with gelu_tanh, 10 in FP8 with a
+// scalar bias and silu).
+template <bool FTZ>
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    if constexpr (FTZ) asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    else asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <bool FTZ>
+__device__ __forceinline__ float rcp_approx(float x) {
+    float y;
+    if constexpr (FTZ) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    else asm("rcp.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <bool FTZ = false>
 __device__ __forceinline__ float activate(float x) {
 #if ACTIVATION == 0
     return x;
 #elif ACTIVATION == 1
     return fmaxf(x, 0.f);
 #elif ACTIVATION == 2
-    // erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7), branch-free: half the instructions
-    // of erff, whose two ranges diverge inside a warp
-    const float z = fabsf(x) * 0.70710678118654752f;
-    const float t = __fdividef(1.f, fmaf(0.3275911f, z, 1.f));
-    const float poly = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f), 0.254829592f);
-    const float erf_z = 1.f - poly * __expf(-z * z);
-    return 0.5f * x * (1.f + copysignf(erf_z, x));
+    // x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2, erf by Abramowitz & Stegun 7.1.26 (|error| <=
+    // 1.5e-7), branch-free (erff's two ranges diverge inside a warp): erf(y) = 1 - poly(t) e^(-y^2),
+    // t = 1 / (1 + 0.3275911 y), y = |x| / sqrt 2.
+    if constexpr (FTZ) {
+        // 3 instructions fewer: with h = (1 - erf(y)) / 2 (A&S's coefficients halved), x Phi(x) =
+        // max(x, 0) - |x| h for either sign; in z = |x| sqrt(log2(e) / 2), e^(-y^2) = 2^(-z^2), the
+        // SFU's own base, and t = 1 / (1 + 0.27273748 z). (The consumers' ping-pong epilogue spills
+        // 72-160 bytes with this form.)
+        const float z = fabsf(x) * 0.84932180028801904f;
+        const float t = rcp_approx<FTZ>(fmaf(0.27273748f, z, 1.f));
+        const float half_poly = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 0.5307027145f, -0.7265760135f), 0.7107068705f),
+                                                    -0.142248368f), 0.127414796f);
+        return fmaf(-fabsf(x), half_poly * exp2_approx<FTZ>(-z * z), fmaxf(x, 0.f));
+    } else {
+        const float y = fabsf(x) * 0.70710678118654752f;
+        const float t = rcp_approx<FTZ>(fmaf(0.3275911f, y, 1.f));
+        const float poly = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f), 0.254829592f);
+        const float erf_y = 1.f - poly * exp2_approx<FTZ>(-1.4426950408889634f * y * y);
+        return 0.5f * x * (1.f + copysignf(erf_y, x));
+    }
 #elif ACTIVATION == 3
-    // 0.5 x (1 + tanh(u)) = x sigmoid(2 u), u = sqrt(2 / pi) (x + 0.044715 x^3)
-    const float u2 = 1.5957691216057308f * fmaf(0.044715f * x, x * x, x);
-    return __fdividef(x, 1.f + __expf(-u2));
+    // 0.5 x (1 + tanh(u)) = x sigmoid(2 u), u = sqrt(2 / pi) (x + 0.044715 x^3); e^(-2u) = 2^(-2u log2 e)
+    const float u2_log2e = 2.302208198144325f * fmaf(0.044715f * x, x * x, x);
+    return x * rcp_approx<FTZ>(1.f + exp2_approx<FTZ>(-u2_log2e));
 #elif ACTIVATION == 4
-    return __fdividef(x, 1.f + __expf(-1.702f * x));
+    return x * rcp_approx<FTZ>(1.f + exp2_approx<FTZ>(-2.4554669595930156f * x));  // e^(-1.702 x)
 #elif ACTIVATION == 5
-    return __fdividef(x, 1.f + __expf(-x));
+    return x * rcp_approx<FTZ>(1.f + exp2_approx<FTZ>(-1.4426950408889634f * x));
 #elif ACTIVATION == 6
-    return __fdividef(1.f, 1.f + __expf(-x));
+    return rcp_approx<FTZ>(1.f + exp2_approx<FTZ>(-1.4426950408889634f * x));
 #elif ACTIVATION == 7
     return tanhf(x);
 #elif ACTIVATION == 8
@@ -116,13 +154,13 @@ __device__ __forceinline__ float2 scale_pair(const Scales& sc, const float* w, i
 // y = act(alpha acc + bias [+ residual]) [+ residual] for one column pair (acc already dequantized)
 __device__ __forceinline__ u32 epilogue_pair(float a0, float a1, float2 b, float2 r) {
     float v0 = fmaf(ALPHA, a0, b.x), v1 = fmaf(ALPHA, a1, b.y);
-#if RESIDUAL_BEFORE
+#if RESIDUAL_MODE != 0 && RESIDUAL_BEFORE
     v0 += r.x;
     v1 += r.y;
 #endif
     v0 = activate(v0);
     v1 = activate(v1);
-#if !RESIDUAL_BEFORE
+#if RESIDUAL_MODE != 0 && !RESIDUAL_BEFORE
     v0 += r.x;
     v1 += r.y;
 #endif

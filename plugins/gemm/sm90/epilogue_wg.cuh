@@ -55,6 +55,15 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
     x[4] = lo_f32(v.z); x[5] = hi_f32(v.z); x[6] = lo_f32(v.w); x[7] = hi_f32(v.w);
 }
 
+// A 16-byte store to global memory under a predicate. A C++ `if` around the store let the compiler
+// sink each row's math into its branch, one row after another: 8 independent values to hide the
+// SFU's and the shared loads' latency with one warp per scheduler. Predicated, the rows of a group
+// interleave.
+__device__ __forceinline__ void st_global_v4_if(bool p, void* ptr, const uint4& v) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p st.global.v4.u32 [%0], {%1, %2, %3, %4};\n}\n"
+                 ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(static_cast<int>(p)) : "memory");
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
@@ -117,7 +126,7 @@ __device__ __forceinline__ void epilogue_tile(u32 stage, u16* Y, const u16* bias
             float g[8];
             unpack8(u[i], g);  // the up values
 #pragma unroll
-            for (int e = 0; e < 8; ++e) x[e] = activate(x[e]) * g[e];
+            for (int e = 0; e < 8; ++e) x[e] = activate<true>(x[e]) * g[e];
 #else
             float r[8];
 #if RESIDUAL_MODE == 2
@@ -132,21 +141,23 @@ __device__ __forceinline__ void epilogue_tile(u32 stage, u16* Y, const u16* bias
 #endif
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                float y = x[e] + b[e];
-#if RESIDUAL_BEFORE
+                // (no `+ 0` for an absent bias or residual: x + 0 is not x at -0, so it would cost an add)
+                float y = x[e];
+#if BIAS_MODE != 0
+                y += b[e];
+#endif
+#if RESIDUAL_MODE != 0 && RESIDUAL_BEFORE
                 y += r[e];
 #endif
-                y = activate(y);
-#if !RESIDUAL_BEFORE
+                y = activate<true>(y);
+#if RESIDUAL_MODE != 0 && !RESIDUAL_BEFORE
                 y += r[e];
 #endif
                 x[e] = y;
             }
 #endif
-            if (row < M && col_in) {
-                const uint4 o = make_uint4(pack2(x[0], x[1]), pack2(x[2], x[3]), pack2(x[4], x[5]), pack2(x[6], x[7]));
-                *reinterpret_cast<uint4*>(Y + (long long)row * N_DIM + col) = o;
-            }
+            const uint4 o = make_uint4(pack2(x[0], x[1]), pack2(x[2], x[3]), pack2(x[4], x[5]), pack2(x[6], x[7]));
+            st_global_v4_if(row < M && col_in, Y + (long long)row * N_DIM + col, o);
         }
     }
 }
