@@ -15,7 +15,7 @@
 // instructions; a flushed value (below 2^-126: e^-x past x = 87, 1 / (1 + e^-x) before x = -87)
 // moves an activation by less than 2^-126 |x|. The epilogue warps (epilogue_wg.cuh), whose
 // instruction rate bounds their schedule, take FTZ; the consumers do not: with the shorter code
-// ptxas schedules their epilogue wider and spills (3 registers with gelu_tanh, 10 in FP8 with a
+// ptxas schedules their epilogue wider and spills (16 bytes with gelu_tanh, 40 in FP8 with a
 // scalar bias and silu).
 template <bool FTZ>
 __device__ __forceinline__ float exp2_approx(float x) {
