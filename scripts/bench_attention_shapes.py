@@ -7,8 +7,8 @@ batch 1..256) -- each timed in interleaved rounds, every contender replayed from
 ``triton.testing.do_bench_cudagraph``: no contender pays its host launch cost; ``--launch-timing``: ``do_bench``):
 
 * ``ours``: what ``launch.py`` picks on sm_90, as AOT artifacts through ``optfuse.kernels.launcher``:
-  one kernel, or for decode (Sq <= 16 over >= 512 keys) the split-KV plan -- split and combine
-  kernels and their workspace, timed together (``launch_plan``);
+  one kernel, or for decode (Sq <= 16 over >= 512 keys) the split-KV plan -- one kernel whose
+  last split per row block combines, with its workspace and state (``launch_plan``);
 * SDPA's default choice and each backend that runs (flash, cudnn, efficient; ``enable_gqa`` for
   grouped heads, the boolean mask for padded batches).
 
@@ -101,7 +101,7 @@ def _stream() -> int:
 
 
 def _ours(dtype, shapes, attrs, ins, out, decode=None):
-    """(launch function, kernel names): the decode plan (both kernels and the workspace) where
+    """(launch function, kernel names): the decode plan (its kernels, workspace and state) where
     launch.py picks it, else the one kernel; ``decode`` = a DecodeConfig instead of the default."""
     from optfuse.kernels import build_kernel, launch
     from optfuse.kernels.launcher import launch_plan
@@ -110,7 +110,8 @@ def _ours(dtype, shapes, attrs, ins, out, decode=None):
     if plan is not None:
         T.build_plan(plan, 90)
         workspace = T.new_workspace(plan, "cuda")  # 0xFF: a partial read unwritten is a NaN
-        return (lambda sync=False: launch_plan(plan, ins, [out], workspace, _stream(), sync=sync),
+        state = T.new_state(plan, "cuda")  # the split programs' arrival counters, zero
+        return (lambda sync=False: launch_plan(plan, ins, [out], workspace, _stream(), state=state, sync=sync),
                 " + ".join(step.source.name for step in plan.steps))
     if decode is not None:
         return None, ""

@@ -6,15 +6,15 @@
 Per decode shape (Sq = 1, H / Hkv = 32 / 8, D = 128, bf16, causal), timed from CUDA graph replays in
 interleaved rounds on the same inputs:
 
-* ``ours``: launch.py's plan (split + combine, or the direct kernel where one split holds the cache);
-* ``split_only``: the plan's first kernel alone (its time without the combine);
+* ``ours``: launch.py's plan (the split kernel whose last split per row block combines, or the
+  direct kernel where one split holds the cache);
 * ``ours[split=N]``: the plan with N keys per split (``direct`` where N >= Sk);
 * ``ours[TAG]``: the plan's split size with other tiles (``--tiles``: key block, stages, warps);
 * ``read_same_grid``: a Triton kernel that only reads K and V (a sum), on the split kernel's grid,
   blocks and pipeline depth: what the access pattern allows without the attention math;
 * ``sdpa``: torch SDPA's default on the same inputs (``enable_gqa``).
 
-A development tool: it answers "is the loss in the math, the grid or the combine?" before a kernel
+A development tool: it answers "is the loss in the math or the grid?" before a kernel
 change is designed. ``--launch-only B:Sk`` launches ours and SDPA a few times with nothing else, the
 program to run under Nsight Compute:
 
@@ -67,14 +67,13 @@ def _read_kernel():
     return read_kv
 
 
-def _plan_fn(plan, ins, out, steps=None):
+def _plan_fn(plan, ins, out):
     from optfuse.kernels.launcher import launch_plan
 
     T.build_plan(plan, 90)
     ws = T.new_workspace(plan, "cuda")
-    if steps is not None:
-        plan = type(plan)(plan.steps[:steps], plan.workspace_bytes)
-    return lambda sync=False: launch_plan(plan, ins, [out], ws, _SHAPES._stream(), sync=sync)
+    state = T.new_state(plan, "cuda")
+    return lambda sync=False: launch_plan(plan, ins, [out], ws, _SHAPES._stream(), state=state, sync=sync)
 
 
 def _inputs(B, Sk):
@@ -109,8 +108,6 @@ def run_shape(B, Sk, rounds, sizes, tiles=()):
         row = {"B": B, "Sk": Sk, "kernel": " + ".join(s.source.name.rsplit("/", 1)[-1] for s in plan.steps),
                "split_keys": cfg["split_keys"], "programs": plan.steps[0].params.grid[0]}
         fns = {"ours": _plan_fn(plan, [q, k, v], out), "sdpa": sdpa}
-        if len(plan.steps) > 1:
-            fns["split_only"] = _plan_fn(plan, [q, k, v], out, steps=1)
     for size in sizes:
         if size == cfg["split_keys"] or (size >= Sk and cfg["split_keys"] >= Sk):
             continue
@@ -121,7 +118,7 @@ def run_shape(B, Sk, rounds, sizes, tiles=()):
         c = LD.DecodeConfig(**{**cfg, **change})
         if c.split_keys % c.block_n:
             continue
-        p = (T.case_plan("bfloat16", shapes, attrs, arch=90, decode=c)  # sm_90's plan: PDL
+        p = (T.case_plan("bfloat16", shapes, attrs, arch=90, decode=c)
              or T.forced_decode_plan("bfloat16", shapes, attrs, decode=c))
         fns[f"ours[{tag}]"] = _plan_fn(p, [q, k, v], out)
     read = _read_kernel()

@@ -200,19 +200,26 @@ def test_python_m_entry_point(tmp_path):
     assert r.returncode == 0 and "0 kernels" in r.stdout, r.stderr
 
 
-def test_programmatic_launch_config(monkeypatch):
-    """LaunchParams.programmatic: cuLaunchKernelEx with programmatic stream serialization allowed
-    (the dims, shared memory and stream of a plain launch), unless OPTFUSE_PDL=0."""
+def test_device_state_is_zeroed_grown_and_freed(monkeypatch):
+    """launcher.DeviceState (a plan's state): allocated and zeroed (then synchronized: the memset
+    is on the legacy stream) on first need, kept while big enough, reallocated and zeroed to grow,
+    freed with the object."""
     driver = pytest.importorskip("cuda.bindings.driver")
     from optfuse.kernels import launcher
 
-    cfg = launcher._pdl_config((3, 2, 1), (128, 1, 1), 1024, driver.CUstream(0))
-    assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.sharedMemBytes) == (3, 2, 1, 128, 1024)
-    assert cfg.numAttrs == 1
-    attr = cfg.attrs[0]
-    assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    assert attr.value.programmaticStreamSerializationAllowed == 1
-    monkeypatch.delenv("OPTFUSE_PDL", raising=False)
-    assert launcher.pdl_enabled()
-    monkeypatch.setenv("OPTFUSE_PDL", "0")
-    assert not launcher.pdl_enabled()
+    ok = driver.CUresult.CUDA_SUCCESS
+    calls = []
+    monkeypatch.setattr(launcher, "ensure_context", lambda: None)
+    monkeypatch.setattr(driver, "cuMemAlloc", lambda n: (calls.append(("alloc", n)), (ok, 0x1000 * len(calls)))[1])
+    monkeypatch.setattr(driver, "cuMemsetD8", lambda p, v, n: (calls.append(("memset", int(p), v, n)), (ok,))[1])
+    monkeypatch.setattr(driver, "cuCtxSynchronize", lambda: (calls.append(("sync",)), (ok,))[1])
+    monkeypatch.setattr(driver, "cuMemFree", lambda p: (calls.append(("free", int(p))), (ok,))[1])
+    state = launcher.DeviceState()
+    assert state.ensure(0) == 0 and calls == []
+    assert state.ensure(256) == 0x1000
+    assert calls == [("alloc", 256), ("memset", 0x1000, 0, 256), ("sync",)]
+    assert state.ensure(200) == 0x1000 and len(calls) == 3  # big enough: kept
+    assert state.ensure(512) == 0x5000
+    assert calls[3:] == [("free", 0x1000), ("alloc", 512), ("memset", 0x5000, 0, 512), ("sync",)]
+    del state
+    assert calls[-1] == ("free", 0x5000)

@@ -119,17 +119,12 @@ class LaunchParams:
     """Grid/block/shared memory and the int32 extra arguments of one launch.
 
     Fields may hold ints (launcher, tests) or TensorRT symbolic expressions (QDP ``aot_impl``).
-    ``programmatic``: a programmatic dependent launch (sm_90+; the launcher's PDL): the kernel may
-    start while the previous launch on the stream is still running, and waits for it
-    (``griddepcontrol.wait``) before it reads anything that launch writes. Plans set it on steps
-    after the first; the one-kernel path never does.
     """
 
     grid: tuple[Any, Any, Any]
     block: tuple[Any, Any, Any]
     shared_mem: Any = 0
     extra_args: list[Any] = field(default_factory=list)
-    programmatic: bool = False
 
 
 @dataclass
@@ -196,8 +191,9 @@ class KernelArtifact:
 
 
 #: What a plan step's pointer argument is: the op's input ``index`` (spec order; an absent
-#: optional input is a null pointer), its output ``index``, or the workspace at byte ``index``.
-BUFFER_KINDS = ("input", "output", "workspace")
+#: optional input is a null pointer), its output ``index``, the workspace at byte ``index``, or the
+#: op instance's state at byte ``index``.
+BUFFER_KINDS = ("input", "output", "workspace", "state")
 
 
 @dataclass(frozen=True)
@@ -227,12 +223,19 @@ class PlanStep:
 
 @dataclass
 class LaunchPlan:
-    """The launches of one op instance, in order, on one stream, and the workspace they share:
-    ``workspace_bytes`` (an int, or an expression over the shapes) of scratch memory, 256-byte
-    aligned, that the caller provides and that no step expects to find initialized."""
+    """The launches of one op instance, in order, on one stream, and the memory they share:
+
+    * ``workspace_bytes`` (an int, or an expression over the shapes) of scratch memory, 256-byte
+      aligned, that the caller provides and that no step expects to find initialized;
+    * ``state_bytes`` of memory the op instance keeps from launch to launch: zeroed once when it
+      is allocated, and left zero by every plan when its last step ends (counters that the program
+      which reads them last resets), so no launch needs to clear it first. One instance runs one
+      plan at a time on it (one stream).
+    """
 
     steps: list[PlanStep]
     workspace_bytes: Any = 0
+    state_bytes: Any = 0
 
 
 def single_step_plan(source: KernelSource, params: LaunchParams, n_outputs: int) -> LaunchPlan:

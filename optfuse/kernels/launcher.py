@@ -4,7 +4,7 @@ Argument order (TensorRT QDP ``aot_impl``): input pointers, int32 extra args, ou
 then ``artifact.n_scratch`` null scratch pointers (Triton >= 3.3). The cubin is loaded when it
 matches the device; the PTX (its ISA version lowered to what the driver accepts) only when no
 cubin fits, or when asked with ``prefer="ptx"``. :func:`launch_plan` runs the steps of a
-:class:`LaunchPlan` (several kernels over the op's inputs, outputs and a workspace) in order.
+:class:`LaunchPlan` (kernels over the op's inputs, outputs, a workspace and a state) in order.
 """
 
 from __future__ import annotations
@@ -287,46 +287,18 @@ def launch(
     func, kind = get_function(artifact, prefer)
     _set_smem(artifact, func, smem, kind)
     hstream = driver.CUstream(stream_handle(stream))
-    if params.programmatic and pdl_enabled():
-        _check(
-            driver.cuLaunchKernelEx(_pdl_config(grid, block, smem, hstream), func, ctypes.addressof(argv), 0),
-            f"cuLaunchKernelEx({artifact.name}, grid={grid}, block={block}, smem={smem}, programmatic)",
-        )
-    else:
-        _check(
-            driver.cuLaunchKernel(func, *grid, *block, smem, hstream, ctypes.addressof(argv), 0),
-            f"cuLaunchKernel({artifact.name}, grid={grid}, block={block}, smem={smem})",
-        )
+    _check(
+        driver.cuLaunchKernel(func, *grid, *block, smem, hstream, ctypes.addressof(argv), 0),
+        f"cuLaunchKernel({artifact.name}, grid={grid}, block={block}, smem={smem})",
+    )
     if sync:
         _check(driver.cuStreamSynchronize(hstream), f"cuStreamSynchronize after {artifact.name}")
 
 
-def pdl_enabled() -> bool:
-    """Programmatic dependent launches (LaunchParams.programmatic) unless ``OPTFUSE_PDL=0``: the
-    kernels wait for their predecessor themselves, so without PDL they run the same, only later."""
-    return os.environ.get("OPTFUSE_PDL", "1") != "0"
-
-
-def _pdl_config(grid, block, smem: int, hstream):
-    """A CUlaunchConfig with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION allowed."""
-    from cuda.bindings import driver
-
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    cfg = driver.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
-    cfg.sharedMemBytes = smem
-    cfg.hStream = hstream
-    cfg.attrs = [attr]
-    cfg.numAttrs = 1
-    return cfg
-
-
-def plan_pointers(refs: Sequence[Buffer], inputs: Sequence[Any], outputs: Sequence[Any], workspace: Any) -> list[int]:
+def plan_pointers(refs: Sequence[Buffer], inputs: Sequence[Any], outputs: Sequence[Any], workspace: Any,
+                  state: Any = 0) -> list[int]:
     """Device addresses of a plan step's buffers: ``inputs[i]`` (0 for an absent or missing
-    optional input), ``outputs[j]``, ``workspace + offset``."""
+    optional input), ``outputs[j]``, ``workspace + offset``, ``state + offset``."""
     out = []
     for ref in refs:
         if ref.kind == "input":
@@ -334,9 +306,9 @@ def plan_pointers(refs: Sequence[Buffer], inputs: Sequence[Any], outputs: Sequen
         elif ref.kind == "output":
             out.append(device_pointer(outputs[ref.index]))
         else:
-            base = device_pointer(workspace)
+            base = device_pointer(workspace if ref.kind == "workspace" else state)
             if not base:
-                raise ValueError(f"plan step reads workspace offset {ref.index} but no workspace was given")
+                raise ValueError(f"plan step reads {ref.kind} offset {ref.index} but no {ref.kind} was given")
             out.append(base + ref.index)
     return out
 
@@ -348,18 +320,59 @@ def launch_plan(
     workspace: Any = 0,
     stream: Any = 0,
     *,
+    state: Any = 0,
     prefer: str | None = None,
     sync: bool = False,
 ) -> None:
     """Launch every step of ``plan`` on ``stream``, in order (one stream orders them: a step sees
     what the previous ones wrote). ``inputs`` / ``outputs`` are the op's pointers in spec order
     (None for an absent optional input); ``workspace`` points at ``plan.workspace_bytes`` bytes,
-    256-byte aligned (TensorRT's workspace is). Each step's artifact must be built."""
-    if int(plan.workspace_bytes or 0) > 0 and not device_pointer(workspace):
-        raise ValueError(f"plan needs a workspace of {int(plan.workspace_bytes)} bytes; none was given")
+    256-byte aligned (TensorRT's workspace is); ``state`` at the op instance's
+    ``plan.state_bytes`` bytes (a :class:`DeviceState`). Each step's artifact must be built."""
+    for what, size, ptr in (("workspace", plan.workspace_bytes, workspace), ("state", plan.state_bytes, state)):
+        if int(size or 0) > 0 and not device_pointer(ptr):
+            raise ValueError(f"plan needs a {what} of {int(size)} bytes; none was given")
     for k, step in enumerate(plan.steps):
         if step.artifact is None:
             raise ValueError(f"plan step {k} ({step.source.name}) has no built artifact")
-        launch(step.artifact, step.params, plan_pointers(step.inputs, inputs, outputs, workspace),
-               plan_pointers(step.outputs, inputs, outputs, workspace), stream, prefer=prefer,
+        launch(step.artifact, step.params, plan_pointers(step.inputs, inputs, outputs, workspace, state),
+               plan_pointers(step.outputs, inputs, outputs, workspace, state), stream, prefer=prefer,
                sync=sync and k == len(plan.steps) - 1)
+
+
+class DeviceState:
+    """An op instance's plan state (LaunchPlan.state_bytes): device memory, zeroed when allocated,
+    grown (reallocated, zeroed) when a plan needs more, freed with the object. Allocate it before
+    a CUDA graph capture (TensorRT's ``on_shape_change``): cuMemAlloc may not run inside one."""
+
+    def __init__(self) -> None:
+        self.ptr = 0
+        self.nbytes = 0
+
+    def ensure(self, nbytes: int) -> int:
+        """The state's address, at least ``nbytes`` long and zero where new (0 when nbytes is 0)."""
+        from cuda.bindings import driver
+
+        nbytes = int(nbytes or 0)
+        if nbytes > self.nbytes:
+            ensure_context()
+            self.free()
+            ptr = _check(driver.cuMemAlloc(nbytes), "cuMemAlloc (plan state)")
+            _check(driver.cuMemsetD8(ptr, 0, nbytes), "cuMemsetD8 (plan state)")
+            # the memset runs on the legacy stream: done before any stream (blocking or not) uses it
+            _check(driver.cuCtxSynchronize(), "cuCtxSynchronize (plan state)")
+            self.ptr, self.nbytes = int(ptr), nbytes
+        return self.ptr
+
+    def free(self) -> None:
+        if self.ptr:
+            from cuda.bindings import driver
+
+            driver.cuMemFree(self.ptr)
+            self.ptr, self.nbytes = 0, 0
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:  # interpreter shutdown: the context may be gone already
+            pass

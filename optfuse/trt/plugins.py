@@ -15,9 +15,14 @@ QDP). One generic class per op, made by :func:`make_plugin`; nothing is written 
 * workspace: :func:`optfuse.trt.glue.workspace_size` over the profile's min / max input dims (the
   scratch memory of the largest multi-kernel plan the plugin's ``launch.py`` makes in it; 0 for
   most ops);
+* state: a plan may keep ``state_bytes`` of device memory from launch to launch (the decode
+  kernel's arrival counters), zeroed when allocated and left zero by every launch; each plugin
+  instance (TensorRT clones one per execution context) owns its own
+  (:class:`optfuse.kernels.launcher.DeviceState`), allocated in ``on_shape_change`` -- before the
+  enqueue, so outside any CUDA graph capture of it;
 * enqueue: :func:`optfuse.trt.glue.resolve_plan` (the plugin's ``launch.py``: one kernel, or a plan
-  of several and a workspace) and ``optfuse.kernels.launcher.launch_plan`` with TensorRT's workspace
-  pointer -- so this form needs Python at run time, unlike QDP.
+  with a workspace and a state) and ``optfuse.kernels.launcher.launch_plan`` with TensorRT's
+  workspace pointer -- so this form needs Python at run time, unlike QDP.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ def _plugin_class(trt, spec: OpSpec):
             self.attrs = dict(attrs or {})
             self.phase = phase
             self._kernels: dict = {}
+            self._state = None  # launcher.DeviceState, made when a plan first needs one
 
         # -- core / build ------------------------------------------------------------------
         def get_capability_interface(self, type):
@@ -140,7 +146,9 @@ def _plugin_class(trt, spec: OpSpec):
             pass
 
         def on_shape_change(self, inp, out):
-            pass
+            plan = _plan(spec, self.attrs, self._kernels, inp)
+            if int(plan.state_bytes or 0) > 0:
+                self._state = _ensure_state(self._state, plan.state_bytes)
 
         def attach_to_context(self, context):
             return self.clone()
@@ -151,7 +159,10 @@ def _plugin_class(trt, spec: OpSpec):
             )
 
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            _enqueue(spec, self.attrs, self._kernels, input_desc, inputs, outputs, workspace, stream)
+            plan = _plan(spec, self.attrs, self._kernels, input_desc)
+            if int(plan.state_bytes or 0) > 0:  # on_shape_change allocated it; grow it if not
+                self._state = _ensure_state(self._state, plan.state_bytes)
+            _enqueue(spec, plan, inputs, outputs, workspace, stream, self._state)
 
     Plugin.__name__ = Plugin.__qualname__ = f"{spec.op}PluginV3"
     return Plugin
@@ -207,9 +218,8 @@ def _workspace_size(spec: OpSpec, attrs: dict, inp) -> int:
     return glue.workspace_size(spec.op, mins, maxs, dtypes, attrs)
 
 
-def _enqueue(spec: OpSpec, attrs: dict, kernels: dict, input_desc, inputs, outputs, workspace, stream) -> None:
-    """Resolve the plan for these shapes/dtypes/arch (memoized in ``kernels``) and launch its
-    steps on ``stream``, with TensorRT's ``workspace``."""
+def _plan(spec: OpSpec, attrs: dict, kernels: dict, input_desc):
+    """The plan for these shapes / dtypes / arch (PluginTensorDescs), memoized in ``kernels``."""
     from ..kernels import launcher
 
     shapes = [tuple(int(d) for d in desc.dims) for desc in input_desc]
@@ -219,8 +229,25 @@ def _enqueue(spec: OpSpec, attrs: dict, kernels: dict, input_desc, inputs, outpu
     plan = kernels.get(key)
     if plan is None:
         plan = kernels[key] = glue.resolve_plan(spec.op, shapes, dtypes, attrs, arch=arch)
+    return plan
+
+
+def _ensure_state(state, nbytes: int):
+    """``state`` (a launcher.DeviceState, made here when None) holding at least ``nbytes``."""
+    from ..kernels import launcher
+
+    state = state or launcher.DeviceState()
+    state.ensure(int(nbytes))
+    return state
+
+
+def _enqueue(spec: OpSpec, plan, inputs, outputs, workspace, stream, state) -> None:
+    """Launch ``plan``'s steps on ``stream``, with TensorRT's ``workspace`` and the instance's ``state``."""
+    from ..kernels import launcher
+
     ins = glue.pad_inputs(spec, [int(p) for p in inputs])
-    launcher.launch_plan(plan, ins, [int(p) for p in outputs], int(workspace or 0), int(stream))
+    launcher.launch_plan(plan, ins, [int(p) for p in outputs], int(workspace or 0), int(stream),
+                         state=state.ptr if state is not None else 0)
 
 
 def register_all(backend, ops: list[str] | None = None) -> list[str]:

@@ -3,27 +3,33 @@
     o[b, h, i] = softmax_j(cap(scale * q[b, h, i] . k[b, h // G, j]) + bias[b, 0, 0, j] (+ masks)) v[b, h // G, j]
 
 the op of kernel.py (q [B, H, Sq, D], k / v [B, Hkv, Sk, D], G = H / Hkv, causal and windows with
-the offset off = Sk - Sq, soft-cap) for Sq = 1..16, in two kernels (flash-decoding):
+the offset off = Sk - Sq, soft-cap) for Sq = 1..16, in one kernel (flash-decoding whose last
+split combines):
 
-1. ``_decode_split_kernel``: one program per (b, kv head, key split of SPLIT_KEYS keys, block of
-   BLOCK_M packed rows). The G query heads that share a kv head and their Sq rows are one
-   contiguous block of M = G * Sq rows of q (heads h = kv * G + g are adjacent, rows r = g * Sq + i),
-   so they are packed into the MMA's M dimension and the split's K / V are read once for all of
-   them. The program streams its split in BLOCK_N-key blocks (online softmax, log2 domain) and
-   writes, per row, the unnormalized accumulator acc = sum_j 2^(s_j - m) v_j (fp32), the row max m
-   and the row sum l = sum_j 2^(s_j - m). A split with no visible key writes acc = 0, m = -inf,
-   l = 0.
-2. ``_decode_combine_kernel``: one program per output row (b, h, i): with M* = max_s m_s,
-   o = sum_s 2^(m_s - M*) acc_s / sum_s 2^(m_s - M*) l_s (the log-sum-exp combine), 0 when no split
-   saw a key.
+* ``_decode_split_kernel``: one program per (b, kv head, key split of SPLIT_KEYS keys, block of
+  BLOCK_M packed rows). The G query heads that share a kv head and their Sq rows are one
+  contiguous block of M = G * Sq rows of q (heads h = kv * G + g are adjacent, rows r = g * Sq + i),
+  so they are packed into the MMA's M dimension and the split's K / V are read once for all of
+  them. The program streams its split in BLOCK_N-key blocks (online softmax, log2 domain) and
+  writes, per row, the unnormalized accumulator acc = sum_j 2^(s_j - m) v_j (fp32), the row max m
+  and the row sum l = sum_j 2^(s_j - m). A split with no visible key writes acc = 0, m = -inf,
+  l = 0.
+* the combine, in the same kernel: each program then counts itself in on its (b, kv head, row
+  block)'s arrival counter (an atomic add, acquire-release at GPU scope, after a CTA barrier so
+  every thread's partials are released with it). The program that arrives last resets the
+  counter to 0 and combines the row block's splits: with M* = max_s m_s,
+  o = sum_s 2^(m_s - M*) acc_s / sum_s 2^(m_s - M*) l_s (the log-sum-exp combine), 0 when no split
+  saw a key. No second kernel runs, so no launch and no grid-wide wait sit between the last
+  split and o.
 
-Where one split holds the whole cache (large batches), the split kernel's ``DIRECT`` form runs
-alone: one program per (b, kv head, row block) streams every key and writes o = acc / l itself (0
-when no key is visible), with no partials and no combine.
+Where one split holds the whole cache (large batches), the kernel's ``DIRECT`` form runs: one
+program per (b, kv head, row block) streams every key and writes o = acc / l itself (0 when no
+key is visible), with no partials, counters or combine.
 
 Partials (the workspace, fp32, row R = (b * H + h) * Sq + i, n = cdiv(Sk, SPLIT_KEYS) splits):
 ``Part[R, s, 0:D]``, ``RowMax[R, s]``, ``RowSum[R, s]`` -- one row's splits are contiguous, so the
-combine reads them in one sweep.
+combine reads them in one sweep. Counters (the plan state, int32, zero between launches):
+``Count[(b * Hkv + kv head) * row blocks + row block]``.
 
 Bias: none, one value for everything, or a key-padding row ([B|1, 1, 1, Sk] and [B|1, 1, 1, 1]):
 added to the scores as a number (finfo.min rows give the uniform average, as in the unfused
@@ -143,15 +149,51 @@ def _visible_keys(start, end, Sq, causal_off, BLOCK_N: tl.constexpr, CAUSAL: tl.
 
 
 @triton.jit
+def _combine_partials(Part, RowMax, RowSum, Out, row0, n_rows, n_split,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr,
+                      COMBINE_SPLITS: tl.constexpr):
+    """Rows [row0, row0 + n_rows) of o from their n_split partials: o = sum_s 2^(m_s - M*) acc_s /
+    sum_s 2^(m_s - M*) l_s, M* = max_s m_s, 0 where no split saw a key. A step loads a [ROWS,
+    COMBINE_SPLITS, D] tile (its loads all in flight at once) and merges it into a running max,
+    as the online softmax does. The loads are ``.cg``: the other programs' partials come from L2,
+    never from a line this SM's L1 kept."""
+    offs_r = tl.arange(0, ROWS)
+    offs_s = tl.arange(0, COMBINE_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    for r0 in range(0, n_rows, ROWS):
+        r_ok = r0 + offs_r < n_rows
+        rows = (row0 + r0 + offs_r).to(tl.int64)
+        m_run = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
+        l_run = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+        for s0 in range(0, n_split, COMBINE_SPLITS):
+            ok = r_ok[:, None] & (s0 + offs_s < n_split)[None, :]
+            slot = rows[:, None] * n_split + (s0 + offs_s)[None, :]
+            m = tl.load(RowMax + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            l = tl.load(RowSum + slot, mask=ok, other=0.0, cache_modifier=".cg")
+            part = tl.load(Part + slot[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                           mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.max(m, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: weights 0, not NaN
+            w = tl.math.exp2(m - m_sub[:, None])
+            alpha = tl.math.exp2(m_run - m_sub)
+            l_run = l_run * alpha + tl.sum(w * l, 1)
+            acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
+            m_run = m_new
+        o = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+        tl.store(Out + rows[:, None] * HEAD_DIM + offs_d[None, :], o.to(Out.dtype.element_ty),
+                 mask=r_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _decode_split_kernel(
-        Q, K, V, Bias, H, Hkv, Sq, Sk, Part, RowMax, RowSum, Out,
+        Q, K, V, Bias, H, Hkv, Sq, Sk, Part, RowMax, RowSum, Count, Out,
         SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_N: tl.constexpr,
         WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-        PDL: tl.constexpr = False, DIRECT: tl.constexpr = False):
-    if PDL:  # the combine (a programmatic dependent launch) may be scheduled from now on
-        tl.extra.cuda.gdc_launch_dependents()
+        DIRECT: tl.constexpr = False, COMBINE_ROWS: tl.constexpr = 4, COMBINE_SPLITS: tl.constexpr = 16):
     # -- which program: the row block fastest (the programs of one split share its K/V in L2),
     #    then the split, then (b, kv head) --------------------------------------------------------
     if DIRECT:  # one split of every key (the "direct" kernel): o is written here, no combine
@@ -220,38 +262,14 @@ def _decode_split_kernel(
         tl.store(Part + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
         tl.store(RowMax + slot, m_i, mask=row_ok)
         tl.store(RowSum + slot, l_i, mask=row_ok)
-
-
-@triton.jit
-def _decode_combine_kernel(
-        Part, RowMax, RowSum, Sk, Out,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-        BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """One output row: o = sum_s 2^(m_s - M*) acc_s / sum_s 2^(m_s - M*) l_s, M* = max_s m_s."""
-    if PDL:  # launched while the split kernel may still run: wait for its partials
-        tl.extra.cuda.gdc_wait()
-    n_split = tl.cdiv(Sk, SPLIT_KEYS)
-    row = tl.program_id(0).to(tl.int64)
-    base = row * n_split
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = offs_d < HEAD_DIM
-    m_all = tl.zeros([BLOCK_S], dtype=tl.float32) - float("inf")
-    for s0 in range(0, n_split, BLOCK_S):
-        s_ok = s0 + offs_s < n_split
-        m_all = tl.maximum(m_all, tl.load(RowMax + base + s0 + offs_s, mask=s_ok, other=float("-inf")))
-    m_max = tl.max(m_all, 0)
-    m_sub = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split saw a key: weights 0, o = 0
-    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
-    l_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for s0 in range(0, n_split, BLOCK_S):
-        s_ok = s0 + offs_s < n_split
-        m = tl.load(RowMax + base + s0 + offs_s, mask=s_ok, other=float("-inf"))
-        w = tl.math.exp2(m - m_sub)
-        l_sum += w * tl.load(RowSum + base + s0 + offs_s, mask=s_ok, other=0.0)
-        part = tl.load(Part + (base + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(part * w[:, None], 0)
-    l_tot = tl.sum(l_sum, 0)
-    o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)
-    tl.store(Out + row * HEAD_DIM + offs_d, o.to(Out.dtype.element_ty), mask=d_ok)
+        # -- the splits of this (b, kv head, row block) count themselves in; the last one in
+        #    combines them all ----------------------------------------------------------------
+        tl.debug_barrier()  # every thread's partials are stored before thread 0 releases them
+        group = bk * num_mb + mb
+        arrived = tl.atomic_add(Count + group, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_split - 1:
+            tl.atomic_xchg(Count + group, 0, sem="relaxed", scope="gpu")  # the state is left zero
+            row0 = bk * rows_per_kv + mb * BLOCK_M
+            n_rows = tl.minimum(rows_per_kv - mb * BLOCK_M, BLOCK_M)
+            _combine_partials(Part, RowMax, RowSum, Out, row0, n_rows, n_split, HEAD_DIM, HEAD_DIM_PAD,
+                              COMBINE_ROWS, COMBINE_SPLITS)

@@ -36,7 +36,7 @@ from optfuse.kernels.artifact import KernelSource, LaunchParams, LaunchPlan
 from optfuse.kernels.util import CUDA_DTYPE_CODE, TRITON_TYPE, as_float32, cdiv as _cdiv, next_pow2, norm_dtype, static_int
 from optfuse.spec import plugin_spec
 
-from .launch_decode import (DecodeConfig, decode_applies, decode_pdl, decode_takes_bias, decode_plan,
+from .launch_decode import (DecodeConfig, decode_applies, decode_takes_bias, decode_plan,
                             decode_workspace_bound, prebuild_decode_sources)
 from .sparsity import BLOCK_SPARSE, BLOCK_SPARSE_SPEC, LAYOUT_BLOCKS, OPS, Sparsity, sm90_defines, sparsity_of  # noqa: F401
 
@@ -598,9 +598,10 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
 
 def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict, cdiv=_cdiv,
                 *, static_shape: dict | None = None, decode: DecodeConfig | None = None) -> LaunchPlan | None:
-    """The split-KV decode plan (launch_decode.decode_plan: split kernel into the workspace, then
-    the combine) where launch_decode.decode_applies, else None: the one kernel of kernel_config /
-    launch_params runs. ``shapes`` are concrete: [q, k, v(, bias)] (None for an absent bias)."""
+    """The split-KV decode plan (launch_decode.decode_plan: one kernel, its partials in the
+    workspace, its arrival counters in the plan state) where launch_decode.decode_applies, else
+    None: the one kernel of kernel_config / launch_params runs. ``shapes`` are concrete: [q, k,
+    v(, bias)] (None for an absent bias)."""
     name = _check_op(op)
     st = static_shape or {}
     shapes = list(shapes)
@@ -617,8 +618,7 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
     present = [[int(d) for d in s] for s in shapes[:3]]
     return decode_plan(norm_dtype(dtypes[0]), present, attrs, head_dim, causal, pattern,
-                       sparsity_of(name, attrs, st), st.get("bias_dtype"), decode,
-                       pdl=decode_pdl(st.get("arch")))
+                       sparsity_of(name, attrs, st), st.get("bias_dtype"), decode)
 
 
 def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[int] | None], max_shapes: Sequence[Sequence[int] | None],
@@ -672,8 +672,8 @@ PREBUILD_FP8_OUTPUTS = ("float16", "bfloat16")
 def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
     """With ``arch`` (the build target), the kernel launch.py picks for it (sm_90: the CUDA
     kernel where it applies); then the split-KV decode kernels of the same specializations
-    (launch_decode.prebuild_decode_sources: every split size, Sq = 1 with MHA and GQA up to 16:1,
-    the PDL builds on sm_90), each name once; and where ``arch`` has E4M3 tensor cores (or is
+    (launch_decode.prebuild_decode_sources: every split size, Sq = 1 with MHA and GQA up to 16:1),
+    each name once; and where ``arch`` has E4M3 tensor cores (or is
     unknown), the FP8 form of the one kernel with o in each PREBUILD_FP8_OUTPUTS dtype."""
     out = []
     decode: dict[str, KernelSource] = {}
@@ -685,8 +685,7 @@ def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
                     static = {"head_dim": d, "bias_shape": bias, "arch": arch}
                     out.append(kernel_config(OP, dt, attrs, static))
                 for bias in PREBUILD_DECODE_BIASES:
-                    for src in prebuild_decode_sources(dt, d, bool(causal), bias_pattern(bias), attrs["scale"],
-                                                       decode_pdl(arch)):
+                    for src in prebuild_decode_sources(dt, d, bool(causal), bias_pattern(bias), attrs["scale"]):
                         decode.setdefault(src.name, src)
     if arch is None or int(arch) >= min(FP8_ARCHS):
         for out_dt in PREBUILD_FP8_OUTPUTS:

@@ -1,18 +1,20 @@
-"""FlashAttention's split-KV decode (kernel_decode.py): when it runs, its configs, its two kernels'
-sources and launch parameters, the launch plan and its workspace. launch.py dispatches to it.
+"""FlashAttention's split-KV decode (kernel_decode.py): when it runs, its configs, its kernel's
+sources and launch parameters, the launch plan, its workspace and its state. launch.py dispatches
+to it.
 
 * :func:`decode_applies`: FlashAttention (not the block-sparse op) with Sq <= DECODE_MAX_QUERIES
   and Sk >= DECODE_MIN_KEYS, concrete, and no bias / one broadcast value / a key-padding row;
-* :func:`decode_plan`: a :class:`LaunchPlan` of two steps -- the split kernel (inputs q, k, v[,
-  bias] -> the partials in the workspace) and the combine kernel (partials -> o) -- or, where one
-  split holds the cache, of one: the direct kernel (q, k, v[, bias] -> o, no workspace);
-* :func:`workspace_layout`: the partials' byte offsets and the workspace size, + - * cdiv of the
-  shapes (monotone in B, Sq and Sk, so a profile's largest plan is at its max shapes).
+* :func:`decode_plan`: a :class:`LaunchPlan` of one step -- the split kernel (inputs q, k, v[,
+  bias] -> the partials in the workspace, and o from the last split of each row block, counted
+  in the plan state) or, where one split holds the cache, the direct kernel (q, k, v[, bias] ->
+  o, no workspace, no state);
+* :func:`workspace_layout` / :func:`state_bytes`: the partials' byte offsets and the workspace
+  size, the counters' bytes -- + - * cdiv of the shapes (monotone in B, Sq and Sk, so a
+  profile's largest plan is at its max shapes).
 
-Split kernel arguments: ``q, k, v[, bias], H, Hkv, Sq, Sk (int32), Part, RowMax, RowSum``; grid
-``cdiv(G * Sq, BLOCK_M) * cdiv(Sk, SPLIT_KEYS) * (B * Hkv)``. Combine kernel: ``Part, RowMax,
-RowSum, Sk (int32), o``; grid ``B * H * Sq``. Direct kernel: ``q, k, v[, bias], H, Hkv, Sq, Sk, o``;
-grid ``cdiv(G * Sq, BLOCK_M) * (B * Hkv)``.
+Split kernel arguments: ``q, k, v[, bias], H, Hkv, Sq, Sk (int32), Part, RowMax, RowSum, Count,
+o``; grid ``cdiv(G * Sq, BLOCK_M) * cdiv(Sk, SPLIT_KEYS) * (B * Hkv)``. Direct kernel: ``q, k,
+v[, bias], H, Hkv, Sq, Sk, o``; grid ``cdiv(G * Sq, BLOCK_M) * (B * Hkv)``.
 """
 
 from __future__ import annotations
@@ -29,29 +31,29 @@ from .sparsity import OP, Sparsity
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel_decode.py")
 SPLIT_ENTRY = "_decode_split_kernel"
-COMBINE_ENTRY = "_decode_combine_kernel"
 #: Query rows per head up to which the split-KV kernels run (decode, speculative and chunked steps).
 DECODE_MAX_QUERIES = 16
-#: Keys from which they run: two splits or more. Below, one split would leave the combine launch
-#: as pure overhead; those caches stay on the one-kernel path (kernel.py / kernel_sm90.cu).
+#: Keys from which they run; shorter caches stay on the one-kernel path (kernel.py /
+#: kernel_sm90.cu).
 DECODE_MIN_KEYS = 512
 #: Keys per split of DecodeConfig's default (a sweep's base).
 SPLIT_KEYS = 256
-#: Keys per split the plan picks from (split_keys_for; each size is a kernel specialization). A
-#: split writes G * Sq rows of D + 2 floats of partials, G * Sq / size of the K/V it reads (GQA
-#: 32/8, Sq = 1, 128 keys: 3 %), read once more by the combine; a profile's workspace bound takes
-#: the smallest size, whose partials are the most.
-SPLIT_SIZES = (128, 256, 512, 1024, 2048)
-#: The split kernel's programs the size leaves at least: about two per SM of an H200, all resident
-#: at once (70 KB of shared memory each at D = 128: three fit an SM). H200 sweep, CUDA-graph
-#: timings: the largest size keeping 256 programs was the fastest or within 2 % on every decode
-#: row; B = 1 at 1k / 2k keys (64 / 128 programs even at 128 keys) took the smallest size.
-MIN_PROGRAMS = 256
-#: 2048-key splits only while their programs stay within this (B = 16..64 at 4k-16k keys, 1024
-#: programs and more: 0.95x the speed of 1024-key splits).
-LONGEST_SPLIT_MAX_PROGRAMS = 512
-#: SMs of an H100 SXM / H200, the waves' unit.
-SM_COUNT = 132
+#: Keys per split the plan picks from (split_keys_for; each size is a kernel specialization), and
+#: beyond them every key in one split (the direct kernel). A split writes G * Sq rows of D + 2
+#: floats of partials, G * Sq / size of the K/V it reads (GQA 32/8, Sq = 1, 128 keys: 3 %), read
+#: once more by the combine; a profile's workspace bound takes the smallest size, whose partials
+#: are the most.
+SPLIT_SIZES = (128, 256, 512, 1024, 2048, 4096)
+#: The split kernel's programs the size leaves at least: about one per SM (132 on an H100 / H200).
+#: One program per SM keeps enough K/V loads in flight (3 stages of 32 KB at D = 128) to reach the
+#: memory's bandwidth, and longer splits mean fewer partials to combine.
+MIN_PROGRAMS = 128
+#: Split programs one wave holds: 3 an SM at D = 128 (about 70 KB of shared memory and 168
+#: registers a thread each), 132 SMs. A grid a little over one wave (RESIDENT_PROGRAMS <
+#: programs < 2 * RESIDENT_PROGRAMS) leaves its last programs to run alone on a few SMs: the
+#: plan skips the split sizes that make one (B = 16, 16k keys, 512 programs of 4096 keys: 389 us
+#: against 348 us for 128 programs of 16k, H100).
+RESIDENT_PROGRAMS = 3 * 132
 #: Most packed rows (G * Sq) per program: M beyond it takes cdiv(M, 64) row blocks per split,
 #: which read the split's K/V from L2 after the first.
 MAX_BLOCK_M = 64
@@ -64,15 +66,17 @@ PREBUILD_GROUPS = (1, 4, 8)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tiles of the two decode kernels. ``block_m`` None: from the packed rows (packed_block_m)."""
+    """Tiles of the decode kernel. ``block_m`` None: from the packed rows (packed_block_m)."""
 
     split_keys: int = SPLIT_KEYS
     block_n: int = 64  # keys per step of a split (divides split_keys)
     num_warps: int = 4
     num_stages: int = 3  # depth of the K/V load pipeline
     block_m: int | None = None
-    combine_splits: int = 32  # splits per step of the combine kernel
-    combine_warps: int = 4
+    # the last split's combine loads a [combine_rows, combine_splits, D] fp32 tile a step: 4 x 16 x
+    # 128 covers GQA 4:1 at Sq = 1 with 16 splits in one step (168 registers a thread, D = 128)
+    combine_rows: int = 4
+    combine_splits: int = 16
 
     def __post_init__(self) -> None:
         if self.split_keys % self.block_n:
@@ -81,26 +85,33 @@ class DecodeConfig:
 
 def split_keys_for(units: int, Sk: int) -> int:
     """Keys per split for a split kernel of ``units`` = row blocks * B * Hkv programs per split:
-    the largest of SPLIT_SIZES whose grid units * cdiv(Sk, size) keeps MIN_PROGRAMS (the largest
-    size only within LONGEST_SPLIT_MAX_PROGRAMS), the smallest where none does. Longer splits
-    stream more keys per program and leave fewer partials for the combine."""
+    the largest of SPLIT_SIZES, or next_pow2(Sk) (one split: the direct kernel), whose grid units
+    * cdiv(Sk, size) keeps MIN_PROGRAMS and is not a little over one wave (RESIDENT_PROGRAMS to
+    twice that); the smallest size where none is. H100 sweep, CUDA-graph timings, 32/8 heads,
+    D = 128: the rule's pick was the fastest size or within 1 % on every row (B = 1 at 1k..128k
+    keys, B = 16 at 16k, B = 64 at 4k and 8k, B = 256 at 4k)."""
     best = SPLIT_SIZES[0]
-    for size in SPLIT_SIZES:
+    for size in SPLIT_SIZES + (next_pow2(Sk),):
         programs = units * _cdiv(Sk, size)
-        if programs < MIN_PROGRAMS or (size == SPLIT_SIZES[-1] and programs > LONGEST_SPLIT_MAX_PROGRAMS):
+        if programs < MIN_PROGRAMS:
             break
-        best = size
+        if not RESIDENT_PROGRAMS < programs < 2 * RESIDENT_PROGRAMS:
+            best = size
+        if programs == units:  # one split already: a longer one is the same direct kernel
+            break
     return best
 
 
 def decode_config(dtype: Any, head_dim: int, units: int | None = None, Sk: int | None = None) -> DecodeConfig:
     """fp16/bf16: 64-key blocks, 3 stages (D = 128: 16 KB each of K and V per block); D = 256:
-    32-key blocks (the same bytes per block); fp32 (IEEE dots): 32-key blocks, 2 stages. With the
-    concrete ``units`` (row blocks * B * Hkv) and ``Sk``, split_keys_for's split size, else SPLIT_KEYS."""
+    32-key blocks (the same bytes per block) and a combine step of 2 rows (2 x 16 x 256 fp32, as
+    many as 4 x 16 x 128); fp32 (IEEE dots): 32-key blocks, 2 stages, a combine step of 1 row.
+    With the concrete ``units`` (row blocks * B * Hkv) and ``Sk``, split_keys_for's split size,
+    else SPLIT_KEYS."""
     if norm_dtype(dtype) == "float32":
-        cfg = DecodeConfig(block_n=32, num_stages=2)
+        cfg = DecodeConfig(block_n=32, num_stages=2, combine_rows=1)
     elif next_pow2(head_dim) > 128:
-        cfg = DecodeConfig(block_n=32)
+        cfg = DecodeConfig(block_n=32, combine_rows=2)
     else:
         cfg = DecodeConfig()
     if units is not None and Sk is not None:
@@ -109,11 +120,12 @@ def decode_config(dtype: Any, head_dim: int, units: int | None = None, Sk: int |
 
 
 def candidate_decode_configs(dtype: Any, head_dim: int) -> list[DecodeConfig]:
-    """What a benchmark sweep tries (the default first): split sizes 128 / 512 / 1024 / 2048, 32-
-    and 128-key blocks, pipeline depths 2 / 4, 8 warps."""
+    """What a benchmark sweep tries (the default first): split sizes 128 / 512 / 1024 / 2048 /
+    4096, 32- and 128-key blocks, pipeline depths 2 / 4, 8 warps."""
     base = decode_config(dtype, head_dim)
     out = [base]
     for change in (dict(split_keys=128), dict(split_keys=512), dict(split_keys=1024), dict(split_keys=2048),
+                   dict(split_keys=4096),
                    dict(num_stages=2), dict(num_stages=4),
                    dict(block_n=32), dict(block_n=128, num_stages=2), dict(num_warps=8)):
         cfg = DecodeConfig(**{**asdict(base), **change})
@@ -150,6 +162,12 @@ def _align(n: Any, cdiv=_cdiv) -> Any:
     return cdiv(n, WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
+def state_bytes(B: Any, Hkv: Any, group: int, Sq: Any, block_m: int, cdiv=_cdiv) -> Any:
+    """The plan state of the last-split-combines form: one int32 arrival counter per (b, kv head,
+    row block), 256-byte aligned."""
+    return _align((B * Hkv) * cdiv(group * Sq, block_m) * 4, cdiv)
+
+
 def workspace_layout(B: Any, H: Any, Sq: Any, Sk: Any, head_dim: int, cfg: DecodeConfig = DecodeConfig(),
                      cdiv=_cdiv) -> tuple[Any, Any, Any, Any]:
     """(Part offset, RowMax offset, RowSum offset, total bytes) of the partials, fp32: Part
@@ -169,13 +187,12 @@ def _bias_flags(pattern) -> tuple[bool, int, int]:
 
 
 def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float, sparsity: Sparsity,
-                 block_m: int, cfg: DecodeConfig, bias_dtype: Any = None, pdl: bool = False,
-                 direct: bool = False) -> KernelSource:
+                 block_m: int, cfg: DecodeConfig, bias_dtype: Any = None, direct: bool = False) -> KernelSource:
     """The split kernel of one specialization (dtype, D, causal, bias pattern and dtype, scale,
-    windows, soft-cap, BLOCK_M and the tiles; the scale taken at float32, as_float32). ``pdl``: it
-    lets the combine, a programmatic dependent launch (sm_90+), be scheduled as soon as it starts.
-    ``direct``: the one-split form (every key in one program, ``cfg.split_keys`` unused), which
-    writes o itself: arguments ``q, k, v[, bias], H, Hkv, Sq, Sk, o``, no combine."""
+    windows, soft-cap, BLOCK_M and the tiles; the scale taken at float32, as_float32): arguments
+    ``q, k, v[, bias], H, Hkv, Sq, Sk, Part, RowMax, RowSum, Count, o``. ``direct``: the one-split
+    form (every key in one program, ``cfg.split_keys`` unused), which writes o with no partials:
+    arguments ``q, k, v[, bias], H, Hkv, Sq, Sk, o``."""
     dtype = norm_dtype(dtype)
     scale = as_float32(scale)
     has_bias, bias_b, bias_n = _bias_flags(pattern)
@@ -188,26 +205,26 @@ def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float,
         constexprs["Bias"] = None
     signature.update({"H": "i32", "Hkv": "i32", "Sq": "i32", "Sk": "i32"})
     if direct:
-        signature["Out"] = ty
-        constexprs.update({"Part": None, "RowMax": None, "RowSum": None})
+        constexprs.update({"Part": None, "RowMax": None, "RowSum": None, "Count": None})
     else:
-        signature.update({"Part": "*fp32", "RowMax": "*fp32", "RowSum": "*fp32"})
-        constexprs["Out"] = None
+        signature.update({"Part": "*fp32", "RowMax": "*fp32", "RowSum": "*fp32", "Count": "*i32"})
+    signature["Out"] = ty
     constexprs.update({
         "SCALE": scale, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
         "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "SPLIT_KEYS": 0 if direct else cfg.split_keys,
         "CAUSAL": bool(causal), "HAS_BIAS": has_bias, "BIAS_B": bias_b, "BIAS_N": bias_n,
         "WINDOW_LEFT": sparsity.window_left, "WINDOW_RIGHT": sparsity.window_right,
-        "SOFTCAP": sparsity.softcap, "PDL": bool(pdl) and not direct, "DIRECT": bool(direct),
+        "SOFTCAP": sparsity.softcap, "DIRECT": bool(direct),
+        "COMBINE_ROWS": cfg.combine_rows, "COMBINE_SPLITS": cfg.combine_splits,
     })
     bias_tag = "nobias" if not has_bias else f"bias_{'B' if bias_b else '1'}_1_1_{'Sk' if bias_n else '1'}"
-    split_tag = "" if direct else f"_split{cfg.split_keys}"
+    split_tag = "" if direct else f"_split{cfg.split_keys}_combine_r{cfg.combine_rows}s{cfg.combine_splits}"
     name = (f"flash_attention/{OP}/{dtype}/scale{scale:.6g}/fa_decode_{'direct' if direct else 'split'}_d{head_dim}_"
             f"{'causal' if causal else 'full'}_{bias_tag}{sparsity.tag()}_m{block_m}{split_tag}_"
-            f"n{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages" + ("_pdl" if pdl and not direct else ""))
+            f"n{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages")
     return KernelSource(
         name=name, lang="triton", path=KERNEL_PATH, entry=SPLIT_ENTRY,
-        n_inputs=3 + has_bias, n_extra=4, n_outputs=1 if direct else 3,
+        n_inputs=3 + has_bias, n_extra=4, n_outputs=1 if direct else 5,
         signature=signature, constexprs=constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, pointer_align=16,
         meta={"op": OP, "kernel": "decode_direct" if direct else "decode_split", "dtype": dtype,
@@ -216,45 +233,18 @@ def split_source(dtype: Any, head_dim: int, causal: bool, pattern, scale: float,
     )
 
 
-def combine_source(dtype: Any, head_dim: int, cfg: DecodeConfig, pdl: bool = False) -> KernelSource:
-    """The combine kernel: fp32 partials -> o in ``dtype``. ``pdl``: launched programmatically, it
-    waits for the split kernel's partials itself (griddepcontrol.wait)."""
-    dtype = norm_dtype(dtype)
-    return KernelSource(
-        name=(f"flash_attention/{OP}/{dtype}/fa_decode_combine_d{head_dim}_split{cfg.split_keys}_"
-              f"s{cfg.combine_splits}_{cfg.combine_warps}warps" + ("_pdl" if pdl else "")),
-        lang="triton", path=KERNEL_PATH, entry=COMBINE_ENTRY,
-        n_inputs=3, n_extra=1, n_outputs=1,
-        signature={"Part": "*fp32", "RowMax": "*fp32", "RowSum": "*fp32", "Sk": "i32",
-                   "Out": "*" + TRITON_TYPE[dtype]},
-        constexprs={"HEAD_DIM": head_dim, "HEAD_DIM_PAD": next_pow2(head_dim),
-                    "SPLIT_KEYS": cfg.split_keys, "BLOCK_S": cfg.combine_splits, "PDL": bool(pdl)},
-        num_warps=cfg.combine_warps, num_stages=1, pointer_align=16,
-        meta={"op": OP, "kernel": "decode_combine", "dtype": dtype, "head_dim": head_dim, "config": asdict(cfg)},
-    )
-
-
-def decode_pdl(arch: Any) -> bool:
-    """Whether a plan for target ``arch`` launches the combine programmatically (the ``_pdl``
-    builds of both kernels): sm_90 and newer; None (an unknown target) and older ones do not."""
-    return arch is not None and int(arch) >= 90
-
-
-def prebuild_decode_sources(dtype: Any, head_dim: int, causal: bool, pattern, scale: float,
-                            pdl: bool = False) -> list[KernelSource]:
+def prebuild_decode_sources(dtype: Any, head_dim: int, causal: bool, pattern, scale: float) -> list[KernelSource]:
     """The decode kernels of one specialization (no windows or soft-cap, bias in q's dtype) that
-    ``optfuse kernels build`` compiles: per split size of SPLIT_SIZES, the split kernel at each
-    BLOCK_M of Sq = 1 with PREBUILD_GROUPS, and the combine -- the sources decode_plan makes for
-    those shapes with the default config (``pdl``: decode_pdl of the target)."""
+    ``optfuse kernels build`` compiles: the direct kernel and, per split size of SPLIT_SIZES, the
+    split kernel, each at every BLOCK_M of Sq = 1 with PREBUILD_GROUPS -- the sources decode_plan
+    makes for those shapes with the default config."""
     base = decode_config(dtype, head_dim)
     block_ms = sorted({packed_block_m(g, base) for g in PREBUILD_GROUPS})
     out = [split_source(dtype, head_dim, causal, pattern, scale, Sparsity(), bm, base, None, direct=True)
            for bm in block_ms]
     for size in SPLIT_SIZES:
         cfg = replace(base, split_keys=size)
-        out += [split_source(dtype, head_dim, causal, pattern, scale, Sparsity(), bm, cfg, None, pdl)
-                for bm in block_ms]
-        out.append(combine_source(dtype, head_dim, cfg, pdl))
+        out += [split_source(dtype, head_dim, causal, pattern, scale, Sparsity(), bm, cfg, None) for bm in block_ms]
     return out
 
 
@@ -273,18 +263,11 @@ def direct_params(B: Any, H: Any, Hkv: Any, Sq: Any, Sk: Any, group: int, block_
                         shared_mem=0, extra_args=[H, Hkv, Sq, Sk])
 
 
-def combine_params(B: Any, H: Any, Sq: Any, Sk: Any, cfg: DecodeConfig, pdl: bool = False) -> LaunchParams:
-    """One program per output row (b, h, i); with ``pdl`` a programmatic dependent launch."""
-    return LaunchParams(grid=((B * H) * Sq, 1, 1), block=(32 * cfg.combine_warps, 1, 1), shared_mem=0,
-                        extra_args=[Sk], programmatic=bool(pdl))
-
-
 def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_dim: int, causal: bool, pattern,
-                sparsity: Sparsity, bias_dtype: Any = None, cfg: DecodeConfig | None = None,
-                pdl: bool = False) -> LaunchPlan:
-    """The two-kernel plan at concrete shapes [q, k, v]: split (op inputs q, k, v[, bias] ->
-    workspace), then combine (workspace -> op output 0); ``pdl`` (sm_90+): the combine a
-    programmatic dependent launch, scheduled while the split kernel runs, its launch latency hidden."""
+                sparsity: Sparsity, bias_dtype: Any = None, cfg: DecodeConfig | None = None) -> LaunchPlan:
+    """The one-kernel plan at concrete shapes [q, k, v]: the split kernel (op inputs q, k, v[,
+    bias] -> partials in the workspace, counters in the state, op output 0 from each row block's
+    last split), or the direct kernel where one split holds the cache (no workspace, no state)."""
     q, k = shapes[0], shapes[1]
     B, H, Sq = q[0], q[1], q[2]
     Hkv, Sk = k[1], k[2]
@@ -295,22 +278,18 @@ def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_d
         block_m = packed_block_m(group * Sq, decode_config(dtype, head_dim))
         cfg = decode_config(dtype, head_dim, _cdiv(group * Sq, block_m) * B * Hkv, Sk)
     block_m = packed_block_m(group * Sq, cfg)
-    if _cdiv(Sk, cfg.split_keys) == 1:  # one split: the direct kernel writes o, nothing to combine
-        direct = split_source(dtype, head_dim, causal, pattern, float(attrs["scale"]), sparsity, block_m, cfg,
-                              bias_dtype, direct=True)
-        return LaunchPlan([PlanStep(direct, direct_params(B, H, Hkv, Sq, Sk, group, block_m, cfg),
-                                    [Buffer("input", i) for i in range(3 + (pattern is not None))],
+    inputs = [Buffer("input", i) for i in range(3 + (pattern is not None))]
+    scale = float(attrs["scale"])
+    if _cdiv(Sk, cfg.split_keys) == 1:  # one split: the direct kernel writes o
+        direct = split_source(dtype, head_dim, causal, pattern, scale, sparsity, block_m, cfg, bias_dtype, direct=True)
+        return LaunchPlan([PlanStep(direct, direct_params(B, H, Hkv, Sq, Sk, group, block_m, cfg), inputs,
                                     [Buffer("output", 0)])], 0)
     part, row_max, row_sum, total = workspace_layout(B, H, Sq, Sk, head_dim, cfg)
-    partials = [Buffer("workspace", part), Buffer("workspace", row_max), Buffer("workspace", row_sum)]
-    n_in = 3 + (pattern is not None)
-    split = PlanStep(split_source(dtype, head_dim, causal, pattern, float(attrs["scale"]), sparsity, block_m, cfg,
-                                  bias_dtype, pdl),
-                     split_params(B, H, Hkv, Sq, Sk, group, block_m, cfg),
-                     [Buffer("input", i) for i in range(n_in)], partials)
-    combine = PlanStep(combine_source(dtype, head_dim, cfg, pdl), combine_params(B, H, Sq, Sk, cfg, pdl),
-                       partials, [Buffer("output", 0)])
-    return LaunchPlan([split, combine], total)
+    outputs = [Buffer("workspace", part), Buffer("workspace", row_max), Buffer("workspace", row_sum),
+               Buffer("state", 0), Buffer("output", 0)]
+    split = PlanStep(split_source(dtype, head_dim, causal, pattern, scale, sparsity, block_m, cfg, bias_dtype),
+                     split_params(B, H, Hkv, Sq, Sk, group, block_m, cfg), inputs, outputs)
+    return LaunchPlan([split], total, state_bytes(B, Hkv, group, Sq, block_m))
 
 
 def decode_workspace_bound(min_q: Sequence[int], max_q: Sequence[int], max_k: Sequence[int], head_dim: int,

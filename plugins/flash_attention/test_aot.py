@@ -53,19 +53,19 @@ def _entry_param_types(art):
     (80, "float32", 128, (), 4),
 ])
 def test_aot_compile_decode_plan(tmp_path, arch, dtype, D, bias_shape, Sq):
-    """Both split-KV decode kernels compile for sm_80 / 89 / 90 without a GPU, in QDP argument
-    order: split = q, k, v[, bias], H, Hkv, Sq, Sk, Part, RowMax, RowSum; combine = Part, RowMax,
-    RowSum, Sk, o; no global scratch (the launcher passes null scratch pointers)."""
+    """The split-KV decode kernel compiles for sm_80 / 89 / 90 without a GPU, in QDP argument order:
+    q, k, v[, bias], H, Hkv, Sq, Sk, Part, RowMax, RowSum, Count, o; no global scratch (the
+    launcher passes null scratch pointers)."""
     T = plugin_module("flash_attention", "testing")
     shapes = [(2, 32, Sq, D), (2, 8, 4096, D), (2, 8, 4096, D), bias_shape]
     plan = T.case_plan(dtype, shapes, {"scale": D ** -0.5, "causal": 1, "num_heads": 32, "num_kv_heads": 8})
-    split, combine = (KernelCache(tmp_path).build(step.source, arch) for step in plan.steps)
+    (step,) = plan.steps
+    assert not step.source.constexprs["DIRECT"]
+    split = KernelCache(tmp_path).build(step.source, arch)
     n_in = 3 + (bias_shape is not None)
-    assert _entry_param_types(split) == ["u64"] * n_in + ["u32"] * 4 + ["u64"] * 3 + ["u64"] * split.n_scratch
-    assert _entry_param_types(combine) == ["u64"] * 3 + ["u32"] + ["u64"] + ["u64"] * combine.n_scratch
-    for art, step in ((split, plan.steps[0]), (combine, plan.steps[1])):
-        assert art.cubin and art.arch == arch and art.threads == step.source.num_warps * 32
-        assert art.shared_mem <= SMEM_LIMIT[arch]
+    assert _entry_param_types(split) == ["u64"] * n_in + ["u32"] * 4 + ["u64"] * 5 + ["u64"] * split.n_scratch
+    assert split.cubin and split.arch == arch and split.threads == step.source.num_warps * 32
+    assert split.shared_mem <= SMEM_LIMIT[arch]
     if dtype != "float32":
         assert "cp.async" in split.ptx  # the K/V loads are software-pipelined
         assert "mma.sync" in split.ptx  # packed rows on the tensor cores (M = 16 .. 64: no wgmma)

@@ -1,8 +1,10 @@
-"""The split-KV decode plan (kernel_decode.py: split + combine, or the direct kernel) through optfuse.kernels.launcher on
-a GPU, against the float64 NumPy reference: Sq = 1..16 over caches up to 64k keys, odd lengths,
+"""The split-KV decode plan (kernel_decode.py: splits and the last split's combine, or the direct
+kernel) through optfuse.kernels.launcher on a GPU, against the float64 NumPy reference: Sq = 1..16 over caches up to 64k keys, odd lengths,
 GQA / MQA / MHA, key padding, windows, soft-capping. Fresh random inputs every run (the seed is
 printed); the output is poisoned with NaN and every workspace byte with 0xFF (an fp32 NaN) before
-each launch, so an unwritten output or a partial the combine reads unwritten fails.
+each launch, so an unwritten output or a partial the combine reads unwritten fails; the plan runs
+twice on one state, which must be zero again after each launch (the last split program resets its
+arrival counter).
 
     python -m pytest plugins/flash_attention/test_decode_gpu.py -m gpu
 """
@@ -44,6 +46,7 @@ CASES = [
     (256, 32, 8, 1, 1024, 128, 1, None, "bfloat16", {}),
     (64, 32, 8, 4, 1500, 64, 1, "keypad", "float16", {"keypad": "left"}),
     (160, 16, 2, 2, 1999, 128, 0, None, "bfloat16", {"window": (700, 20)}),
+    (16, 32, 8, 1, 16384, 128, 1, None, "bfloat16", {}),
 ]
 # every Sq from 1 to 16 at one shape (GQA 32/8, odd Sk, causal offset)
 CASES += [(2, 32, 8, sq, 3001, 128, 1, None, "bfloat16", {}) for sq in range(1, 17)]
@@ -77,21 +80,23 @@ def test_decode_plan_matches_reference(case, seed):
     attrs, _ = T.sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra)
     from optfuse.kernels.target import detect_arch
 
-    # this device's plan (sm_90: the combine a programmatic dependent launch), as the plugin runs it
-    plan = T.case_plan(dtype, [q.shape, k.shape, v.shape, None if bias is None else bias.shape], attrs,
-                       arch=detect_arch())
+    # this device's plan, as the plugin runs it
+    shapes = [q.shape, k.shape, v.shape, None if bias is None else bias.shape]
+    plan = T.case_plan(dtype, shapes, attrs, arch=detect_arch())
     assert plan is not None, "launch.py must pick the decode plan for these shapes"
     T.build_plan(plan)
     dev = [t.cuda() if t is not None else None for t in (q, k, v, bias)]
     out = torch.empty_like(dev[0])
     workspace = T.new_workspace(plan, "cuda")
+    state = T.new_state(plan, "cuda")
     ref = T.reference_of(q, k, v, bias, attrs)
     stream = torch.cuda.current_stream().cuda_stream
     for _ in range(2):  # twice: a race or a read of unwritten memory shows as a changing result
         out.fill_(float("nan"))
         workspace.fill_(255)
-        launch_plan(plan, dev, [out], workspace, stream, sync=True)
+        launch_plan(plan, dev, [out], workspace, stream, state=state, sync=True)
         T.check_close(out, ref, dtype, plan.steps[0].source.name)
+        assert not state.any(), "the plan leaves its state zero"
     if causal and Sk < Sq:
         assert (out[:, :, : Sq - Sk, :] == 0).all()
     assert np.isfinite(out.float().cpu().numpy()).all()

@@ -1,9 +1,11 @@
-"""The split-KV decode kernels (kernel_decode.py: split + combine, as launch.py's plan runs them)
-under the Triton interpreter (CPU), against the float64 reference.
+"""The split-KV decode kernel (kernel_decode.py: splits, and the combine by each row block's last
+split, as launch.py's plan runs it) under the Triton interpreter (CPU), against the float64
+reference.
 
 Like test_kernel_interpret.py, the cases run in one child process started with TRITON_INTERPRET=1.
-Small tiles (64-key splits of 16-key blocks, the combine 4 splits a step) make short caches
-cover several splits, partial blocks, empty splits and several combine steps; a cache of one
+Small tiles (64-key splits of 16-key blocks, the combine 2 rows x 4 splits a step) make short caches
+cover several splits, partial blocks, empty splits and several combine steps; each plan runs
+twice on one state, which must be zero after each run (the arrival counters reset); a cache of one
 split (Sk <= 64 here, or a case's own ``split_keys``) runs the direct kernel, which writes o
 itself; the ``dispatch`` cases run the plan launch.py picks, with its default config. The workspace starts as NaN
 (every byte 0xFF) and the output as NaN, so a partial or an output left unwritten fails. bf16 is
@@ -77,16 +79,18 @@ def _run_case(B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra):
         assert plan is not None, "launch.py must pick the decode plan here"
     else:
         cfg = L.DecodeConfig(split_keys=extra.get("split_keys", 64), block_n=16, num_warps=1, num_stages=1,
-                             combine_splits=4)
+                             combine_rows=2, combine_splits=4)
         plan = T.forced_decode_plan(dtype, shapes, attrs, decode=cfg)
     one_split = Sk <= plan.steps[0].source.meta["config"]["split_keys"]
-    assert [s.source.entry for s in plan.steps] == (
-        ["_decode_split_kernel"] if one_split else ["_decode_split_kernel", "_decode_combine_kernel"])
+    assert [s.source.entry for s in plan.steps] == ["_decode_split_kernel"]
     assert plan.steps[0].source.meta["kernel"] == ("decode_direct" if one_split else "decode_split")
-    out = torch.full_like(q, float("nan"))
-    T.run_plan_triton(plan, [q, k, v, bias], [out], interpret=True)
     ref = T.reference_of(q, k, v, bias, attrs)
-    T.check_close(out, ref, dtype, plan.steps[0].source.name)
+    state = T.new_state(plan)
+    for launch in range(2):  # the same state twice: the counters the first launch used are zero again
+        out = torch.full_like(q, float("nan"))
+        T.run_plan_triton(plan, [q, k, v, bias], [out], interpret=True, state=state)
+        T.check_close(out, ref, dtype, f"{plan.steps[0].source.name} (launch {launch + 1})")
+        assert not state.any(), "the plan leaves its state zero"
     if causal and Sk < Sq and "window" not in extra:
         assert (out[:, :, : Sq - Sk, :] == 0).all(), "rows that see no key give 0"
     if extra.get("poison") == "all":

@@ -1,6 +1,7 @@
-"""The split-KV decode plan on CPU: launch.py's dispatch, the plan's buffers and workspace (its
-bound over a TensorRT profile), symbolic launch parameters, the glue's plans, the launcher's
-plan steps and the classic plugin's workspace size and two-launch enqueue (CUDA stubbed out)."""
+"""The split-KV decode plan on CPU: launch.py's dispatch, the split size rule, the plan's
+buffers, workspace (its bound over a TensorRT profile) and state, symbolic launch parameters, the
+glue's plans, the launcher's plan steps and the classic plugin's workspace size, state and
+enqueue (CUDA stubbed out)."""
 
 from __future__ import annotations
 
@@ -30,33 +31,62 @@ def test_decode_shapes_take_the_plan(Sq, Sk, bias):
     shape = {"none": None, "scalar": (), "keypad": (B, 1, 1, Sk), "keypad_shared": (1, 1, 1, Sk)}[bias]
     plan = _plan(B, 32, 8, Sq, Sk, bias=shape)
     assert plan is not None
-    split, combine = plan.steps
-    assert (split.source.entry, combine.source.entry) == (LD.SPLIT_ENTRY, LD.COMBINE_ENTRY)
+    (split,) = plan.steps  # one kernel: the last split of each row block combines
+    assert split.source.entry == LD.SPLIT_ENTRY and not split.source.constexprs["DIRECT"]
     assert split.inputs == [Buffer("input", i) for i in range(3 + (shape is not None))]
-    assert split.outputs == combine.inputs and all(b.kind == "workspace" for b in split.outputs)
-    assert combine.outputs == [Buffer("output", 0)]
+    assert [b.kind for b in split.outputs] == ["workspace"] * 3 + ["state", "output"]
+    assert split.outputs[3:] == [Buffer("state", 0), Buffer("output", 0)]
     rows = 4 * Sq  # G = 32 / 8 query heads per kv head, Sq rows each
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    # the largest split size keeping >= 256 programs (2048 keys: <= 512), else 128 keys
-    units = -(-rows // block_m) * B * 8
-    fits = [s for s in LD.SPLIT_SIZES if units * -(-Sk // s) >= LD.MIN_PROGRAMS
-            and (s < 2048 or units * -(-Sk // s) <= LD.LONGEST_SPLIT_MAX_PROGRAMS)]
-    split_keys = max(fits, default=128)
-    assert split.source.constexprs["SPLIT_KEYS"] == split_keys
-    want = {(1, 512): 128, (1, 131072): 1024, (4, 1025): 128, (16, 8192): 512, (16, 600): 128}
+    units = -(-rows // block_m) * B * 8  # 24
+    split_keys = split.source.constexprs["SPLIT_KEYS"]
+    assert split_keys == LD.split_keys_for(units, Sk)
+    # 131072 keys: 4096 would make 768 programs (a little over a wave); 16 x 8192: 1024 -> 192
+    want = {(1, 512): 128, (1, 131072): 2048, (4, 1025): 128, (16, 8192): 1024, (16, 600): 128}
     assert split_keys == want[(Sq, Sk)]
     n_split = -(-Sk // split_keys)
     assert split.source.constexprs["BLOCK_M"] == block_m
     assert split.params.grid == (-(-rows // block_m) * n_split * B * 8, 1, 1)
     assert split.params.extra_args == [32, 8, Sq, Sk]
-    assert combine.params.grid == (B * 32 * Sq, 1, 1) and combine.params.extra_args == [Sk]
+    # one int32 arrival counter per (b, kv head, row block), 256-byte aligned
+    assert plan.state_bytes == -(-(units * 4) // 256) * 256
+
+
+@pytest.mark.parametrize("units,Sk,want", [
+    (8, 1024, 128),       # B = 1, GQA 32/8: 64 programs even at 128 keys -> the smallest size
+    (8, 2048, 128),       # 128 programs
+    (8, 8192, 512),       # 128 programs of 512 keys
+    (8, 32768, 2048),
+    (8, 131072, 4096),    # 256 programs of the longest size
+    (128, 16384, 16384),  # B = 16: 128 programs of every key (the direct kernel); 4096 -> 512 programs
+    (512, 4096, 2048),    # B = 64: 1024 programs; one split (512 programs) is a little over a wave
+    (512, 8192, 4096),
+    (2048, 4096, 4096),   # B = 256: one split, 2048 programs
+    (2048, 1024, 1024),
+])
+def test_split_size_rule(units, Sk, want):
+    """split_keys_for: the largest size (or every key) keeping >= MIN_PROGRAMS programs, skipping
+    grids a little over one wave (the H100 sweep of the README's decode section)."""
+    assert LD.split_keys_for(units, Sk) == want
+    programs = units * -(-Sk // want)
+    assert programs >= LD.MIN_PROGRAMS or want == LD.SPLIT_SIZES[0]
+    assert not LD.RESIDENT_PROGRAMS < programs < 2 * LD.RESIDENT_PROGRAMS
+
+
+def test_one_split_is_the_direct_kernel():
+    """B = 16 over 16k keys: one split of every key -- the direct kernel writes o, no workspace or state."""
+    plan = _plan(16, 32, 8, 1, 16384)
+    (step,) = plan.steps
+    assert step.source.constexprs["DIRECT"] and step.source.meta["kernel"] == "decode_direct"
+    assert step.outputs == [Buffer("output", 0)] and plan.workspace_bytes == 0 and plan.state_bytes == 0
+    assert step.params.grid == (16 * 8, 1, 1)
 
 
 def test_workspace_holds_the_partials_without_overlap():
     B, H, Hkv, Sq, Sk, D = 2, 32, 8, 3, 1000, 80
     plan = _plan(B, H, Hkv, Sq, Sk, D=D)
-    part, row_max, row_sum = (b.index for b in plan.steps[0].outputs)
-    slots = B * H * Sq * -(-Sk // LD.SPLIT_KEYS)
+    part, row_max, row_sum = (b.index for b in plan.steps[0].outputs[:3])
+    slots = B * H * Sq * -(-Sk // plan.steps[0].source.constexprs["SPLIT_KEYS"])
     assert part == 0 and row_max >= slots * D * 4 and row_sum >= row_max + slots * 4
     assert plan.workspace_bytes >= row_sum + slots * 4
     assert all(x % LD.WORKSPACE_ALIGN == 0 for x in (row_max, row_sum, plan.workspace_bytes))
@@ -90,13 +120,12 @@ def test_symbolic_shapes_keep_one_kernel_and_qdp_params():
 
 
 def test_decode_launch_params_are_shape_expressions():
-    """The split count, both grids and the workspace layout use only + - * and cdiv."""
+    """The split count, the grid, the workspace layout and the state use only + - * and cdiv."""
     B, H, Hkv, Sq, Sk = (SymDim(n) for n in ("B", "H", "Hkv", "Sq", "Sk"))
     cfg = LD.DecodeConfig()
     sp = LD.split_params(B, H, Hkv, Sq, Sk, 4, 16, cfg, cdiv=sym_cdiv)
     assert repr(sp.grid[0]) == "((cdiv((4*Sq),16)*cdiv(Sk,256))*(B*Hkv))"
-    cp = LD.combine_params(B, H, Sq, Sk, cfg)
-    assert repr(cp.grid[0]) == "((B*H)*Sq)"
+    assert repr(LD.state_bytes(B, Hkv, 4, Sq, 16, cdiv=sym_cdiv)) == "(cdiv((((B*Hkv)*cdiv((4*Sq),16))*4),256)*256)"
     layout = LD.workspace_layout(B, H, Sq, Sk, 128, cfg, cdiv=sym_cdiv)
     assert "cdiv(Sk,256)" in repr(layout[3])
 
@@ -141,14 +170,14 @@ def test_decode_config_checks_its_tiles():
 
 # -- glue, launcher and the classic plugin, with the compile and CUDA stubbed out ---------------
 # (plugins/conftest.py: stub_cuda, fake_artifact, classic_plugin)
-def test_glue_resolve_plan_one_kernel_or_two(stub_cuda):
+def test_glue_resolve_plan_decode_or_prefill(stub_cuda):
     from optfuse.trt import glue
 
     attrs = T.attrs_for(32, 8, 128, 1)
     q, kv = [2, 32, 1, 128], [2, 8, 4096, 128]
     plan = glue.resolve_plan(L.OP, [q, kv, kv, [2, 1, 1, 4096]], ["bfloat16"] * 4, attrs, arch=90)
-    assert [s.artifact.name for s in plan.steps] == [LD.SPLIT_ENTRY, LD.COMBINE_ENTRY]
-    assert plan.workspace_bytes > 0
+    assert [s.artifact.name for s in plan.steps] == [LD.SPLIT_ENTRY]
+    assert plan.workspace_bytes > 0 and plan.state_bytes > 0
     prefill = glue.resolve_plan(L.OP, [[2, 32, 300, 128], kv, kv, None], ["bfloat16"] * 3, attrs, arch=90)
     (step,) = prefill.steps
     assert step.artifact.name == L.SM90_ENTRY and prefill.workspace_bytes == 0
@@ -164,14 +193,17 @@ def test_launch_plan_resolves_buffers_in_order(stub_cuda, fake_artifact):
     plan = _plan(1, 8, 2, 1, 1024, D=64, bias=(1, 1, 1, 1024), dtype="float16")
     for step in plan.steps:
         step.artifact = fake_artifact(step.source)
-    launcher.launch_plan(plan, [0x1000, 0x2000, 0x3000, 0x4000], [0x9000], workspace=0x100000, stream=7)
-    (n1, _, ins1, outs1), (n2, _, ins2, outs2) = stub_cuda
-    offsets = [b.index for b in plan.steps[0].outputs]
-    assert (n1, n2) == (LD.SPLIT_ENTRY, LD.COMBINE_ENTRY)
-    assert ins1 == [0x1000, 0x2000, 0x3000, 0x4000] and outs1 == [0x100000 + o for o in offsets]
-    assert ins2 == outs1 and outs2 == [0x9000]
+    launcher.launch_plan(plan, [0x1000, 0x2000, 0x3000, 0x4000], [0x9000], workspace=0x100000, stream=7,
+                         state=0x700000)
+    ((name, _, ins, outs),) = stub_cuda
+    offsets = [b.index for b in plan.steps[0].outputs[:3]]
+    assert name == LD.SPLIT_ENTRY
+    assert ins == [0x1000, 0x2000, 0x3000, 0x4000]
+    assert outs == [0x100000 + o for o in offsets] + [0x700000, 0x9000]
     with pytest.raises(ValueError, match="workspace"):
-        launcher.launch_plan(plan, [0x1000, 0x2000, 0x3000, 0x4000], [0x9000], workspace=0)
+        launcher.launch_plan(plan, [0x1000, 0x2000, 0x3000, 0x4000], [0x9000], workspace=0, state=0x700000)
+    with pytest.raises(ValueError, match="state"):
+        launcher.launch_plan(plan, [0x1000, 0x2000, 0x3000, 0x4000], [0x9000], workspace=0x100000)
     unbuilt = LaunchPlan([plan.steps[0].__class__(plan.steps[0].source, plan.steps[0].params, [], [])])
     with pytest.raises(ValueError, match="no built artifact"):
         launcher.launch_plan(unbuilt, [], [])
@@ -198,14 +230,36 @@ def test_classic_plugin_workspace_size_from_the_profile(fa_plugin):
     assert plugin.get_workspace_size(prefill, []) == 0
 
 
-def test_classic_plugin_enqueue_runs_both_kernels(stub_cuda, fa_plugin):
+def test_classic_plugin_state_and_enqueue(stub_cuda, fa_plugin, monkeypatch):
+    """on_shape_change allocates the instance's state (zeroed) for the decode plan; enqueue passes
+    it with TensorRT's workspace; a clone (another execution context) gets a state of its own; a
+    prefill shape needs none."""
+    from optfuse.kernels import launcher
+
+    allocs = []
+
+    def ensure(self, nbytes):
+        if nbytes > self.nbytes:
+            self.ptr, self.nbytes = 0x500000 + 0x10000 * len(allocs), nbytes
+            allocs.append(nbytes)
+        return self.ptr
+
+    monkeypatch.setattr(launcher.DeviceState, "ensure", ensure)
+    monkeypatch.setattr(launcher.DeviceState, "free", lambda self: None)
     plugin = fa_plugin
     bf16 = types.SimpleNamespace(name="BF16")
     descs = [types.SimpleNamespace(dims=d, type=bf16) for d in ([2, 32, 1, 128], [2, 8, 5000, 128], [2, 8, 5000, 128])]
+    plugin.on_shape_change(descs, [])
+    want = LD.state_bytes(2, 8, 4, 1, 16)
+    assert allocs == [want] and plugin._state.ptr == 0x500000
     plugin.enqueue(descs, [], [0x1000, 0x2000, 0x3000], [0x9000], 0x200000, 5)
-    assert [c[0] for c in stub_cuda] == [LD.SPLIT_ENTRY, LD.COMBINE_ENTRY]
-    assert stub_cuda[0][2] == [0x1000, 0x2000, 0x3000] and stub_cuda[1][3] == [0x9000]
-    assert all(p >= 0x200000 for p in stub_cuda[0][3]) and stub_cuda[1][2] == stub_cuda[0][3]
+    assert allocs == [want]  # enqueue reuses it
+    ((name, _, ins, outs),) = stub_cuda
+    assert name == LD.SPLIT_ENTRY and ins == [0x1000, 0x2000, 0x3000]
+    assert all(p >= 0x200000 for p in outs[:3]) and outs[3:] == [0x500000, 0x9000]
+    other = plugin.clone()
+    other.on_shape_change(descs, [])
+    assert other._state is not plugin._state and other._state.ptr == 0x510000
     stub_cuda.clear()
     descs[0] = types.SimpleNamespace(dims=[2, 32, 300, 128], type=bf16)
     plugin.enqueue(descs, [], [0x1000, 0x2000, 0x3000], [0x9000], 0, 5)
@@ -225,28 +279,6 @@ def test_benchmark_decode_rows_run_the_plan():
         bias = (B, 1, 1, Sk) if pad else None
         for cfg in [None] + LD.candidate_decode_configs("bfloat16", D):
             assert _plan(B, H, Hkv, Sq, Sk, D=D, causal=causal, bias=bias, decode=cfg) is not None, name
-
-
-@pytest.mark.parametrize("arch", [None, 80, 89, 90])
-def test_combine_is_a_programmatic_launch_on_sm90(arch):
-    """sm_90 (programmatic dependent launch): the split kernel lets the combine be scheduled when
-    it starts and the combine waits for the partials (the PDL constexprs, the PTX's griddepcontrol
-    instructions of an sm_90 build); other or unknown targets: two plain launches."""
-    plan = _plan(1, 32, 8, 1, 8192, arch=arch)
-    split, combine = plan.steps
-    pdl = arch == 90
-    assert split.source.constexprs["PDL"] is pdl and combine.source.constexprs["PDL"] is pdl
-    assert combine.params.programmatic is pdl and not split.params.programmatic
-    assert split.source.name.endswith("_pdl") is pdl
-
-
-def test_pdl_kernels_compile_with_griddepcontrol(tmp_path):
-    pytest.importorskip("triton")
-    from optfuse.kernels import KernelCache
-
-    split, combine = _plan(1, 32, 8, 1, 8192, arch=90).steps
-    assert "griddepcontrol.launch_dependents" in KernelCache(tmp_path).build(split.source, 90).ptx
-    assert "griddepcontrol.wait" in KernelCache(tmp_path).build(combine.source, 90).ptx
 
 
 # B, H, Hkv, Sk, key padding: B = 1 and 64, caches of 1k..128k keys, GQA 32/8 and MHA
@@ -283,18 +315,24 @@ def test_runtime_decode_kernels_are_prebuilt(arch, D, causal, dtype):
 @pytest.mark.parametrize("arch", [None, 80, 89, 90])
 def test_prebuilt_decode_kernels(arch):
     """The decode part of prebuild_sources: per (dtype, D, causal, bias pattern) one split kernel
-    per split size and one direct kernel (BLOCK_M 16: Sq = 1 with G <= 16), per (dtype, D) one
-    combine per split size; the PDL builds exactly where the plan launches the combine
-    programmatically (sm_90); the direct kernel has no dependent launch."""
-    srcs = [s for s in L.prebuild_sources(arch) if s.entry in (LD.SPLIT_ENTRY, LD.COMBINE_ENTRY)]
-    split = [s for s in srcs if s.entry == LD.SPLIT_ENTRY and not s.constexprs["DIRECT"]]
-    direct = [s for s in srcs if s.entry == LD.SPLIT_ENTRY and s.constexprs["DIRECT"]]
-    combine = [s for s in srcs if s.entry == LD.COMBINE_ENTRY]
-    assert len(split) == 2 * 2 * 2 * 4 * len(LD.SPLIT_SIZES) and len(combine) == 2 * 2 * len(LD.SPLIT_SIZES)
-    assert len(direct) == 2 * 2 * 2 * 4
-    assert {s.constexprs["SPLIT_KEYS"] for s in split + combine} == set(LD.SPLIT_SIZES)
+    per split size and one direct kernel (BLOCK_M 16: Sq = 1 with G <= 16), the same on every target."""
+    srcs = [s for s in L.prebuild_sources(arch) if s.entry == LD.SPLIT_ENTRY]
+    split = [s for s in srcs if not s.constexprs["DIRECT"]]
+    direct = [s for s in srcs if s.constexprs["DIRECT"]]
+    assert len(split) == 2 * 2 * 2 * 4 * len(LD.SPLIT_SIZES) and len(direct) == 2 * 2 * 2 * 4
+    assert {s.constexprs["SPLIT_KEYS"] for s in split} == set(LD.SPLIT_SIZES)
     assert {s.constexprs["SPLIT_KEYS"] for s in direct} == {0}
     assert {s.constexprs["BLOCK_M"] for s in split + direct} == {16}
-    assert all(s.constexprs["PDL"] is (arch == 90) for s in split + combine)
-    assert all(s.name.endswith("_pdl") is (arch == 90) for s in split + combine)
-    assert not any(s.constexprs["PDL"] or s.name.endswith("_pdl") for s in direct)
+    assert {s.name for s in srcs} == {s.name for s in L.prebuild_sources(90) if s.entry == LD.SPLIT_ENTRY}
+
+
+def test_split_kernel_compiles_with_the_arrival_counter(tmp_path):
+    """The sm_90 build releases the partials and acquires the others' with one GPU-scope atomic
+    add after a CTA barrier, resets the counter, and reads the partials from L2."""
+    pytest.importorskip("triton")
+    from optfuse.kernels import KernelCache
+
+    (split,) = _plan(1, 32, 8, 1, 8192, arch=90).steps
+    ptx = KernelCache(tmp_path).build(split.source, 90).ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx
+    assert "bar.sync" in ptx and "ld.global.cg" in ptx

@@ -170,9 +170,9 @@ def test_kernel_config_variants():
         L.kernel_config("FlashAttention", "float16", attrs, {"head_dim": 48})
     # the one kernel: 2 dtypes x 2 head dims x causal or not x 3 biases, and its FP8 form with o in
     # fp16 / bf16 (2 x 2 x 2 x 3); the decode plan's kernels (test_decode_plan.py): 2 x 2 x 2 x 4
-    # biases x 5 split sizes split kernels, 2 x 2 x 2 x 4 direct kernels, 2 x 2 x 5 combines
+    # biases x 6 split sizes split kernels, 2 x 2 x 2 x 4 direct kernels
     srcs = L.prebuild_sources()
-    assert len(srcs) == 24 + 24 + 160 + 32 + 20 == len({s.name for s in srcs})
+    assert len(srcs) == 24 + 24 + 192 + 32 == len({s.name for s in srcs})
     assert sum(s.entry == L.ENTRY for s in srcs) == 48
     assert sum(s.meta["dtype"] == L.FP8 for s in srcs) == 24
     # no FP8 tensor cores on sm_80: no FP8 form; sm_90: the CUDA kernel's FP8 path at D = 128 without

@@ -114,7 +114,7 @@ def build_plan(plan, arch: int | None = None):
     return plan
 
 
-_TORCH_TYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+_TORCH_TYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "i32": "int32"}
 
 
 def new_workspace(plan, device="cpu"):
@@ -124,21 +124,31 @@ def new_workspace(plan, device="cpu"):
     return torch.full((max(int(plan.workspace_bytes), 1),), 255, dtype=torch.uint8, device=device)
 
 
+def new_state(plan, device="cpu"):
+    """The op instance's state for ``plan``: uint8, zeroed (as launcher.DeviceState allocates it)."""
+    import torch
+
+    return torch.zeros((max(int(plan.state_bytes), 1),), dtype=torch.uint8, device=device)
+
+
 def run_plan_triton(plan, inputs: Sequence[Any], outputs: Sequence[Any], interpret: bool = False,
-                    workspace=None) -> None:
+                    workspace=None, state=None) -> None:
     """Run ``plan``'s steps in order as @triton.jit functions on torch tensors (``inputs`` in spec
-    order, None for an absent bias): each workspace buffer is a view of ``workspace`` (default
-    :func:`new_workspace`) at its offset, typed as the kernel's signature says."""
+    order, None for an absent bias): each workspace (state) buffer is a view of ``workspace``
+    (default :func:`new_workspace`) or ``state`` (default :func:`new_state`) at its offset, typed as
+    the kernel's signature says."""
     import torch
 
     ws = new_workspace(plan, inputs[0].device) if workspace is None else workspace
+    st = new_state(plan, inputs[0].device) if state is None else state
 
     def tensor(ref, ptr_type):
         if ref.kind == "input":
             return inputs[ref.index]
         if ref.kind == "output":
             return outputs[ref.index]
-        return ws[ref.index:].view(getattr(torch, _TORCH_TYPE[ptr_type.lstrip("*")]))
+        mem = ws if ref.kind == "workspace" else st
+        return mem[ref.index:].view(getattr(torch, _TORCH_TYPE[ptr_type.lstrip("*")]))
 
     for step in plan.steps:
         src = step.source
