@@ -105,11 +105,13 @@ def split_keys_for(units: int, Sk: int) -> int:
 def decode_config(dtype: Any, head_dim: int, units: int | None = None, Sk: int | None = None) -> DecodeConfig:
     """fp16/bf16: 64-key blocks, 3 stages (D = 128: 16 KB each of K and V per block); D = 256:
     32-key blocks (the same bytes per block) and a combine step of 2 rows (2 x 16 x 256 fp32, as
-    many as 4 x 16 x 128); fp32 (IEEE dots): 32-key blocks, 2 stages, a combine step of 1 row.
-    With the concrete ``units`` (row blocks * B * Hkv) and ``Sk``, split_keys_for's split size,
-    else SPLIT_KEYS."""
+    many as 4 x 16 x 128); fp32 (IEEE dots, whose operands and products stay in registers):
+    16-key blocks, 2 stages, row blocks of 16 and a combine step of 1 row -- no spills at D = 64 to
+    256 and Sq = 1 to 16 (64-96 registers; 32-key blocks or 64-row blocks spilled 0.2 to 10 KB a
+    thread to the stack, cuobjdump). With the concrete ``units`` (row blocks * B * Hkv) and ``Sk``,
+    split_keys_for's split size, else SPLIT_KEYS."""
     if norm_dtype(dtype) == "float32":
-        cfg = DecodeConfig(block_n=32, num_stages=2, combine_rows=1)
+        cfg = DecodeConfig(block_n=16, num_stages=2, block_m=16, combine_rows=1)
     elif next_pow2(head_dim) > 128:
         cfg = DecodeConfig(block_n=32, combine_rows=2)
     else:

@@ -8,6 +8,7 @@ pytest.importorskip("triton")
 
 from optfuse.kernels import KernelCache  # noqa: E402
 from optfuse.kernels.registry import plugin_module  # noqa: E402
+from optfuse.kernels.testing import cubin_usage, cuobjdump  # noqa: E402
 
 L = plugin_module("flash_attention", "launch")
 
@@ -95,3 +96,21 @@ def test_aot_compile_fp8(tmp_path, arch, D, causal, bias_shape, out_dtype):
     else:
         assert mma and all(m.startswith("mma.sync") and ".e4m3.e4m3." in m for m in mma), sorted(set(mma))
     assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
+
+
+@pytest.mark.parametrize("dtype,D,Sq", [
+    ("bfloat16", 128, 1), ("bfloat16", 128, 16), ("bfloat16", 256, 1), ("float16", 64, 4),
+    ("float32", 64, 16), ("float32", 128, 1), ("float32", 128, 16), ("float32", 256, 16),
+])
+def test_decode_kernel_has_no_spills(tmp_path, dtype, D, Sq):
+    """The sm_90 build of the decode plan's kernel keeps every value in registers (no stack, no
+    local memory): the default tiles per dtype and D, the combine's tile included (cuobjdump)."""
+    tool = cuobjdump()
+    if not tool:
+        pytest.skip("no cuobjdump")
+    T = plugin_module("flash_attention", "testing")
+    shapes = [(1, 32, Sq, D), (1, 8, 8192, D), (1, 8, 8192, D), None]
+    plan = T.case_plan(dtype, shapes, {"scale": D ** -0.5, "causal": 1, "num_heads": 32, "num_kv_heads": 8}, arch=90)
+    (step,) = plan.steps
+    res, _ = cubin_usage(tool, KernelCache(tmp_path).build(step.source, 90), tmp_path)
+    assert "STACK:0" in res and "LOCAL:0" in res, res

@@ -164,7 +164,9 @@ def test_workspace_is_zero_where_nothing_decodes():
 def test_decode_config_checks_its_tiles():
     with pytest.raises(ValueError, match="does not divide"):
         LD.DecodeConfig(split_keys=256, block_n=96)
-    assert LD.decode_config("float32", 64).block_n == 32 and LD.decode_config("bfloat16", 256).block_n == 32
+    fp32 = LD.decode_config("float32", 64)
+    assert (fp32.block_n, fp32.block_m, fp32.combine_rows) == (16, 16, 1)
+    assert LD.decode_config("bfloat16", 256).block_n == 32 and LD.decode_config("bfloat16", 256).combine_rows == 2
     assert LD.SPLIT_KEYS % LD.decode_config("float16", 128).block_n == 0
 
 
