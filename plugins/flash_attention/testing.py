@@ -6,7 +6,7 @@
   bias (a ``None`` constexpr in the middle of the signature) works;
 * :func:`case_plan` / :func:`build_plan` / :func:`run_plan_triton` -- the split-KV decode plan of
   a case (launch.py's ``launch_plan``), its artifacts, its steps run as Triton functions with a
-  poisoned workspace;
+  poisoned workspace (:func:`new_workspace`) and a zeroed state (:func:`new_state`);
 * :func:`prebuilt_artifact` / :func:`get_artifact` -- an artifact compiled elsewhere (this repo's
   CPU machine: Triton 3.9 cubins for sm_90), looked up by its spec, else compiled here;
 * :func:`fp8_inputs` / :func:`fp8_reference_of` / :func:`check_close_fp8` -- the FP8 form: q, k, v
