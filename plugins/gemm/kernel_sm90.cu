@@ -30,6 +30,8 @@
 //   most SMs without a tile): each tile's K range in SPLIT_K units spread over the CTAs; units write
 //   fp32 partial tiles to the workspace and a second kernel, gemm_sm90_splitk_reduce
 //   (sm90/splitk_reduce.cuh), adds them and applies the epilogue.
+// Narrow tiles (NARROW; launch.py's launch_plan, for small M): the cooperative schedule on
+//   128 x 128 tiles.
 //
 // Tiles (cooperative; ping-pong: 128 x 128): 128 rows of A by 256 rows of W. GemmEpilogue: 256
 // output columns. GatedGemm: W rows 0-127 of the tile are W_gate's rows n0..n0+127 and rows
@@ -46,7 +48,7 @@
 // Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16: y's type, and
 // A's unless IN_FP8), IN_FP8, W_SCALE_MODE, N_DIM, K_DIM (static), GATED, ACTIVATION
 // (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]), RESIDUAL_MODE (0 none, 1 scalar, 2
-// [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG, EPILOGUE_WG, SPLIT_K.
+// [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG, EPILOGUE_WG, SPLIT_K, NARROW.
 // Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
@@ -127,8 +129,20 @@ typedef u16 in_t;
 #if EPILOGUE_WG && PINGPONG
 #error "the epilogue warps serve the cooperative schedule"
 #endif
+// Narrow tiles (NARROW 1, GemmEpilogue at 16 bits; launch.py's launch_plan, for M whose 128 x 256
+// tiles would leave most SMs idle): the cooperative schedule on 128 x 128 tiles, m64n128k16 per
+// consumer warpgroup. Where a pingpong CTA has one tile, one warpgroup issues both 64-row slabs and
+// then runs the whole epilogue alone; here both warpgroups share the tile, so each issues half the
+// MMAs and runs half the epilogue. A full residual comes by cp.async (the third tensor map would not
+// fit in a 128-column tile row).
+#ifndef NARROW
+#define NARROW 0
+#endif
+#if NARROW && (PINGPONG || EPILOGUE_WG || GATED || IN_FP8)
+#error "narrow tiles: the cooperative schedule of a 16-bit GemmEpilogue"
+#endif
 #define BLOCK_M 128                      // rows of A per tile (cooperative: 64 per consumer warpgroup)
-#define BLOCK_N (PINGPONG ? 128 : 256)   // rows of W per tile
+#define BLOCK_N (PINGPONG || NARROW ? 128 : 256)  // rows of W per tile
 #define BLOCK_K (128 / IN_BYTES)         // one 128-byte swizzle row: 64 16-bit or 128 FP8 values
 #define OUT_N (GATED ? 128 : BLOCK_N)    // output columns per tile
 #define SLABS (PINGPONG ? 2 : 1)         // 64-row wgmma slabs per consumer warpgroup and tile
@@ -146,10 +160,11 @@ typedef u16 in_t;
 #define NTHREADS 384                     // producer warpgroup + two consumer warpgroups
 // A full residual arrives in the epilogue stage while the mainloop runs (its loads would
 // otherwise stall the epilogue): by TMA (cooperative; the stage then holds a warpgroup's whole
-// 64 x 256 tile) or by the warpgroup's own cp.async (pingpong).
-#define RESIDUAL_TMA (RESIDUAL_MODE == 2 && !PINGPONG && !EPILOGUE_WG)
+// 64 x 256 tile) or by the warpgroup's own cp.async (pingpong, narrow tiles).
+#define RESIDUAL_TMA (RESIDUAL_MODE == 2 && !PINGPONG && !EPILOGUE_WG && !NARROW)
 #define RESIDUAL_STAGED (RESIDUAL_MODE == 2 && !EPILOGUE_WG && SPLIT_K == 1)  // split-K: the reduce adds it
 #define EPI_ROWS (64 * SLABS)                   // rows of a warpgroup's tile
+#define ACC_REGS (NARROW ? 64 : 128)            // accumulator registers in use (a cooperative m64n128 / m64n256)
 #define EPI_COLS (RESIDUAL_TMA ? 256 : 128)     // output columns per epilogue pass
 #define EPI_BYTES (EPI_ROWS * EPI_COLS * 2)
 #if EPILOGUE_WG
@@ -413,8 +428,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
         for (int t = blockIdx.x; t < num_tiles; t += G, ++tc) {
             int mb, nb, kb0;
             tile_coords(t, tiles_m, mb, nb, kb0);
+#if RESIDUAL_STAGED && !RESIDUAL_TMA
+            stage_residual(residual, M, mb * BLOCK_M + c * 64, nb * OUT_N, SLOT_EPI(c));  // narrow tiles
+#endif
 #pragma unroll
-            for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+            for (int i = 0; i < ACC_REGS; ++i) acc[i] = 0.f;
 #if IN_FP8
             // FP8: the wgmma accumulator keeps fewer bits than fp32 (a whole K of 768 put outputs
             // 1.7 % off), so each k-block's product (128 values of K) is promoted into acc. There
@@ -449,8 +467,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 mbar_wait(BAR_FULL(s), (it / STAGES) & 1);
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < BLOCK_K / K_STEP; ++kk)  // K_STEP columns = 32 bytes of the swizzle row
+                for (int kk = 0; kk < BLOCK_K / K_STEP; ++kk) {  // K_STEP columns = 32 bytes of the swizzle row
+#if NARROW
+                    wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[0]), kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32),
+                               kmajor_desc(SLOT_W(s) + kk * 32));
+#else
                     wgmma_n256(acc, kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32), kmajor_desc(SLOT_W(s) + kk * 32));
+#endif
+                }
                 wgmma_commit();
                 if (kb > 0) {
                     wgmma_wait<1>();  // k-block kb - 1 is done: its slot goes back to the producer
@@ -458,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 }
             }
             wgmma_wait<0>();
-            fence_regs(acc);
+            fence_regs(*reinterpret_cast<float(*)[ACC_REGS]>(&acc[0]));
             mbar_arrive_warp(BAR_EMPTY((it - 1) % STAGES));
 #endif
 #if EPILOGUE_WG

@@ -194,14 +194,16 @@ def sm90_schedules(op: str, k: int, static: dict, activation: str | None) -> tup
     where its 128 x 128 tiles and overlapped epilogue win from M = 512 to 4096; cooperative where a
     full residual comes by TMA during the mainloop (FFN down) and for GatedGemm; the epilogue-warp
     schedule (cooperative tiles, the epilogue of each tile but the last hidden behind the next
-    tile's mainloop) for the other GemmEpilogue instances: those with an activation."""
+    tile's mainloop) for the other GemmEpilogue instances: those with an activation. Narrow tiles come
+    last everywhere: launch_plan runs them where M is small, no static choice does."""
     residual = static.get("residual_mode", "none")
     plain = activation in (None, "none") and residual == "none" and op == "GemmEpilogue" and k <= 2048
+    narrow = launch_sm90.NARROW
     if plain:
-        return ("cuda_sm90_pingpong", launch_sm90.EPILOGUE_WG, "cuda_sm90")
+        return ("cuda_sm90_pingpong", launch_sm90.EPILOGUE_WG, "cuda_sm90", narrow)
     if op == "GatedGemm" or residual == "full" or activation in (None, "none"):
-        return ("cuda_sm90", launch_sm90.EPILOGUE_WG, "cuda_sm90_pingpong")
-    return (launch_sm90.EPILOGUE_WG, "cuda_sm90", "cuda_sm90_pingpong")
+        return ("cuda_sm90", launch_sm90.EPILOGUE_WG, "cuda_sm90_pingpong", narrow)
+    return (launch_sm90.EPILOGUE_WG, "cuda_sm90", "cuda_sm90_pingpong", narrow)
 
 
 def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None,
@@ -511,7 +513,7 @@ def _sm90_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: GemmCo
 
 
 #: The CUDA sm_90 kernel's schedules, the one chosen first where both take an instance.
-SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90", launch_sm90.EPILOGUE_WG)
+SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90", launch_sm90.EPILOGUE_WG, launch_sm90.NARROW)
 #: impl -> the function making its KernelSource (one entry per kernel source).
 _SOURCES = {"triton": _triton_source, **{impl: _sm90_source for impl in SM90_SCHEDULES}}
 
@@ -572,8 +574,8 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
 def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict | None,
                 cdiv=_cdiv, *, static_shape: dict | None = None) -> LaunchPlan | None:
     """At concrete shapes, where the sm_90 kernel was chosen for large M and this M leaves most
-    SMs idle (launch_sm90.small_m_schedule): the pingpong kernel alone, or split-K -- the pingpong
-    kernel writing fp32 partial planes to the workspace, then gemm_sm90_splitk_reduce (op inputs
+    SMs idle (launch_sm90.small_m_schedule): narrow tiles or the pingpong kernel alone, or split-K --
+    the pingpong kernel writing fp32 partial planes to the workspace, then gemm_sm90_splitk_reduce (op inputs
     A, W[, bias][, residual] -> workspace -> y). None: the one kernel of kernel_config /
     launch_params runs (what QDP's AOT path always runs)."""
     op = _check_op(op)
@@ -585,11 +587,11 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     if cfg.impl not in SM90_SCHEDULES:
         return None
     m = int(rows_of([int(d) for d in shapes[0]]))
-    choice = launch_sm90.small_m_schedule(op, dtype, m, n, k, cfg.impl, static)
+    choice = launch_sm90.small_m_schedule(op, dtype, m, n, k, cfg.impl, static, epi.activation)
     if choice is None:
         return None
-    stages, splits = choice
-    pp = replace(cfg, block_n=launch_sm90.OUT_N[(launch_sm90.PINGPONG, op)], num_stages=stages, impl=launch_sm90.PINGPONG)
+    impl, stages, splits = choice
+    pp = replace(cfg, block_n=launch_sm90.OUT_N[(impl, op)], num_stages=stages, impl=impl)
     name = _source_name(op, dtype, n, k, epi, pp)
     present = [i for i, s in enumerate(shapes) if s is not None]
     params = launch_sm90.launch(pp.impl, op, m, stages, epi.residual_mode, static)

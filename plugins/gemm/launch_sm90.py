@@ -1,9 +1,10 @@
 """The sm_90 CUDA C++ GEMM (kernel_sm90.cu): which instances it takes, what to compile, how to launch.
 
-launch.py picks it (``GemmConfig.impl`` ``cuda_sm90``: the cooperative schedule, or
-``cuda_sm90_pingpong``) where :func:`takes` says it can run; this module holds the kernel's own
-facts: its fixed tiles (cooperative: 128 rows of A by 256 rows of W, 256 output columns, GatedGemm
-128; pingpong: 128 x 128 per consumer warpgroup), its shared memory, its persistent grid
+launch.py picks it (``GemmConfig.impl`` ``cuda_sm90``: the cooperative schedule,
+``cuda_sm90_pingpong``, ``cuda_sm90_epilogue_wg``; ``cuda_sm90_narrow`` in run-time plans only) where
+:func:`takes` says it can run; this module holds the kernel's own facts: its fixed tiles (cooperative:
+128 rows of A by 256 rows of W, 256 output columns, GatedGemm 128; pingpong: 128 x 128 per consumer
+warpgroup; narrow: 128 x 128 shared by both), its shared memory, its persistent grid
 (``sm_count`` CTAs, default 132: H100 SXM / H200; the only extra argument is M), the tensor-map
 room it needs in y.
 """
@@ -25,14 +26,16 @@ BLOCK_M, BLOCK_K = 128, 64
 PINGPONG = "cuda_sm90_pingpong"
 #: the cooperative schedule with its epilogue in the producer's warpgroup (sm90/epilogue_wg.cuh)
 EPILOGUE_WG = "cuda_sm90_epilogue_wg"
+#: the cooperative schedule on 128 x 128 tiles (kernel_sm90.cu, NARROW): small M, GemmEpilogue
+NARROW = "cuda_sm90_narrow"
 #: output columns per tile (kernel_sm90.cu, "Tiles"), by impl and op
 OUT_N = {("cuda_sm90", "GemmEpilogue"): 256, ("cuda_sm90", "GatedGemm"): 128, (PINGPONG, "GemmEpilogue"): 128,
-         (EPILOGUE_WG, "GemmEpilogue"): 256, (EPILOGUE_WG, "GatedGemm"): 128}
+         (EPILOGUE_WG, "GemmEpilogue"): 256, (EPILOGUE_WG, "GatedGemm"): 128, (NARROW, "GemmEpilogue"): 128}
 MAX_SMEM = 227 * 1024
 
 
 def _stage_bytes(impl: str) -> int:
-    return (BLOCK_M + (128 if impl == PINGPONG else 256)) * BLOCK_K * 2
+    return (BLOCK_M + (128 if impl in (PINGPONG, NARROW) else 256)) * BLOCK_K * 2
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2}
 FP8 = "float8e4m3fn"
 _SCALE_CODE = {"scalar": 1, "vector": 2}
@@ -52,6 +55,8 @@ def shared_mem(impl: str, op: str, stages: int, residual_mode: str) -> int:
     """The ring, the two epilogue stages, the barriers, and slack to align to 1024 bytes."""
     if impl == PINGPONG:
         epi = 128 * 128 * 2
+    elif impl == NARROW:
+        epi = 64 * 128 * 2  # a warpgroup's 64 x 128 tile
     elif impl == EPILOGUE_WG:
         epi = BLOCK_M * 256  # half the 64 KB hand-over tile (2 * epi below)
     else:
@@ -77,11 +82,12 @@ def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cud
         if out_dtype not in _DTYPE_CODE:
             return f"FP8 with y in {out_dtype}: fp16 / bf16 only"
         dtype = out_dtype  # what bias, residual and y must be
-    if impl == PINGPONG:
+    if impl in (PINGPONG, NARROW):
         if op != "GemmEpilogue":
-            return "the pingpong schedule is GemmEpilogue's"
+            return f"{impl}: GemmEpilogue only"
         if n % 128:
-            return f"pingpong: N = {n} is not a multiple of 128 (the tensor maps fill a tile row)"
+            return f"{impl}: N = {n} is not a multiple of 128 (the tensor maps fill a tile row)"
+    if impl == PINGPONG:
         if k is not None and -(-k // BLOCK_K) < stage_options(impl, op, static.get("residual_mode", "none"))[0]:
             return f"pingpong: K = {k} is shorter than the ring"
     if arch is None or int(arch) != 90:
@@ -132,6 +138,7 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
         "PINGPONG": str(int(impl == PINGPONG)),
         "EPILOGUE_WG": str(int(impl == EPILOGUE_WG)),
         "SPLIT_K": str(split_k),
+        "NARROW": str(int(impl == NARROW)),
     }
     n_inputs = 3 if gated else 2 + (epi.bias_mode != "none") + (epi.residual_mode != "none")
     if fp8:
@@ -160,12 +167,17 @@ def launch(impl: str, op: str, m: Any, stages: int, residual_mode: str, static: 
                         shared_mem=shared_mem(impl, op, stages, residual_mode), extra_args=[m])
 
 
-# -- split-K (launch.launch_plan: chosen at run time, when M is known) ---------------------------
+# -- small M (launch.launch_plan: chosen at run time, when M is known): narrow tiles, split-K ----
 # A split-K launch has at most one work unit per CTA of the grid: two units of one CTA would take
 # turns on its tensor cores, with no epilogue worth overlapping between them.
 #: A unit's k-blocks: at least this many, so that its mainloop outweighs filling the ring and
 #: writing the 64 KB partial tile.
 SPLIT_K_MIN_BLOCKS = 8
+#: Narrow tiles with an activation and K <= NARROW_ACTIVATION_MAX_K: up to this many 128 x 128 tiles
+#: per CTA (H100, fp16: BERT-base FFN up at M = 2048, 2.9 a CTA, 23.3 vs 26.9 us with the epilogue
+#: warps; BERT-large's at 3.9 a CTA, 37.4 vs 35.2). Longer K was not measured.
+NARROW_ACTIVATION_WAVES = 3
+NARROW_ACTIVATION_MAX_K = 1024
 #: The workspace a split-K plan can need: one 128 x 128 fp32 partial tile per unit.
 PARTIAL_TILE_BYTES = BLOCK_M * 128 * 4
 REDUCE_THREADS = 256
@@ -176,33 +188,51 @@ def split_k_workspace(static: dict) -> int:
     return int(static.get("sm_count") or SM90_GRID) * PARTIAL_TILE_BYTES
 
 
-def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, static: dict) -> tuple[int, int] | None:
-    """(ring stages, splits) of the pingpong schedule for a GemmEpilogue whose M gives the
-    statically chosen schedule ``impl`` (picked for large M) too few tiles, or None (keep it).
+def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, static: dict,
+                     activation: str = "none") -> tuple[str, int, int] | None:
+    """(schedule, ring stages, splits) for a GemmEpilogue whose M gives the statically chosen schedule
+    ``impl`` (picked for large M) too few tiles, or None (keep it). From the H100 table (README,
+    "Small M"), in 128 x 128 tiles:
 
-    * ``impl``'s tiles fill at most half the grid: pingpong's 128 x 128 tiles (half the width of
-      the cooperative ones) spread the same work over twice the SMs;
-    * pingpong's tiles still fill at most half the grid: K in ``splits`` ranges, the largest
-      divisor of the k-blocks that keeps units <= CTAs and every unit >= max(ring, SPLIT_K_MIN_BLOCKS)
-      k-blocks (1: no divisor does).
-    None also where pingpong does not take the instance, or it would run as statically chosen."""
+    * at most half a tile per CTA: pingpong with K in ``splits`` ranges, the largest divisor of the
+      k-blocks that keeps units <= CTAs and every unit >= max(ring, SPLIT_K_MIN_BLOCKS) k-blocks;
+    * otherwise, with an activation: narrow tiles up to one tile per CTA, and up to
+      NARROW_ACTIVATION_WAVES per CTA where K <= NARROW_ACTIVATION_MAX_K (both consumer warpgroups on
+      each tile, the activation in its short form: a pingpong CTA with one tile runs it, epilogue
+      included, on one warpgroup);
+    * without one, up to a tile per CTA: pingpong unsplit (0.93-1.05x the time of narrow tiles in
+      three runs: one warpgroup's epilogue overlaps the other's MMAs), or narrow tiles where K is
+      shorter than pingpong's ring; and pingpong where its tiles take 2-3 waves of the grid, so that
+      the 128 x 256 tiles would take two, the second at most half full (LLaMA-7B's QKV at M = 512:
+      87.7 vs 101.0 us cooperative).
+    None also where neither 128 x 128 schedule takes the instance."""
     grid = int(static.get("sm_count") or SM90_GRID)
-    row_blocks = -(-m // BLOCK_M)
-    if op != "GemmEpilogue" or takes(op, dtype, n, static, static.get("arch"), PINGPONG, k) is not None:
+    residual = static.get("residual_mode", "none")
+    arch = static.get("arch")
+    if op != "GemmEpilogue" or takes(op, dtype, n, static, arch, NARROW, k) is not None:
         return None
-    if impl != PINGPONG and 2 * row_blocks * -(-n // OUT_N[(impl, op)]) > grid:
-        return None
-    stages = stage_options(PINGPONG, op, static.get("residual_mode", "none"))[0]
-    tiles = row_blocks * -(-n // 128)
-    k_blocks = -(-k // BLOCK_K)
-    splits = 1
-    if 2 * tiles <= grid:
+    tiles = -(-m // BLOCK_M) * -(-n // 128)
+    narrow = NARROW, stage_options(NARROW, op, residual)[0], 1
+    pingpong_takes = takes(op, dtype, n, static, arch, PINGPONG, k) is None
+    stages = stage_options(PINGPONG, op, residual)[0]
+    if 2 * tiles <= grid and pingpong_takes:
+        k_blocks = -(-k // BLOCK_K)
         least = max(stages, SPLIT_K_MIN_BLOCKS)
         splits = max(d for d in range(1, k_blocks + 1)
                      if k_blocks % d == 0 and d * tiles <= grid and (d == 1 or k_blocks // d >= least))
-    if impl == PINGPONG and splits == 1:
+        if splits > 1:
+            return PINGPONG, stages, splits
+    if activation != "none":
+        if tiles <= grid or (k <= NARROW_ACTIVATION_MAX_K and tiles <= NARROW_ACTIVATION_WAVES * grid):
+            return narrow
         return None
-    return stages, splits
+    if impl == PINGPONG:
+        return None
+    if tiles <= grid:
+        return (PINGPONG, stages, 1) if pingpong_takes else narrow
+    if pingpong_takes and 2 * grid < tiles <= 3 * grid:
+        return PINGPONG, stages, 1
+    return None
 
 
 def reduce_source(op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, split_k: int,

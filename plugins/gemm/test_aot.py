@@ -224,10 +224,11 @@ def _plan(case):
 
 
 def test_small_m_plan_choice():
-    """At run time, an M that leaves the static choice's tiles on at most half the SMs runs
-    pingpong's 128 x 128 tiles, and where those still fill at most half, K splits into the largest
-    divisor of the k-blocks that keeps units <= 132 and >= 8 k-blocks each; large M, GatedGemm,
-    FP8 and other archs keep the one kernel (None)."""
+    """At run time, in 128 x 128 tiles: at most half a tile per CTA, pingpong with K split into the
+    largest divisor of the k-blocks that keeps units <= 132 and >= 8 k-blocks each; otherwise, with
+    an activation, narrow tiles up to a tile per CTA (three with K <= 1024); without one, pingpong
+    up to a tile per CTA and at 2-3 waves of tiles; larger M, GatedGemm, FP8 and other archs keep
+    the one kernel (None)."""
     def shape_of(case):
         plan = _plan(case)
         return None if plan is None else (plan.steps[0].source.meta["kernel"], plan.steps[0].source.meta["split_k"],
@@ -235,13 +236,36 @@ def test_small_m_plan_choice():
     C = T.Case
     assert shape_of(C("GemmEpilogue", (512,), 768, 3072, "float16", "none", "vector", "full")) == ("cuda_sm90_pingpong", 4, 2)
     assert shape_of(C("GemmEpilogue", (512,), 1024, 4096, "float16", "none", "vector", "full")) == ("cuda_sm90_pingpong", 4, 2)
-    assert shape_of(C("GemmEpilogue", (512,), 4096, 1024, "float16", "gelu_erf", "vector", "none")) == ("cuda_sm90_pingpong", 1, 1)
-    assert shape_of(C("GemmEpilogue", (512,), 4096, 11008, "float16", "none", "none", "full")) == ("cuda_sm90_pingpong", 1, 1)
     assert shape_of(C("GemmEpilogue", (1,), 768, 3072, "bfloat16", "none", "none", "none")) == ("cuda_sm90_pingpong", 6, 2)
-    # K = 768: 12 k-blocks, no split keeps 8 a unit; pingpong is already the static choice
-    assert shape_of(C("GemmEpilogue", (512,), 2304, 768, "float16", "none", "vector", "none")) is None
+    # 128 tiles: one a CTA
+    assert shape_of(C("GemmEpilogue", (512,), 4096, 1024, "float16", "gelu_erf", "vector", "none")) == ("cuda_sm90_narrow", 1, 1)
+    assert shape_of(C("GemmEpilogue", (512,), 4096, 11008, "float16", "none", "none", "full")) == ("cuda_sm90_pingpong", 1, 1)
+    # K = 768: 12 k-blocks, no split keeps 8 a unit
+    assert shape_of(C("GemmEpilogue", (64,), 3072, 768, "float16", "gelu_tanh", "vector", "none")) == ("cuda_sm90_narrow", 1, 1)
+    assert shape_of(C("GemmEpilogue", (512,), 2304, 768, "float16", "none", "vector", "none")) is None  # pingpong, static
+    # K = 256 is shorter than pingpong's ring
+    assert shape_of(C("GemmEpilogue", (512,), 2048, 256, "float16", "none", "vector", "full")) == ("cuda_sm90_narrow", 1, 1)
+    # with an activation and K <= 1024, up to 3 tiles a CTA: 1024 and 2048 rows (192 and 384
+    # tiles), not 4096 (768) nor K = 3072
+    for m in (1024, 2048):
+        assert shape_of(C("GemmEpilogue", (m,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == \
+            ("cuda_sm90_narrow", 1, 1)
+    assert shape_of(C("GemmEpilogue", (4096,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
+    assert shape_of(C("GemmEpilogue", (1024,), 3072, 3072, "float16", "gelu_erf", "vector", "none")) is None
+    # without one, past a tile a CTA: the static choice, except pingpong at 2-3 waves (LLaMA-7B QKV,
+    # M = 512: 384 tiles of 128 x 128, 192 of 128 x 256)
+    assert shape_of(C("GemmEpilogue", (512,), 12288, 4096, "float16", "none", "none", "none")) == ("cuda_sm90_pingpong", 1, 1)
+    assert shape_of(C("GemmEpilogue", (1024,), 12288, 4096, "float16", "none", "none", "none")) is None
+    assert shape_of(C("GemmEpilogue", (1024,), 4096, 11008, "float16", "none", "none", "full")) is None
+    assert shape_of(C("GemmEpilogue", (1024,), 2304, 768, "float16", "none", "vector", "none")) is None
+    assert shape_of(C("GemmEpilogue", (2560,), 1024, 4096, "float16", "none", "vector", "full")) is None
     assert shape_of(C("GemmEpilogue", (4096,), 768, 3072, "float16", "none", "vector", "full")) is None
     assert shape_of(C("GemmEpilogue", (32768,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
+    # N = 1184: the cooperative kernel takes it (a 160-column last tile), neither 128 x 128 schedule does
+    case = C("GemmEpilogue", (512,), 1184, 768, "float16", "gelu_erf", "vector", "none")
+    assert L.choose_config(case.op, case.dtype, case.n, case.k, 90, T.case_static(case, 90), case.activation).impl \
+        in L.SM90_SCHEDULES
+    assert shape_of(case) is None
     assert shape_of(C("GatedGemm", (64,), 11008, 4096, "float16", "silu")) is None
     assert shape_of(C("GemmEpilogue", (64,), 768, 3072, "float8e4m3fn", "none", "vector", "full",
                       output_dtype="bfloat16")) is None

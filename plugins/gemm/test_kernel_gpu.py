@@ -31,7 +31,7 @@ L = plugin_module("gemm", "launch")
 pytestmark = pytest.mark.gpu
 
 #: The kernel sources under test (GemmConfig.impl values).
-KERNEL_SOURCES = ["cuda_sm90_pingpong", "cuda_sm90", "cuda_sm90_epilogue_wg", "triton"]
+KERNEL_SOURCES = ["cuda_sm90_pingpong", "cuda_sm90", "cuda_sm90_epilogue_wg", "cuda_sm90_narrow", "triton"]
 
 C = T.Case
 _ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh", "relu2")
@@ -64,6 +64,9 @@ CASES = [
     C("GatedGemm", (1031,), 2752, 1024, "bfloat16", "silu"),                           # LLaMA-like, 1/4 scale
     C("GatedGemm", (5,), 11008, 4096, "float16", "silu"),                              # LLaMA-7B, few rows
     C("GemmEpilogue", (1000,), 776, 1000, "float16", "gelu_erf", "vector", "full", output_dtype="float32"),
+    # every activation where the 128 x 128 schedules take it (N a multiple of 128): narrow tiles'
+    # short (FTZ) activation forms
+    *[C("GemmEpilogue", (3, 67), 1024, 776, "bfloat16", a, "vector", "full") for a in _ACTS],
 ]
 _FP8 = "float8e4m3fn"
 _EDGE = {"headroom": 0.5}  # the largest values saturated at +-448
@@ -89,16 +92,21 @@ FP8_CASES = [
     C("GemmEpilogue", (2, 1050), 3072, 768, _FP8, "relu2", "vector", "none", output_dtype="bfloat16"),
 ]
 CASES += FP8_CASES
-#: Shapes whose M leaves the statically chosen kernel's tiles on few SMs: launch_plan runs the
-#: pingpong kernel instead, or splits K (the partial planes then the reduce kernel); (case, splits).
+#: Shapes whose M leaves the statically chosen kernel's tiles on few SMs: launch_plan runs narrow
+#: tiles or the pingpong kernel instead, or splits K (the partial planes then the reduce kernel);
+#: (case, splits).
 PLAN_CASES = [
     (C("GemmEpilogue", (512,), 768, 3072, "float16", "none", "vector", "full"), 4),        # BERT-base FFN down
     (C("GemmEpilogue", (3, 67), 1024, 4096, "bfloat16", "gelu_erf", "vector", "full", "before_activation"), 8),
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "silu", "scalar", "scalar"), 6),
     (C("GemmEpilogue", (1,), 768, 3072, "bfloat16", "none", "none", "none", alpha=0.5), 6),  # one row
     (C("GemmEpilogue", (77,), 1024, 4096, "float16", "quick_gelu", "none", "full"), 8),
-    (C("GemmEpilogue", (512,), 4096, 1024, "float16", "gelu_erf", "vector", "none"), 1),     # pingpong tiles
-    (C("GemmEpilogue", (333,), 4096, 11008, "bfloat16", "none", "none", "full"), 1),
+    (C("GemmEpilogue", (512,), 4096, 1024, "float16", "gelu_erf", "vector", "none"), 1),     # narrow tiles
+    (C("GemmEpilogue", (333,), 4096, 11008, "bfloat16", "none", "none", "full"), 1),        # pingpong tiles
+    (C("GemmEpilogue", (300,), 2048, 256, "bfloat16", "none", "vector", "full"), 1),        # narrow, K < the ring
+    (C("GemmEpilogue", (300,), 12288, 520, "bfloat16", "none", "vector", "full"), 1),       # pingpong, 2-3 waves
+    (C("GemmEpilogue", (2, 100), 2304, 768, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"), 1),
+    (C("GemmEpilogue", (2, 700), 3072, 768, "float16", "silu", "scalar", "none"), 1),           # narrow, 2 tiles a CTA
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "relu2", "vector", "none"), 6),      # relu2 in the reduce
 ]
 #: The cases every candidate config runs on (one per op and dtype class).

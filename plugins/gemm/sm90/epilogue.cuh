@@ -14,9 +14,12 @@
 // (.ftz): without, each costs a range test and two scaling multiplies more, a quarter of GELU's
 // instructions; a flushed value (below 2^-126: e^-x past x = 87, 1 / (1 + e^-x) before x = -87)
 // moves an activation by less than 2^-126 |x|. The epilogue warps (epilogue_wg.cuh), whose
-// instruction rate bounds their schedule, take FTZ; the consumers do not: with the shorter code
-// ptxas schedules their epilogue wider and spills (16 bytes with gelu_tanh, 40 in FP8 with a
-// scalar bias and silu).
+// instruction rate bounds their schedule, take FTZ; so do the consumers of narrow tiles (NARROW: 64
+// accumulator registers); the other consumers do not: with the shorter code ptxas schedules their
+// epilogue wider and spills (16 bytes with gelu_tanh, 40 in FP8 with a scalar bias and silu).
+#ifndef CONSUMER_FTZ
+#define CONSUMER_FTZ NARROW
+#endif
 template <bool FTZ>
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
@@ -158,8 +161,8 @@ __device__ __forceinline__ u32 epilogue_pair(float a0, float a1, float2 b, float
     v0 += r.x;
     v1 += r.y;
 #endif
-    v0 = activate(v0);
-    v1 = activate(v1);
+    v0 = activate<CONSUMER_FTZ>(v0);
+    v1 = activate<CONSUMER_FTZ>(v1);
 #if RESIDUAL_MODE != 0 && !RESIDUAL_BEFORE
     v0 += r.x;
     v1 += r.y;
