@@ -94,20 +94,21 @@ FP8_CASES = [
 CASES += FP8_CASES
 #: Shapes whose M leaves the statically chosen kernel's tiles on few SMs: launch_plan runs narrow
 #: tiles or the pingpong kernel instead, or splits K (the partial planes then the reduce kernel);
-#: (case, splits).
+#: (case, testing.plan_kind of its plan).
 PLAN_CASES = [
-    (C("GemmEpilogue", (512,), 768, 3072, "float16", "none", "vector", "full"), 4),        # BERT-base FFN down
-    (C("GemmEpilogue", (3, 67), 1024, 4096, "bfloat16", "gelu_erf", "vector", "full", "before_activation"), 8),
-    (C("GemmEpilogue", (300,), 768, 3072, "float16", "silu", "scalar", "scalar"), 6),
-    (C("GemmEpilogue", (1,), 768, 3072, "bfloat16", "none", "none", "none", alpha=0.5), 6),  # one row
-    (C("GemmEpilogue", (77,), 1024, 4096, "float16", "quick_gelu", "none", "full"), 8),
-    (C("GemmEpilogue", (512,), 4096, 1024, "float16", "gelu_erf", "vector", "none"), 1),     # narrow tiles
-    (C("GemmEpilogue", (333,), 4096, 11008, "bfloat16", "none", "none", "full"), 1),        # pingpong tiles
-    (C("GemmEpilogue", (300,), 2048, 256, "bfloat16", "none", "vector", "full"), 1),        # narrow, K < the ring
-    (C("GemmEpilogue", (300,), 12288, 520, "bfloat16", "none", "vector", "full"), 1),       # pingpong, 2-3 waves
-    (C("GemmEpilogue", (2, 100), 2304, 768, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"), 1),
-    (C("GemmEpilogue", (2, 700), 3072, 768, "float16", "silu", "scalar", "none"), 1),           # narrow, 2 tiles a CTA
-    (C("GemmEpilogue", (300,), 768, 3072, "float16", "relu2", "vector", "none"), 6),      # relu2 in the reduce
+    (C("GemmEpilogue", (512,), 768, 3072, "float16", "none", "vector", "full"), "pingpong split-K x4"),  # BERT-base FFN down
+    (C("GemmEpilogue", (3, 67), 1024, 4096, "bfloat16", "gelu_erf", "vector", "full", "before_activation"),
+     "pingpong split-K x8"),
+    (C("GemmEpilogue", (300,), 768, 3072, "float16", "silu", "scalar", "scalar"), "pingpong split-K x6"),
+    (C("GemmEpilogue", (1,), 768, 3072, "bfloat16", "none", "none", "none", alpha=0.5), "pingpong split-K x6"),  # one row
+    (C("GemmEpilogue", (77,), 1024, 4096, "float16", "quick_gelu", "none", "full"), "pingpong split-K x8"),
+    (C("GemmEpilogue", (512,), 4096, 1024, "float16", "gelu_erf", "vector", "none"), "narrow"),
+    (C("GemmEpilogue", (333,), 4096, 11008, "bfloat16", "none", "none", "full"), "pingpong"),
+    (C("GemmEpilogue", (300,), 2048, 256, "bfloat16", "none", "vector", "full"), "narrow"),      # K < pingpong's ring
+    (C("GemmEpilogue", (300,), 12288, 520, "bfloat16", "none", "vector", "full"), "pingpong"),   # 2-3 waves
+    (C("GemmEpilogue", (2, 100), 2304, 768, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"), "narrow"),
+    (C("GemmEpilogue", (2, 700), 3072, 768, "float16", "silu", "scalar", "none"), "narrow"),    # 2 tiles a CTA
+    (C("GemmEpilogue", (300,), 768, 3072, "float16", "relu2", "vector", "none"), "pingpong split-K x6"),  # relu2 in the reduce
 ]
 #: The cases every candidate config runs on (one per op and dtype class).
 CONFIG_CASES = [
@@ -228,18 +229,19 @@ def test_default_choice_is_tested(cuda_torch):
         assert configs_of(chosen.impl, case, arch)[0] == chosen
 
 
-@pytest.mark.parametrize("case,splits", PLAN_CASES, ids=lambda x: x.id() if hasattr(x, "id") else f"split{x}")
-def test_small_m_plan_matches_reference(case, splits, seed, cuda_torch):
-    """launch_plan's pingpong / split-K plan (what the classic plugin runs at this M) against the
-    float64 reference; output and workspace poisoned (0xFF: fp32 NaN) before each of two runs."""
+@pytest.mark.parametrize("case,kind", PLAN_CASES, ids=lambda x: x.id() if hasattr(x, "id") else x.replace(" ", "_"))
+def test_small_m_plan_matches_reference(case, kind, seed, cuda_torch):
+    """launch_plan's plan (what the classic plugin runs at this M, ``kind`` as testing.plan_kind
+    says it) against the float64 reference; output and workspace poisoned (0xFF: fp32 NaN) before
+    each of two runs."""
     from optfuse.kernels.launcher import launch_plan
 
     arch = _device_arch()
     if arch is None or int(arch) != 90:
         pytest.skip(f"the sm_90 kernel's plans (device sm_{arch})")
     plan = T.case_plan(case, arch)
-    assert plan is not None and len(plan.steps) == (1 if splits == 1 else 2)
-    assert int(plan.steps[0].source.defines["SPLIT_K"]) == splits
+    assert T.plan_kind(plan) == kind
+    assert len(plan.steps) == (2 if "split-K" in kind else 1)
     T.build_plan(plan, arch)
     gen = torch.Generator().manual_seed((seed + zlib.crc32(case.id().encode())) % (2 ** 31))
     ins = T.case_inputs(case, generator=gen)

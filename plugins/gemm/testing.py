@@ -192,6 +192,16 @@ def build_plan(plan, arch: int | None = None):
     return plan
 
 
+def plan_kind(plan) -> str | None:
+    """A run-time plan in words: ``pingpong``, ``pingpong split-K x<n>``, ``narrow`` (None: no plan,
+    the one kernel runs)."""
+    if plan is None:
+        return None
+    meta = plan.steps[0].source.meta
+    kind = meta["kernel"].removeprefix("cuda_sm90_")
+    return f"{kind} split-K x{meta['split_k']}" if meta["split_k"] > 1 else kind
+
+
 def new_workspace(plan, device="cpu"):
     """A workspace for ``plan``: uint8, every byte 0xFF (each fp32 partial a NaN until written)."""
     import torch
