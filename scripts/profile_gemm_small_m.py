@@ -40,9 +40,10 @@ L9 = plugin_module("gemm", "launch_sm90")
 B = script_module("bench_gemm")
 
 
-def config(impl: str):
-    stages = L9.stage_options(impl, "GemmEpilogue", "none")[0]
-    return L.GemmConfig(L9.BLOCK_M, L9.OUT_N[(impl, "GemmEpilogue")], L9.BLOCK_K, 8, 12, stages, impl)
+def config(impl: str, case):
+    """The first sm_90 candidate config of schedule ``impl`` for ``case`` (its deepest ring)."""
+    cands = L.candidate_configs(case.op, case.dtype, case.n, case.k, 90, T.case_static(case, 90), case.activation)
+    return next(c for c in cands if c.impl == impl)
 
 
 def points() -> list[tuple[str, "T.Case", object, int | None]]:
@@ -52,11 +53,13 @@ def points() -> list[tuple[str, "T.Case", object, int | None]]:
         for act, bias in (("gelu_erf", "vector"), ("none", "none")):
             for impl in (L9.PINGPONG, L9.NARROW):
                 label = f"M=512 N=3072 K={k} {act}+{bias} {impl.removeprefix('cuda_sm90_')}"
-                out.append((label, T.Case("GemmEpilogue", (512,), 3072, k, "float16", act, bias, "none"), config(impl), None))
+                case = T.Case("GemmEpilogue", (512,), 3072, k, "float16", act, bias, "none")
+                out.append((label, case, config(impl, case), None))
     for name in ("bert-base.ffn_up", "bert-large.ffn_up"):
         for m in (512, 2048):
+            case = B.case_of(name, m, "float16")
             for ftz in (0, 1):
-                out.append((f"{name} M={m} narrow ftz={ftz}", B.case_of(name, m, "float16"), config(L9.NARROW), ftz))
+                out.append((f"{name} M={m} narrow ftz={ftz}", case, config(L9.NARROW, case), ftz))
     return out
 
 

@@ -198,12 +198,13 @@ def sm90_schedules(op: str, k: int, static: dict, activation: str | None) -> tup
     last everywhere: launch_plan runs them where M is small, no static choice does."""
     residual = static.get("residual_mode", "none")
     plain = activation in (None, "none") and residual == "none" and op == "GemmEpilogue" and k <= 2048
-    narrow = launch_sm90.NARROW
     if plain:
-        return ("cuda_sm90_pingpong", launch_sm90.EPILOGUE_WG, "cuda_sm90", narrow)
-    if op == "GatedGemm" or residual == "full" or activation in (None, "none"):
-        return ("cuda_sm90", launch_sm90.EPILOGUE_WG, "cuda_sm90_pingpong", narrow)
-    return (launch_sm90.EPILOGUE_WG, "cuda_sm90", "cuda_sm90_pingpong", narrow)
+        order = ("cuda_sm90_pingpong", launch_sm90.EPILOGUE_WG, "cuda_sm90")
+    elif op == "GatedGemm" or residual == "full" or activation in (None, "none"):
+        order = ("cuda_sm90", launch_sm90.EPILOGUE_WG, "cuda_sm90_pingpong")
+    else:
+        order = (launch_sm90.EPILOGUE_WG, "cuda_sm90", "cuda_sm90_pingpong")
+    return (*order, launch_sm90.NARROW)
 
 
 def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None,
