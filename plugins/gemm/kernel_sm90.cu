@@ -32,6 +32,8 @@
 //   (sm90/splitk_reduce.cuh), adds them and applies the epilogue.
 // Narrow tiles (NARROW; launch.py's launch_plan, for small M): the cooperative schedule on
 //   128 x 128 tiles.
+// Three-quarter tiles (TILE_N 192; launch.py's launch_plan, where M and N give 128 x 256 tiles a
+//   badly filled last wave of the grid): the cooperative schedule on 128 x 192 tiles.
 //
 // Tiles (cooperative; ping-pong: 128 x 128): 128 rows of A by 256 rows of W. GemmEpilogue: 256
 // output columns. GatedGemm: W rows 0-127 of the tile are W_gate's rows n0..n0+127 and rows
@@ -48,7 +50,7 @@
 // Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16: y's type, and
 // A's unless IN_FP8), IN_FP8, W_SCALE_MODE, N_DIM, K_DIM (static), GATED, ACTIVATION
 // (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]), RESIDUAL_MODE (0 none, 1 scalar, 2
-// [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG, EPILOGUE_WG, SPLIT_K, NARROW.
+// [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG, EPILOGUE_WG, SPLIT_K, NARROW, TILE_N.
 // Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
@@ -141,8 +143,21 @@ typedef u16 in_t;
 #if NARROW && (PINGPONG || EPILOGUE_WG || GATED || IN_FP8)
 #error "narrow tiles: the cooperative schedule of a 16-bit GemmEpilogue"
 #endif
+// Tile width (TILE_N 192, GemmEpilogue at 16 bits on the cooperative schedule; launch.py's
+// launch_plan): with N = 768 at M = 4096 the 96 tiles of 128 x 256 leave 36 of 132 SMs idle and
+// 128 of 128 x 192 fill 128; the wave takes three quarters of the time. m64n192k16 per consumer
+// warpgroup, 96 accumulator registers; the epilogue passes over the whole 192 columns at once.
+#ifndef TILE_N
+#define TILE_N (PINGPONG || NARROW ? 128 : 256)
+#endif
+#if TILE_N == 192 && (PINGPONG || NARROW || EPILOGUE_WG || GATED || IN_FP8 || SPLIT_K > 1)
+#error "128 x 192 tiles: the cooperative schedule of a 16-bit GemmEpilogue"
+#endif
+#if TILE_N != 192 && TILE_N != (PINGPONG || NARROW ? 128 : 256)
+#error "TILE_N: 192, or the schedule's own width"
+#endif
 #define BLOCK_M 128                      // rows of A per tile (cooperative: 64 per consumer warpgroup)
-#define BLOCK_N (PINGPONG || NARROW ? 128 : 256)  // rows of W per tile
+#define BLOCK_N TILE_N                   // rows of W per tile
 #define BLOCK_K (128 / IN_BYTES)         // one 128-byte swizzle row: 64 16-bit or 128 FP8 values
 #define OUT_N (GATED ? 128 : BLOCK_N)    // output columns per tile
 #define SLABS (PINGPONG ? 2 : 1)         // 64-row wgmma slabs per consumer warpgroup and tile
@@ -154,7 +169,7 @@ typedef u16 in_t;
 #endif
 #define N_TILES ((N_DIM + OUT_N - 1) / OUT_N)
 #define A_BYTES (BLOCK_M * 128)          // 16 KB
-#define W_BYTES (BLOCK_N * 128)          // 32 KB
+#define W_BYTES (BLOCK_N * 128)          // 32 KB (128 x 192 tiles: 24 KB)
 #define K_STEP (32 / IN_BYTES)           // K of one wgmma: 32 bytes of the swizzle row
 #define STAGE_BYTES (A_BYTES + W_BYTES)
 #define NTHREADS 384                     // producer warpgroup + two consumer warpgroups
@@ -164,8 +179,8 @@ typedef u16 in_t;
 #define RESIDUAL_TMA (RESIDUAL_MODE == 2 && !PINGPONG && !EPILOGUE_WG && !NARROW)
 #define RESIDUAL_STAGED (RESIDUAL_MODE == 2 && !EPILOGUE_WG && SPLIT_K == 1)  // split-K: the reduce adds it
 #define EPI_ROWS (64 * SLABS)                   // rows of a warpgroup's tile
-#define ACC_REGS (NARROW ? 64 : 128)            // accumulator registers in use (a cooperative m64n128 / m64n256)
-#define EPI_COLS (RESIDUAL_TMA ? 256 : 128)     // output columns per epilogue pass
+#define ACC_REGS (SLABS * BLOCK_N / 2)          // accumulator registers in use (m64n128 / n192 / n256; pingpong 2 x n128)
+#define EPI_COLS (RESIDUAL_TMA || BLOCK_N == 192 ? OUT_N : 128)  // output columns per epilogue pass
 #define EPI_BYTES (EPI_ROWS * EPI_COLS * 2)
 #if EPILOGUE_WG
 #define PRODUCER_REGS 72                 // the producer's warpgroup also runs the epilogue warps
@@ -353,7 +368,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                     for (int c = 0; c < 2; ++c) {
                         mbar_wait(BAR_RES_EMPTY(c), (tc & 1) ^ 1);
                         mbar_expect_tx(BAR_RES_FULL(c), EPI_BYTES);
-                        for (int b = 0; b < 4; ++b)
+                        for (int b = 0; b < OUT_N / 64; ++b)
                             tma_load_2d(SLOT_EPI(c) + b * (64 * 128), maps + 256, n0 + 64 * b, m0 + 64 * c, BAR_RES_FULL(c));
                     }
                 }
@@ -470,6 +485,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 for (int kk = 0; kk < BLOCK_K / K_STEP; ++kk) {  // K_STEP columns = 32 bytes of the swizzle row
 #if NARROW
                     wgmma_n128(*reinterpret_cast<float(*)[64]>(&acc[0]), kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32),
+                               kmajor_desc(SLOT_W(s) + kk * 32));
+#elif BLOCK_N == 192
+                    wgmma_n192(*reinterpret_cast<float(*)[96]>(&acc[0]), kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32),
                                kmajor_desc(SLOT_W(s) + kk * 32));
 #else
                     wgmma_n256(acc, kmajor_desc(SLOT_A(s) + c * (64 * 128) + kk * 32), kmajor_desc(SLOT_W(s) + kk * 32));

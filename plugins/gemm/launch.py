@@ -194,8 +194,9 @@ def sm90_schedules(op: str, k: int, static: dict, activation: str | None) -> tup
     where its 128 x 128 tiles and overlapped epilogue win from M = 512 to 4096; cooperative where a
     full residual comes by TMA during the mainloop (FFN down) and for GatedGemm; the epilogue-warp
     schedule (cooperative tiles, the epilogue of each tile but the last hidden behind the next
-    tile's mainloop) for the other GemmEpilogue instances: those with an activation. Narrow tiles come
-    last everywhere: launch_plan runs them where M is small, no static choice does."""
+    tile's mainloop) for the other GemmEpilogue instances: those with an activation. Narrow tiles and
+    128 x 192 tiles come last everywhere: launch_plan runs them where M is known (small, or filling the
+    grid's waves badly)."""
     residual = static.get("residual_mode", "none")
     plain = activation in (None, "none") and residual == "none" and op == "GemmEpilogue" and k <= 2048
     if plain:
@@ -204,7 +205,7 @@ def sm90_schedules(op: str, k: int, static: dict, activation: str | None) -> tup
         order = ("cuda_sm90", launch_sm90.EPILOGUE_WG, "cuda_sm90_pingpong")
     else:
         order = (launch_sm90.EPILOGUE_WG, "cuda_sm90", "cuda_sm90_pingpong")
-    return (*order, launch_sm90.NARROW)
+    return (*order, launch_sm90.NARROW, launch_sm90.TILE_192)
 
 
 def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch: int | None,
@@ -514,7 +515,7 @@ def _sm90_source(op: str, dtype: str, n: int, k: int, epi: Epilogue, cfg: GemmCo
 
 
 #: The CUDA sm_90 kernel's schedules, the one chosen first where both take an instance.
-SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90", launch_sm90.EPILOGUE_WG, launch_sm90.NARROW)
+SM90_SCHEDULES = ("cuda_sm90_pingpong", "cuda_sm90", launch_sm90.EPILOGUE_WG, launch_sm90.NARROW, launch_sm90.TILE_192)
 #: impl -> the function making its KernelSource (one entry per kernel source).
 _SOURCES = {"triton": _triton_source, **{impl: _sm90_source for impl in SM90_SCHEDULES}}
 
@@ -577,7 +578,9 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     """At concrete shapes, where the sm_90 kernel was chosen for large M and this M leaves most
     SMs idle (launch_sm90.small_m_schedule): narrow tiles or the pingpong kernel alone, or split-K --
     the pingpong kernel writing fp32 partial planes to the workspace, then gemm_sm90_splitk_reduce (op inputs
-    A, W[, bias][, residual] -> workspace -> y). None: the one kernel of kernel_config /
+    A, W[, bias][, residual] -> workspace -> y); 128 x 192 tiles instead of the static choice or an
+    unsplit small-M plan where they fill the grid's waves much better (launch_sm90.wave_schedule).
+    None: the one kernel of kernel_config /
     launch_params runs (what QDP's AOT path always runs)."""
     op = _check_op(op)
     dtype = norm_dtype(dtypes[0])
@@ -589,6 +592,8 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
         return None
     m = int(rows_of([int(d) for d in shapes[0]]))
     choice = launch_sm90.small_m_schedule(op, dtype, m, n, k, cfg.impl, static, epi.activation)
+    if choice is None or choice[2] == 1:  # one kernel: 128 x 192 tiles where they fill the waves better
+        choice = launch_sm90.wave_schedule(op, dtype, m, n, k, choice[0] if choice else cfg.impl, static) or choice
     if choice is None:
         return None
     impl, stages, splits = choice

@@ -1,10 +1,10 @@
 """The sm_90 CUDA C++ GEMM (kernel_sm90.cu): which instances it takes, what to compile, how to launch.
 
 launch.py picks it (``GemmConfig.impl`` ``cuda_sm90``: the cooperative schedule,
-``cuda_sm90_pingpong``, ``cuda_sm90_epilogue_wg``; ``cuda_sm90_narrow`` in run-time plans only) where
-:func:`takes` says it can run; this module holds the kernel's own facts: its fixed tiles (cooperative:
-128 rows of A by 256 rows of W, 256 output columns, GatedGemm 128; pingpong: 128 x 128 per consumer
-warpgroup; narrow: 128 x 128 shared by both), its shared memory, its persistent grid
+``cuda_sm90_pingpong``, ``cuda_sm90_epilogue_wg``; ``cuda_sm90_narrow`` and ``cuda_sm90_n192`` in run-time
+plans only) where :func:`takes` says it can run; this module holds the kernel's own facts: its fixed tiles
+(cooperative: 128 rows of A by 256 rows of W, 256 output columns, GatedGemm 128; pingpong: 128 x 128 per
+consumer warpgroup; narrow: 128 x 128 shared by both; n192: 128 x 192 shared by both), its shared memory, its persistent grid
 (``sm_count`` CTAs, default 132: H100 SXM / H200; the only extra argument is M), the tensor-map
 room it needs in y.
 """
@@ -28,14 +28,20 @@ PINGPONG = "cuda_sm90_pingpong"
 EPILOGUE_WG = "cuda_sm90_epilogue_wg"
 #: the cooperative schedule on 128 x 128 tiles (kernel_sm90.cu, NARROW): small M, GemmEpilogue
 NARROW = "cuda_sm90_narrow"
+#: the cooperative schedule on 128 x 192 tiles (kernel_sm90.cu, TILE_N 192): GemmEpilogue, where M and N
+#: fill the grid's last wave of 128 x 256 tiles badly
+TILE_192 = "cuda_sm90_n192"
 #: output columns per tile (kernel_sm90.cu, "Tiles"), by impl and op
 OUT_N = {("cuda_sm90", "GemmEpilogue"): 256, ("cuda_sm90", "GatedGemm"): 128, (PINGPONG, "GemmEpilogue"): 128,
-         (EPILOGUE_WG, "GemmEpilogue"): 256, (EPILOGUE_WG, "GatedGemm"): 128, (NARROW, "GemmEpilogue"): 128}
+         (EPILOGUE_WG, "GemmEpilogue"): 256, (EPILOGUE_WG, "GatedGemm"): 128, (NARROW, "GemmEpilogue"): 128,
+         (TILE_192, "GemmEpilogue"): 192}
+#: rows of W per tile (the MMA's N), by impl
+TILE_N = {PINGPONG: 128, NARROW: 128, TILE_192: 192}
 MAX_SMEM = 227 * 1024
 
 
 def _stage_bytes(impl: str) -> int:
-    return (BLOCK_M + (128 if impl in (PINGPONG, NARROW) else 256)) * BLOCK_K * 2
+    return (BLOCK_M + TILE_N.get(impl, 256)) * BLOCK_K * 2
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2}
 FP8 = "float8e4m3fn"
 _SCALE_CODE = {"scalar": 1, "vector": 2}
@@ -46,8 +52,9 @@ ACTIVATION_CODES = SPECS["GemmEpilogue"].attr("activation").choices
 
 
 def residual_by_tma(impl: str, op: str, residual_mode: str) -> bool:
-    """Cooperative: a full residual comes by TMA into the epilogue stage (64 x 256 a warpgroup)."""
-    return impl == "cuda_sm90" and op == "GemmEpilogue" and residual_mode == "full"
+    """Cooperative: a full residual comes by TMA into the epilogue stage (64 x 256 a warpgroup; 128 x
+    192 tiles: 64 x 192)."""
+    return impl in ("cuda_sm90", TILE_192) and op == "GemmEpilogue" and residual_mode == "full"
 
 
 
@@ -59,6 +66,8 @@ def shared_mem(impl: str, op: str, stages: int, residual_mode: str) -> int:
         epi = 64 * 128 * 2  # a warpgroup's 64 x 128 tile
     elif impl == EPILOGUE_WG:
         epi = BLOCK_M * 256  # half the 64 KB hand-over tile (2 * epi below)
+    elif impl == TILE_192:
+        epi = 64 * 192 * 2  # a warpgroup's whole 64 x 192 tile, one pass
     else:
         epi = 64 * (256 if residual_by_tma(impl, op, residual_mode) else 128) * 2
     barriers = 8 * (2 * stages + (6 if impl == EPILOGUE_WG else 4))
@@ -82,10 +91,10 @@ def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cud
         if out_dtype not in _DTYPE_CODE:
             return f"FP8 with y in {out_dtype}: fp16 / bf16 only"
         dtype = out_dtype  # what bias, residual and y must be
-    if impl in (PINGPONG, NARROW):
+    if impl in (PINGPONG, NARROW, TILE_192):
         if op != "GemmEpilogue":
             return f"{impl}: GemmEpilogue only"
-        if n % 128:
+        if n % 128 and impl != TILE_192:
             return f"{impl}: N = {n} is not a multiple of 128 (the tensor maps fill a tile row)"
     if impl == PINGPONG:
         if k is not None and -(-k // BLOCK_K) < stage_options(impl, op, static.get("residual_mode", "none"))[0]:
@@ -140,6 +149,8 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
         "SPLIT_K": str(split_k),
         "NARROW": str(int(impl == NARROW)),
     }
+    if impl == TILE_192:
+        defines["TILE_N"] = "192"
     n_inputs = 3 if gated else 2 + (epi.bias_mode != "none") + (epi.residual_mode != "none")
     if fp8:
         n_inputs += 3 if gated else 2  # a_scale and the weight scale(s)
@@ -233,6 +244,38 @@ def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, sta
     if pingpong_takes and 2 * grid < tiles <= 3 * grid:
         return PINGPONG, stages, 1
     return None
+
+
+# -- any M (launch.launch_plan, where small_m_schedule keeps the static choice): 128 x 192 tiles ----
+#: 128 x 192 tiles replace the static schedule where their waves' work is at most this fraction of its
+#: waves' (wave_cost): N = 768 at M = 4096 or 8192 (0.75), not at equal costs (N = 3072 at M = 4096).
+TILE_192_MAX_COST = 0.85
+
+
+def wave_cost(impl: str, m: int, n: int, grid: int) -> float:
+    """A persistent launch's time in units of one 128 x 256 tile's mainloop: the tiles of the busiest
+    CTA (tiles are taken round-robin) by their width. Ping-pong's two warpgroups share the tensor
+    cores, so its 128 x 128 tiles weigh half as well."""
+    width = TILE_N.get(impl, 256)
+    tiles = -(-m // BLOCK_M) * -(-n // width)
+    return -(-tiles // grid) * width / 256
+
+
+def wave_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
+                  static: dict) -> tuple[str, int, int] | None:
+    """(TILE_192, ring stages, 1) where 128 x 192 tiles fill the grid's waves so much better than
+    ``impl`` (the static choice, or small_m_schedule's unsplit one) that they take at most
+    TILE_192_MAX_COST of its time (wave_cost), or None. H100, fp16, same run: BERT-base's FFN down
+    (N = 768) at M = 4096, 96 tiles of 128 x 256 on 132 SMs against 128 of 128 x 192: 41.8 -> 36.3
+    us; its FFN up at M = 1024, 192 narrow tiles against 128: 15.6 -> 13.6 us."""
+    if op != "GemmEpilogue" or impl == TILE_192:
+        return None
+    if takes(op, dtype, n, static, static.get("arch"), TILE_192, k) is not None:
+        return None
+    grid = int(static.get("sm_count") or SM90_GRID)
+    if wave_cost(TILE_192, m, n, grid) > TILE_192_MAX_COST * wave_cost(impl, m, n, grid):
+        return None
+    return TILE_192, stage_options(TILE_192, op, static.get("residual_mode", "none"))[0], 1
 
 
 def reduce_source(op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, split_k: int,

@@ -15,6 +15,7 @@ from optfuse.kernels.testing import cubin_usage, cuobjdump  # noqa: E402
 
 L = plugin_module("gemm", "launch")
 T = plugin_module("gemm", "testing")
+L9 = plugin_module("gemm", "launch_sm90")
 
 
 @pytest.mark.parametrize("arch,case", [
@@ -223,16 +224,19 @@ def _plan(case):
     return L.launch_plan(case.op, case.shapes(), case.dtypes(), case.attrs, static_shape=T.case_static(case, 90))
 
 
+def shape_of(case):
+    """(kernel, splits, steps) of the run-time plan at 132 SMs, None where the one kernel runs."""
+    plan = _plan(case)
+    return None if plan is None else (plan.steps[0].source.meta["kernel"], plan.steps[0].source.meta["split_k"],
+                                      len(plan.steps))
+
+
 def test_small_m_plan_choice():
     """At run time, in 128 x 128 tiles: at most half a tile per CTA, pingpong with K split into the
     largest divisor of the k-blocks that keeps units <= 132 and >= 8 k-blocks each; otherwise, with
     an activation, narrow tiles up to a tile per CTA (three with K <= 1024); without one, pingpong
     up to a tile per CTA and at 2-3 waves of tiles; larger M, GatedGemm, FP8 and other archs keep
-    the one kernel (None)."""
-    def shape_of(case):
-        plan = _plan(case)
-        return None if plan is None else (plan.steps[0].source.meta["kernel"], plan.steps[0].source.meta["split_k"],
-                                          len(plan.steps))
+    the one kernel (None) or take 128 x 192 tiles (test_wave_plan_choice)."""
     C = T.Case
     assert shape_of(C("GemmEpilogue", (512,), 768, 3072, "float16", "none", "vector", "full")) == ("cuda_sm90_pingpong", 4, 2)
     assert shape_of(C("GemmEpilogue", (512,), 1024, 4096, "float16", "none", "vector", "full")) == ("cuda_sm90_pingpong", 4, 2)
@@ -245,21 +249,20 @@ def test_small_m_plan_choice():
     assert shape_of(C("GemmEpilogue", (512,), 2304, 768, "float16", "none", "vector", "none")) is None  # pingpong, static
     # K = 256 is shorter than pingpong's ring
     assert shape_of(C("GemmEpilogue", (512,), 2048, 256, "float16", "none", "vector", "full")) == ("cuda_sm90_narrow", 1, 1)
-    # with an activation and K <= 1024, up to 3 tiles a CTA: 1024 and 2048 rows (192 and 384
-    # tiles), not 4096 (768) nor K = 3072
-    for m in (1024, 2048):
-        assert shape_of(C("GemmEpilogue", (m,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == \
-            ("cuda_sm90_narrow", 1, 1)
+    # with an activation and K <= 1024, up to 3 tiles a CTA: 2048 rows (384 tiles; at 1024 rows 128 x
+    # 192 tiles fill the waves better: test_wave_plan_choice), not 4096 (768) nor K = 3072
+    assert shape_of(C("GemmEpilogue", (2048,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == \
+        ("cuda_sm90_narrow", 1, 1)
     assert shape_of(C("GemmEpilogue", (4096,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
-    assert shape_of(C("GemmEpilogue", (1024,), 3072, 3072, "float16", "gelu_erf", "vector", "none")) is None
+    # K = 3072: no narrow tiles; 96 tiles of 128 x 256 take 128 x 192 tiles (test_wave_plan_choice)
+    assert shape_of(C("GemmEpilogue", (1024,), 3072, 3072, "float16", "gelu_erf", "vector", "none")) == \
+        ("cuda_sm90_n192", 1, 1)
     # without one, past a tile a CTA: the static choice, except pingpong at 2-3 waves (LLaMA-7B QKV,
     # M = 512: 384 tiles of 128 x 128, 192 of 128 x 256)
     assert shape_of(C("GemmEpilogue", (512,), 12288, 4096, "float16", "none", "none", "none")) == ("cuda_sm90_pingpong", 1, 1)
     assert shape_of(C("GemmEpilogue", (1024,), 12288, 4096, "float16", "none", "none", "none")) is None
     assert shape_of(C("GemmEpilogue", (1024,), 4096, 11008, "float16", "none", "none", "full")) is None
-    assert shape_of(C("GemmEpilogue", (1024,), 2304, 768, "float16", "none", "vector", "none")) is None
     assert shape_of(C("GemmEpilogue", (2560,), 1024, 4096, "float16", "none", "vector", "full")) is None
-    assert shape_of(C("GemmEpilogue", (4096,), 768, 3072, "float16", "none", "vector", "full")) is None
     assert shape_of(C("GemmEpilogue", (32768,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
     # N = 1184: the cooperative kernel takes it (a 160-column last tile), neither 128 x 128 schedule does
     case = C("GemmEpilogue", (512,), 1184, 768, "float16", "gelu_erf", "vector", "none")
@@ -311,3 +314,42 @@ def test_split_k_plan_compiles(tmp_path, case, reduce_inputs):
     gemm_ptx = KernelCache(tmp_path).build(plan.steps[0].source, 90).ptx
     assert "wgmma.mma_async" in gemm_ptx
     assert plan.steps[1].source.n_inputs == reduce_inputs
+
+
+def test_wave_plan_choice():
+    """128 x 192 tiles where their waves take at most 0.85 of those of the static choice or of an
+    unsplit small-M plan (in 128 x 256 tiles' work: tiles of the busiest CTA x width / 256), N
+    taking them; split-K plans stay."""
+    C = T.Case
+    n192 = ("cuda_sm90_n192", 1, 1)
+    # BERT-base FFN down, M = 4096: 96 tiles of 128 x 256 (1.0) against 128 of 128 x 192 (0.75)
+    assert shape_of(C("GemmEpilogue", (4096,), 768, 3072, "float16", "none", "vector", "full")) == n192
+    assert shape_of(C("GemmEpilogue", (2, 2000), 768, 3072, "bfloat16", "none", "vector", "full")) == n192
+    # ... with an activation and K > 1024 (no narrow tiles): the epilogue-warp schedule's waves
+    assert shape_of(C("GemmEpilogue", (4000,), 768, 3072, "float16", "gelu_tanh", "scalar", "none")) == n192
+    # BERT-base QKV, M = 1024: pingpong's 144 tiles (two on 12 CTAs: 1.0) against 96 (0.75)
+    assert shape_of(C("GemmEpilogue", (1024,), 2304, 768, "float16", "none", "vector", "none")) == n192
+    # BERT-base FFN up, M = 1024: 192 narrow tiles (two on 60 CTAs: 1.0) against 128 (0.75); not at
+    # 512 rows (96 narrow tiles: 0.5 against 0.75) nor at 2048 (1.5 both)
+    assert shape_of(C("GemmEpilogue", (1024,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == n192
+    assert shape_of(C("GemmEpilogue", (512,), 3072, 768, "float16", "gelu_erf", "vector", "none"))[0] == \
+        "cuda_sm90_narrow"
+    # split-K at M = 512 (0.5 tiles a CTA) stays
+    assert shape_of(C("GemmEpilogue", (512,), 768, 3072, "float16", "none", "vector", "full"))[1] == 4
+    # equal costs keep the static choice: N = 768 at M = 16384 (384 / 512 tiles: 3.0 both),
+    # BERT-base FFN up at 4096 (384 / 512), LLaMA-7B QKV at 1024 (384 / 512)
+    assert shape_of(C("GemmEpilogue", (16384,), 768, 3072, "float16", "none", "vector", "full")) is None
+    assert shape_of(C("GemmEpilogue", (4096,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
+    assert shape_of(C("GemmEpilogue", (1024,), 12288, 4096, "float16", "none", "none", "none")) is None
+    # N = 4096: 22 column tiles of 192 (1.5) against 16 of 256 (1.0) at M = 1024
+    assert shape_of(C("GemmEpilogue", (1024,), 4096, 11008, "float16", "none", "none", "full")) is None
+    # N = 1024 with a TMA residual: the last 64-column tile is too narrow for the three tensor maps
+    case = C("GemmEpilogue", (2560,), 1024, 4096, "float16", "none", "vector", "full")
+    assert L9.takes(case.op, case.dtype, case.n, T.case_static(case, 90), 90, L9.TILE_192, case.k) is not None
+    assert shape_of(case) is None
+    # GatedGemm and FP8 stay on their static kernel
+    assert shape_of(C("GatedGemm", (4096,), 768, 3072, "float16", "silu")) is None
+    assert shape_of(C("GemmEpilogue", (4096,), 768, 3072, "float8e4m3fn", "none", "vector", "full",
+                      output_dtype="bfloat16")) is None
+    assert L9.wave_cost(L9.TILE_192, 4096, 768, 132) == 0.75
+    assert L9.wave_cost("cuda_sm90_pingpong", 1024, 2304, 132) == 1.0

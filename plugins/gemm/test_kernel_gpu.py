@@ -31,7 +31,8 @@ L = plugin_module("gemm", "launch")
 pytestmark = pytest.mark.gpu
 
 #: The kernel sources under test (GemmConfig.impl values).
-KERNEL_SOURCES = ["cuda_sm90_pingpong", "cuda_sm90", "cuda_sm90_epilogue_wg", "cuda_sm90_narrow", "triton"]
+KERNEL_SOURCES = ["cuda_sm90_pingpong", "cuda_sm90", "cuda_sm90_epilogue_wg", "cuda_sm90_narrow", "cuda_sm90_n192",
+                  "triton"]
 
 C = T.Case
 _ACTS = ("none", "relu", "gelu_erf", "gelu_tanh", "quick_gelu", "silu", "sigmoid", "tanh", "relu2")
@@ -67,6 +68,9 @@ CASES = [
     # every activation where the 128 x 128 schedules take it (N a multiple of 128): narrow tiles'
     # short (FTZ) activation forms
     *[C("GemmEpilogue", (3, 67), 1024, 776, "bfloat16", a, "vector", "full") for a in _ACTS],
+    # 128 x 192 tiles' last column tile 128 wide (N = 2048), and several tiles a CTA
+    C("GemmEpilogue", (2, 1500), 2048, 776, "float16", "gelu_erf", "vector", "none"),
+    C("GemmEpilogue", (5000,), 768, 1544, "bfloat16", "none", "scalar", "full", "before_activation"),
 ]
 _FP8 = "float8e4m3fn"
 _EDGE = {"headroom": 0.5}  # the largest values saturated at +-448
@@ -109,6 +113,10 @@ PLAN_CASES = [
     (C("GemmEpilogue", (2, 100), 2304, 768, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"), "narrow"),
     (C("GemmEpilogue", (2, 700), 3072, 768, "float16", "silu", "scalar", "none"), "narrow"),    # 2 tiles a CTA
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "relu2", "vector", "none"), "pingpong split-K x6"),  # relu2 in the reduce
+    # 128 x 192 tiles where they fill the waves better (BERT-base FFN down and QKV shapes)
+    (C("GemmEpilogue", (2, 2000), 768, 3072, "bfloat16", "none", "vector", "full"), "n192"),
+    (C("GemmEpilogue", (4000,), 768, 3072, "float16", "gelu_tanh", "scalar", "none"), "n192"),
+    (C("GemmEpilogue", (1000,), 2304, 768, "float16", "none", "vector", "none"), "n192"),
 ]
 #: The cases every candidate config runs on (one per op and dtype class).
 CONFIG_CASES = [
