@@ -17,7 +17,9 @@ tensor maps, ring fill, drain), and the difference of the two epilogues the epil
 narrow tiles with the consumers' activation in its short (FTZ) form and in the full one, on BERT-base
 and BERT-large FFN up at M = 512 and 2048. Each artifact's output is checked against the float64
 chain before it is timed. A development tool: it answers "is the loss in the mainloop, the epilogue
-or the fixed cost?" before a kernel change is designed.
+or the fixed cost?" before a kernel change is designed. Last, 128 x 192 tiles with the short and the full
+activation forms where plans run them with an activation (BERT-base FFN up at M = 1024; N = 768, K = 3072 at
+M = 4096).
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def points() -> list[tuple[str, "T.Case", object, int | None]]:
             case = B.case_of(name, m, "float16")
             for ftz in (0, 1):
                 out.append((f"{name} M={m} narrow ftz={ftz}", case, config(L9.NARROW, case), ftz))
+    for label, case in (("bert-base.ffn_up M=1024", B.case_of("bert-base.ffn_up", 1024, "float16")),
+                        ("M=4096 N=768 K=3072 gelu_tanh", T.Case("GemmEpilogue", (4096,), 768, 3072, "float16",
+                                                                 "gelu_tanh", "vector", "none"))):
+        for ftz in (0, 1):
+            out.append((f"{label} n192 ftz={ftz}", case, config(L9.TILE_192, case), ftz))
     return out
 
 

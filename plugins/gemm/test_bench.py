@@ -114,14 +114,15 @@ def test_fp8_points_sources_and_table(capsys):
 
 def test_profile_small_m_sources():
     """scripts/profile_gemm_small_m.py: one sm_90 source per specialization (M is dynamic); the FTZ
-    points differ from the default narrow build only by CONSUMER_FTZ; the 128 x 128 schedules."""
+    points differ from the default narrow / 128 x 192 build only by CONSUMER_FTZ."""
     prof = script_module("profile_gemm_small_m")
     pts = prof.points()
     srcs = [prof.source(case, cfg, ftz)[0] for _, case, cfg, ftz in pts]
     specs = {(c.n, c.k, c.activation, c.bias, cfg.impl, f) for _, c, cfg, f in pts}
-    assert len({s.name for s in srcs}) == len(specs) == 16
-    assert {cfg.impl for _, _, cfg, _ in pts} == {"cuda_sm90_pingpong", "cuda_sm90_narrow"}
-    ftz = [(s, f) for s, (_, _, _, f) in zip(srcs, pts) if f is not None]
-    assert {f for _, f in ftz} == {0, 1}
-    for s, f in ftz:
-        assert s.defines["CONSUMER_FTZ"] == str(f) and s.defines["NARROW"] == "1"
+    assert len({s.name for s in srcs}) == len(specs) == 20
+    assert {cfg.impl for _, _, cfg, _ in pts} == {"cuda_sm90_pingpong", "cuda_sm90_narrow", "cuda_sm90_n192"}
+    ftz = [(s, f, case, cfg) for s, (_, case, cfg, f) in zip(srcs, pts) if f is not None]
+    assert {f for _, f, _, _ in ftz} == {0, 1}
+    for s, f, case, cfg in ftz:
+        assert s.defines == {**prof.source(case, cfg, None)[0].defines, "CONSUMER_FTZ": str(f)}
+        assert s.defines["NARROW"] == "1" or s.defines["TILE_N"] == "192"

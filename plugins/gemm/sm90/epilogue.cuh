@@ -14,11 +14,12 @@
 // (.ftz): without, each costs a range test and two scaling multiplies more, a quarter of GELU's
 // instructions; a flushed value (below 2^-126: e^-x past x = 87, 1 / (1 + e^-x) before x = -87)
 // moves an activation by less than 2^-126 |x|. The epilogue warps (epilogue_wg.cuh), whose
-// instruction rate bounds their schedule, take FTZ; so do the consumers of narrow tiles (NARROW: 64
-// accumulator registers); the other consumers do not: with the shorter code ptxas schedules their
-// epilogue wider and spills (16 bytes with gelu_tanh, 40 in FP8 with a scalar bias and silu).
+// instruction rate bounds their schedule, take FTZ; so do the consumers of narrow and 128 x 192
+// tiles (NARROW, TILE_N 192: 64 / 96 accumulator registers, no spills with any activation); the other
+// consumers do not: with the shorter code ptxas schedules their epilogue wider and spills (16 bytes
+// with gelu_tanh, 40 in FP8 with a scalar bias and silu).
 #ifndef CONSUMER_FTZ
-#define CONSUMER_FTZ NARROW
+#define CONSUMER_FTZ (NARROW || BLOCK_N == 192)
 #endif
 template <bool FTZ>
 __device__ __forceinline__ float exp2_approx(float x) {
