@@ -573,33 +573,24 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
 
 
 # -- run-time plans (the classic plugin: M known at enqueue) ---------------------------------------
-def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict | None,
-                cdiv=_cdiv, *, static_shape: dict | None = None) -> LaunchPlan | None:
-    """At concrete shapes, where the sm_90 kernel was chosen for large M and this M leaves most
-    SMs idle (launch_sm90.small_m_schedule): narrow tiles or the pingpong kernel alone, or split-K --
-    the pingpong kernel writing fp32 partial planes to the workspace, then gemm_sm90_splitk_reduce (op inputs
-    A, W[, bias][, residual] -> workspace -> y); 128 x 192 tiles instead of the static choice or an
-    unsplit small-M plan where they fill the grid's waves much better (launch_sm90.wave_schedule).
-    None: the one kernel of kernel_config /
-    launch_params runs (what QDP's AOT path always runs)."""
-    op = _check_op(op)
-    dtype = norm_dtype(dtypes[0])
-    static = static_shape if static_shape is not None else _static_shape_of(op, shapes, dtypes)
-    n, k = _dims(static)
-    epi = epilogue_of(op, attrs, static, dtype)
-    cfg = _config_for(op, dtype, n, k, static, None, epi)
-    if cfg.impl not in SM90_SCHEDULES:
-        return None
-    m = int(rows_of([int(d) for d in shapes[0]]))
-    choice = launch_sm90.small_m_schedule(op, dtype, m, n, k, cfg.impl, static, epi.activation)
-    if choice is None or choice[2] == 1:  # one kernel: 128 x 192 tiles where they fill the waves better
-        choice = launch_sm90.wave_schedule(op, dtype, m, n, k, choice[0] if choice else cfg.impl, static) or choice
-    if choice is None:
-        return None
+def plan_choice(op: str, dtype: str, m: int, n: int, k: int, impl: str, static: dict,
+                activation: str) -> tuple[str, int, int] | None:
+    """(schedule, ring stages, splits) of the run-time plan at M = ``m`` rows, where the static choice
+    is the sm_90 schedule ``impl``; None: that one kernel runs. launch_sm90.small_m_schedule first;
+    where it leaves one kernel (the static choice or an unsplit plan), 128 x 192 tiles instead if they
+    fill the grid's waves much better (launch_sm90.wave_schedule)."""
+    choice = launch_sm90.small_m_schedule(op, dtype, m, n, k, impl, static, activation)
+    if choice is None or choice[2] == 1:
+        choice = launch_sm90.wave_schedule(op, dtype, m, n, k, choice[0] if choice else impl, static) or choice
+    return choice
+
+
+def _plan_of(op: str, dtype: str, n: int, k: int, m: Any, epi: Epilogue, cfg: GemmConfig, static: dict,
+             choice: tuple[str, int, int], present: Sequence[int]) -> LaunchPlan:
+    """The LaunchPlan of ``choice`` (plan_choice) for ``m`` rows; ``present``: the op inputs given."""
     impl, stages, splits = choice
     pp = replace(cfg, block_n=launch_sm90.OUT_N[(impl, op)], num_stages=stages, impl=impl)
     name = _source_name(op, dtype, n, k, epi, pp)
-    present = [i for i, s in enumerate(shapes) if s is not None]
     params = launch_sm90.launch(pp.impl, op, m, stages, epi.residual_mode, static)
     if splits == 1:
         src = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, name)
@@ -612,6 +603,56 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
         PlanStep(reduce, launch_sm90.reduce_launch(m, n), [Buffer("workspace", 0), *epilogue_inputs],
                  [Buffer("output", 0)]),
     ], splits * m * n * 4)
+
+
+def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict | None,
+                cdiv=_cdiv, *, static_shape: dict | None = None) -> LaunchPlan | None:
+    """At concrete shapes, where the sm_90 kernel was chosen for large M and this M leaves most
+    SMs idle (launch_sm90.small_m_schedule): narrow tiles or the pingpong kernel alone, or split-K --
+    the pingpong kernel writing fp32 partial planes to the workspace, then gemm_sm90_splitk_reduce (op inputs
+    A, W[, bias][, residual] -> workspace -> y); 128 x 192 tiles instead of the static choice or an
+    unsplit small-M plan where they fill the grid's waves much better (launch_sm90.wave_schedule).
+    None: the one kernel of kernel_config / launch_params runs (what QDP's AOT path always runs)."""
+    op = _check_op(op)
+    dtype = norm_dtype(dtypes[0])
+    static = static_shape if static_shape is not None else _static_shape_of(op, shapes, dtypes)
+    n, k = _dims(static)
+    epi = epilogue_of(op, attrs, static, dtype)
+    cfg = _config_for(op, dtype, n, k, static, None, epi)
+    if cfg.impl not in SM90_SCHEDULES:
+        return None
+    m = int(rows_of([int(d) for d in shapes[0]]))
+    choice = plan_choice(op, dtype, m, n, k, cfg.impl, static, epi.activation)
+    if choice is None:
+        return None
+    return _plan_of(op, dtype, n, k, m, epi, cfg, static, choice, [i for i, s in enumerate(shapes) if s is not None])
+
+
+#: Row blocks (128 rows) up to which prebuild_sources looks for run-time plans: M <= 128k rows.
+PLAN_ROW_BLOCKS = 1024
+
+
+def plan_sources(op: Any, dtype: Any, attrs: dict | None, static_shape: dict) -> list[KernelSource]:
+    """Every kernel a run-time plan of this instance can launch at any M up to PLAN_ROW_BLOCKS x 128
+    rows (plans depend on M only through its 128-row blocks), each source once; none where the
+    static choice is not the sm_90 kernel."""
+    op = _check_op(op)
+    dtype = norm_dtype(dtype)
+    n, k = _dims(static_shape)
+    epi = epilogue_of(op, attrs, static_shape, dtype)
+    cfg = _config_for(op, dtype, n, k, static_shape, None, epi)
+    if cfg.impl not in SM90_SCHEDULES:
+        return []
+    choices = {plan_choice(op, dtype, 128 * blocks, n, k, cfg.impl, static_shape, epi.activation)
+               for blocks in range(1, PLAN_ROW_BLOCKS + 1)}
+    given = {"A", "W", "W_gate", "W_up"} | ({"bias"} if epi.bias_mode != "none" else set()) \
+        | ({"residual"} if epi.residual_mode != "none" else set())
+    present = [i for i, name in enumerate(_INPUTS[op]) if name in given]
+    out = {}
+    for choice in sorted(c for c in choices if c is not None):
+        for step in _plan_of(op, dtype, n, k, 128, epi, cfg, static_shape, choice, present).steps:
+            out[step.source.name] = step.source
+    return list(out.values())
 
 
 def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[Any] | None], max_shapes: Sequence[Sequence[Any] | None],
@@ -652,8 +693,10 @@ PREBUILD_FP8_OUTPUTS = ("float16", "bfloat16")
 
 
 def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
-    """Every PREBUILD_SHAPES entry at every dtype, with the config ``arch`` picks; FP8 (per-channel
-    weight scales, y in each PREBUILD_FP8_OUTPUTS dtype) where ``arch`` has FP8 tensor cores or is unknown."""
+    """Every PREBUILD_SHAPES entry at every dtype, with the config ``arch`` picks, and on sm_90 the
+    kernels of its run-time plans (plan_sources: `optfuse kernels build` leaves nothing for the classic
+    plugin to compile at its first enqueue); FP8 (per-channel weight scales, y in each
+    PREBUILD_FP8_OUTPUTS dtype) where ``arch`` has FP8 tensor cores or is unknown."""
     out = []
     fp8_ok = arch is None or int(arch) >= FP8_MIN_ARCH
     for op, n, k, bmode, rmode, acts in PREBUILD_SHAPES:
@@ -665,5 +708,8 @@ def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
             for act in acts:
                 for y in outputs:
                     static = {"N": n, "K": k, "bias_mode": bmode, "residual_mode": rmode, "arch": arch, **scales}
-                    out.append(kernel_config(op, dt, {"activation": act, "output_dtype": y}, static))
+                    attrs = {"activation": act, "output_dtype": y}
+                    out.append(kernel_config(op, dt, attrs, static))
+                    if arch is not None and int(arch) == 90:
+                        out += plan_sources(op, dt, attrs, static)
     return out

@@ -290,3 +290,28 @@ def test_classic_plugin_runs_split_k_at_small_m(stub_cuda, classic_plugin):
     stub_cuda.clear()
     plugin.enqueue(descs(32768), [], ptrs, [0x9000], 0, 5)
     assert [c[0] for c in stub_cuda] == ["gemm_sm90"] and stub_cuda[0][2:] == (ptrs, [0x9000])
+
+
+def test_runtime_plan_kernels_are_prebuilt():
+    """Every kernel a run-time plan of a PREBUILD_SHAPES instance launches (sm_90, 16-bit; M from one
+    row to 32k) is in prebuild_sources(90), by name and by specialization: `optfuse kernels build`
+    leaves nothing for the classic plugin to compile at its first enqueue. The M values reach
+    every plan kind."""
+    pre = {s.name: s for s in L.prebuild_sources(arch=90)}
+    assert len(pre) == len(L.prebuild_sources(arch=90))  # no name twice
+    kinds = set()
+    for op, n, k, bias, residual, acts in L.PREBUILD_SHAPES:
+        if op != "GemmEpilogue":
+            continue
+        for dtype in ("float16", "bfloat16"):
+            for act in acts:
+                for m in (1, 77, 300, 512, 1000, 1024, 2048, 4000, 4096, 8192, 32768):
+                    case = T.Case(op, (m,), n, k, dtype, act, bias, residual)
+                    plan = T.case_plan(case, 90)
+                    kinds.add(T.plan_kind(plan))
+                    for step in plan.steps if plan is not None else ():
+                        assert step.source.name in pre, (case.id(), step.source.name)
+                        assert pre[step.source.name].spec_dict() == step.source.spec_dict(), step.source.name
+    assert {"narrow", "pingpong", "n192", None} <= kinds and any(k and "split-K" in k for k in kinds)
+    # other targets have no plans
+    assert not any(s.meta.get("kernel") == "splitk_reduce" for s in L.prebuild_sources(arch=89))
