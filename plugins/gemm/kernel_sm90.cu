@@ -32,7 +32,7 @@
 //   (sm90/splitk_reduce.cuh), adds them and applies the epilogue.
 // Narrow tiles (NARROW; launch.py's launch_plan, for small M): the cooperative schedule on
 //   128 x 128 tiles.
-// Three-quarter tiles (TILE_N 192; launch.py's launch_plan, where M and N give 128 x 256 tiles a
+// 128 x 192 tiles (TILE_N 192; launch.py's launch_plan, where M and N give 128 x 256 tiles a
 //   badly filled last wave of the grid): the cooperative schedule on 128 x 192 tiles.
 //
 // Tiles (cooperative; ping-pong: 128 x 128): 128 rows of A by 256 rows of W. GemmEpilogue: 256

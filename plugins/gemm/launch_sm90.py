@@ -4,8 +4,8 @@ launch.py picks it (``GemmConfig.impl`` ``cuda_sm90``: the cooperative schedule,
 ``cuda_sm90_pingpong``, ``cuda_sm90_epilogue_wg``; ``cuda_sm90_narrow`` and ``cuda_sm90_n192`` in run-time
 plans only) where :func:`takes` says it can run; this module holds the kernel's own facts: its fixed tiles
 (cooperative: 128 rows of A by 256 rows of W, 256 output columns, GatedGemm 128; pingpong: 128 x 128 per
-consumer warpgroup; narrow: 128 x 128 shared by both; n192: 128 x 192 shared by both), its shared memory, its persistent grid
-(``sm_count`` CTAs, default 132: H100 SXM / H200; the only extra argument is M), the tensor-map
+consumer warpgroup; narrow: 128 x 128 shared by both; n192: 128 x 192 shared by both), its shared memory,
+its persistent grid (``sm_count`` CTAs, default 132: H100 SXM / H200; the only extra argument is M), the tensor-map
 room it needs in y.
 """
 
@@ -248,7 +248,8 @@ def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, sta
 
 # -- any M (launch.launch_plan, where small_m_schedule keeps the static choice): 128 x 192 tiles ----
 #: 128 x 192 tiles replace the static schedule where their waves' work is at most this fraction of its
-#: waves' (wave_cost): N = 768 at M = 4096 or 8192 (0.75), not at equal costs (N = 3072 at M = 4096).
+#: waves' (wave_cost): BERT-base's FFN down (N = 768) at M = 4096 (0.75), not at equal costs (N = 3072
+#: at M = 4096; N = 768 at M = 8192 against ping-pong).
 TILE_192_MAX_COST = 0.85
 
 
