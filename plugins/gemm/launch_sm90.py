@@ -91,11 +91,10 @@ def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cud
         if out_dtype not in _DTYPE_CODE:
             return f"FP8 with y in {out_dtype}: fp16 / bf16 only"
         dtype = out_dtype  # what bias, residual and y must be
-    if impl in (PINGPONG, NARROW, TILE_192):
-        if op != "GemmEpilogue":
-            return f"{impl}: GemmEpilogue only"
-        if n % 128 and impl != TILE_192:
-            return f"{impl}: N = {n} is not a multiple of 128 (the tensor maps fill a tile row)"
+    if impl in (PINGPONG, NARROW, TILE_192) and op != "GemmEpilogue":
+        return f"{impl}: GemmEpilogue only"
+    if impl in (PINGPONG, NARROW) and n % 128:
+        return f"{impl}: N = {n} is not a multiple of 128 (the tensor maps fill a tile row)"
     if impl == PINGPONG:
         if k is not None and -(-k // BLOCK_K) < stage_options(impl, op, static.get("residual_mode", "none"))[0]:
             return f"pingpong: K = {k} is shorter than the ring"
