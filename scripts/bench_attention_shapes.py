@@ -15,7 +15,9 @@ batch 1..256) -- each timed in interleaved rounds, every contender replayed from
 Decode rows also give the bandwidth reading K and V once (bytes / time) against the device copy
 bandwidth measured in the same run (a 2 GiB device-to-device copy). ``--only decode`` runs just
 the decode rows; ``--sweep-decode`` adds each of launch_decode.candidate_decode_configs as a
-contender ``ours[<config>]`` on them (split size, key block, stages, warps).
+contender ``ours[<config>]`` on them (split size, key block, stages, warps), and ``--decode-variant
+FIELD=VALUE,...`` (repeatable) the config the plan picks on each row with those fields changed
+(an A/B against the shipped plan, e.g. ``--decode-variant num_stages=4``).
 
     PYTHONPATH=$PWD python scripts/bench_attention_shapes.py --out shapes.json
     PYTHONPATH=$PWD python scripts/bench_attention_shapes.py --only decode --sweep-decode
@@ -24,6 +26,7 @@ contender ``ours[<config>]`` on them (split size, key block, stages, warps).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -90,7 +93,20 @@ def copy_bandwidth() -> float:
 
 
 def _config_tag(cfg) -> str:
-    return (f"split={cfg.split_keys},n={cfg.block_n},stages={cfg.num_stages},warps={cfg.num_warps}")
+    return f"split={cfg.split_keys},n={cfg.block_n},stages={cfg.num_stages},warps={cfg.num_warps}"
+
+
+def parse_variant(text: str) -> dict:
+    """``FIELD=VALUE,...`` of --decode-variant as DecodeConfig changes (its fields are ints)."""
+    ld = plugin_module("flash_attention", "launch_decode")
+    fields = {f.name for f in dataclasses.fields(ld.DecodeConfig)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or not value.lstrip("-").isdigit():
+            raise ValueError(f"--decode-variant: {item!r} is not FIELD=INTEGER of DecodeConfig ({', '.join(sorted(fields))})")
+        out[key] = int(value)
+    return out
 
 
 def _stream() -> int:
@@ -192,7 +208,13 @@ def main(argv=None):
                     help="time with do_bench's launches (host launch costs included) instead of CUDA graph replays")
     ap.add_argument("--sweep-decode", action="store_true",
                     help="time every candidate decode config too (decode rows only)")
+    ap.add_argument("--decode-variant", action="append", default=[], metavar="FIELD=VALUE,...",
+                    help="time the plan's own decode config with these DecodeConfig fields changed (decode rows)")
     args = ap.parse_args(argv)
+    try:
+        variants = [parse_variant(v) for v in args.decode_variant]
+    except ValueError as exc:
+        ap.error(str(exc))
     import torch
 
     t0 = time.time()
@@ -204,9 +226,13 @@ def main(argv=None):
             continue
         try:
             sweep = []
+            ld = plugin_module("flash_attention", "launch_decode")
             if args.sweep_decode:
-                ld = plugin_module("flash_attention", "launch_decode")
                 sweep = ld.candidate_decode_configs("bfloat16", shape[6])[1:]
+            if variants and shape[0].startswith("decode"):
+                _, B, H, Hkv, Sq, Sk, D = shape[:7]
+                rule = ld.plan_config("bfloat16", D, B, H, Hkv, Sq, Sk)
+                sweep += [dataclasses.replace(rule, **v) for v in variants]
             row = run_shape(*shape, rounds=args.rounds, sweep=sweep, graphs=not args.launch_timing)
         except Exception as e:
             row = {"name": shape[0], "error": f"{type(e).__name__}: {str(e)[:300]}"}

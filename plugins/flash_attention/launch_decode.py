@@ -265,6 +265,13 @@ def direct_params(B: Any, H: Any, Hkv: Any, Sq: Any, Sk: Any, group: int, block_
                         shared_mem=0, extra_args=[H, Hkv, Sq, Sk])
 
 
+def plan_config(dtype: Any, head_dim: int, B: int, H: int, Hkv: int, Sq: int, Sk: int) -> DecodeConfig:
+    """The DecodeConfig decode_plan takes at these shapes when given none: decode_config with the
+    split size of split_keys_for over the grid's row blocks * B * Hkv programs per split."""
+    block_m = packed_block_m((H // Hkv) * Sq, decode_config(dtype, head_dim))
+    return decode_config(dtype, head_dim, _cdiv((H // Hkv) * Sq, block_m) * B * Hkv, Sk)
+
+
 def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_dim: int, causal: bool, pattern,
                 sparsity: Sparsity, bias_dtype: Any = None, cfg: DecodeConfig | None = None) -> LaunchPlan:
     """The one-kernel plan at concrete shapes [q, k, v]: the split kernel (op inputs q, k, v[,
@@ -276,9 +283,7 @@ def decode_plan(dtype: Any, shapes: Sequence[Sequence[int]], attrs: dict, head_d
     if H % Hkv:
         raise ValueError(f"{OP}: {H} query heads do not share {Hkv} kv heads evenly")
     group = H // Hkv
-    if cfg is None:
-        block_m = packed_block_m(group * Sq, decode_config(dtype, head_dim))
-        cfg = decode_config(dtype, head_dim, _cdiv(group * Sq, block_m) * B * Hkv, Sk)
+    cfg = cfg or plan_config(dtype, head_dim, B, H, Hkv, Sq, Sk)
     block_m = packed_block_m(group * Sq, cfg)
     inputs = [Buffer("input", i) for i in range(3 + (pattern is not None))]
     scale = float(attrs["scale"])
