@@ -173,14 +173,19 @@ typedef u16 in_t;
 #define K_STEP (32 / IN_BYTES)           // K of one wgmma: 32 bytes of the swizzle row
 #define STAGE_BYTES (A_BYTES + W_BYTES)
 #define NTHREADS 384                     // producer warpgroup + two consumer warpgroups
-// A full residual arrives in the epilogue stage while the mainloop runs (its loads would
-// otherwise stall the epilogue): by TMA (cooperative; the stage then holds a warpgroup's whole
-// 64 x 256 tile) or by the warpgroup's own cp.async (pingpong, narrow tiles).
+// A full residual arrives in shared memory while the mainloop runs (its loads would otherwise
+// stall the epilogue): by TMA (cooperative) or by the warpgroup's own cp.async (pingpong, narrow
+// tiles). Cooperative 128 x 256 tiles (RESIDUAL_IN_RING): the residual's first 128 columns come
+// into the epilogue stage, its last 128 into a ring slot that the producer fills after the tile's
+// k-blocks, one more ring position per tile; the stage stays 64 x 128 a warpgroup and the ring keeps
+// 4 stages (with a 64 x 256 stage it had 3: 1.03-1.05x the time at K = 3072-11008, H100).
+// 128 x 192 tiles: the whole 64 x 192 residual in the stage (4 stages of 40 KB fit beside it).
 #define RESIDUAL_TMA (RESIDUAL_MODE == 2 && !PINGPONG && !EPILOGUE_WG && !NARROW)
+#define RESIDUAL_IN_RING (RESIDUAL_TMA && BLOCK_N == 256)
 #define RESIDUAL_STAGED (RESIDUAL_MODE == 2 && !EPILOGUE_WG && SPLIT_K == 1)  // split-K: the reduce adds it
 #define EPI_ROWS (64 * SLABS)                   // rows of a warpgroup's tile
 #define ACC_REGS (SLABS * BLOCK_N / 2)          // accumulator registers in use (m64n128 / n192 / n256; pingpong 2 x n128)
-#define EPI_COLS (RESIDUAL_TMA || BLOCK_N == 192 ? OUT_N : 128)  // output columns per epilogue pass
+#define EPI_COLS (BLOCK_N == 192 ? OUT_N : 128)  // output columns per epilogue pass
 #define EPI_BYTES (EPI_ROWS * EPI_COLS * 2)
 #if EPILOGUE_WG
 #define PRODUCER_REGS 72                 // the producer's warpgroup also runs the epilogue warps
@@ -362,13 +367,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
             for (int kb = 0; kb < UNIT_K_BLOCKS; ++kb, ++it) {
 #if RESIDUAL_TMA
                 // Once the ring holds this tile's first k-blocks (they load while the consumers
-                // finish the last tile), the residual: the consumers' last epilogue has to free
-                // the stages first, and waiting for that earlier would delay the ring.
+                // finish the last tile), the residual (its first EPI_COLS columns): the consumers'
+                // last epilogue has to free the stages first, and waiting for that earlier would
+                // delay the ring.
                 if (kb == (K_BLOCKS < STAGES ? K_BLOCKS : STAGES) - 1) {
                     for (int c = 0; c < 2; ++c) {
                         mbar_wait(BAR_RES_EMPTY(c), (tc & 1) ^ 1);
                         mbar_expect_tx(BAR_RES_FULL(c), EPI_BYTES);
-                        for (int b = 0; b < OUT_N / 64; ++b)
+                        for (int b = 0; b < EPI_COLS / 64; ++b)
                             tma_load_2d(SLOT_EPI(c) + b * (64 * 128), maps + 256, n0 + 64 * b, m0 + 64 * c, BAR_RES_FULL(c));
                     }
                 }
@@ -385,6 +391,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 tma_load_2d(SLOT_W(s), maps + 128, k0, n0, BAR_FULL(s));
 #endif
             }
+#if RESIDUAL_IN_RING
+            {   // the residual's last 128 columns, in the ring position after the tile's k-blocks:
+                // each warpgroup's 64 x 128 at SLOT_A(s) + c * EPI_BYTES, laid out as its stage
+                const int s = it % STAGES;
+                mbar_wait(BAR_EMPTY(s), ((it / STAGES) & 1) ^ 1);
+                mbar_expect_tx(BAR_FULL(s), 2 * EPI_BYTES);
+                for (int c = 0; c < 2; ++c)
+                    for (int b = 0; b < 2; ++b)
+                        tma_load_2d(SLOT_A(s) + c * EPI_BYTES + b * (64 * 128), maps + 256, n0 + 128 + 64 * b, m0 + 64 * c,
+                                    BAR_FULL(s));
+                ++it;
+            }
+#endif
         }
     } else {
 #if PINGPONG
@@ -515,12 +534,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
 #endif
 #if RESIDUAL_TMA
             // The last tile's first row holds the maps that warpgroup 1's residual load reads:
-            // warpgroup 0 overwrites it only once that load has landed too.
+            // warpgroup 0 overwrites it only once that load has landed too (the ring part: store_tile
+            // waits for all of it before the columns that hold the residual's map).
             if (c == 0 && t + G >= num_tiles) mbar_wait(BAR_RES_FULL(1), tc & 1);
 #endif
+#if RESIDUAL_IN_RING
+            const int ring_res = it % STAGES, ring_phase = (it / STAGES) & 1;
+            ++it;
+            store_tile(acc, Y, bias, residual, scales, M, mb * BLOCK_M + c * 64, nb * OUT_N, SLOT_EPI(c), BAR_RES_FULL(c), tc & 1,
+                       SLOT_A(ring_res) + c * EPI_BYTES, BAR_FULL(ring_res), ring_phase);
+            fence_proxy_async();  // the next loads (TMA) overwrite what these threads read
+            mbar_arrive_warp(BAR_EMPTY(ring_res));
+#else
             store_tile(acc, Y, bias, residual, scales, M, mb * BLOCK_M + c * 64, nb * OUT_N, SLOT_EPI(c), BAR_RES_FULL(c), tc & 1);
+#endif
 #if RESIDUAL_TMA
+#if !RESIDUAL_IN_RING
             fence_proxy_async();  // the next residual (TMA) overwrites what these threads read
+#endif
             mbar_arrive_warp(BAR_RES_EMPTY(c));
 #endif
         }

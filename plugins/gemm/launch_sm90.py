@@ -52,8 +52,9 @@ ACTIVATION_CODES = SPECS["GemmEpilogue"].attr("activation").choices
 
 
 def residual_by_tma(impl: str, op: str, residual_mode: str) -> bool:
-    """Cooperative: a full residual comes by TMA into the epilogue stage (64 x 256 a warpgroup; 128 x
-    192 tiles: 64 x 192)."""
+    """Cooperative: a full residual comes by TMA, its first 128 columns into the epilogue stage and
+    its last 128 into a ring slot after the tile's k-blocks (128 x 192 tiles: all 192 into the
+    stage)."""
     return impl in ("cuda_sm90", TILE_192) and op == "GemmEpilogue" and residual_mode == "full"
 
 
@@ -69,7 +70,7 @@ def shared_mem(impl: str, op: str, stages: int, residual_mode: str) -> int:
     elif impl == TILE_192:
         epi = 64 * 192 * 2  # a warpgroup's whole 64 x 192 tile, one pass
     else:
-        epi = 64 * (256 if residual_by_tma(impl, op, residual_mode) else 128) * 2
+        epi = 64 * 128 * 2  # a warpgroup's 64 x 128 stage (kernel_sm90.cu, RESIDUAL_IN_RING)
     barriers = 8 * (2 * stages + (6 if impl == EPILOGUE_WG else 4))
     return stages * _stage_bytes(impl) + 2 * epi + barriers + 1024
 

@@ -235,12 +235,13 @@ __device__ __forceinline__ void stage_residual(const u16* res, int M, int row0, 
 // This warpgroup's tile (SLABS x 64 rows, OUT_N columns), EPI_COLS columns per pass, through its
 // shared-memory stage. With a full residual the stage already holds the tile's residual (TMA:
 // `res_full` completes when it has landed; pingpong: this warpgroup's cp.async): each output pair
-// replaces its residual pair in place. Otherwise bias (and a scalar residual) come from global
-// memory, 8 column groups' worth loaded at once (one at a time, each load's latency would stall
-// the warp before every pair).
+// replaces its residual pair in place. RESIDUAL_IN_RING: the second pass runs the same way in the
+// ring slot `ring_stage`, which holds the residual's last 128 columns once `ring_full` passes
+// `ring_phase`. Otherwise bias (and a scalar residual) come from global memory, 8 column groups'
+// worth loaded at once (one at a time, each load's latency would stall the warp before every pair).
 __device__ __forceinline__ void store_tile(const float (&d)[128], u16* Y, const u16* bias, const u16* res,
                                            const Scales& sc, int M, int row0, int col0, u32 stage, u32 res_full,
-                                           u32 res_phase) {
+                                           u32 res_phase, u32 ring_stage = 0, u32 ring_full = 0, u32 ring_phase = 0) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int named = threadIdx.x / 128;  // one named barrier (1, 2) per consumer warpgroup
 #if RESIDUAL_TMA
@@ -252,9 +253,18 @@ __device__ __forceinline__ void store_tile(const float (&d)[128], u16* Y, const 
     asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");  // every thread's residual chunks landed
 #endif
 #endif
+#if !RESIDUAL_IN_RING
+    (void)ring_stage; (void)ring_full; (void)ring_phase;
+#endif
 #pragma unroll
     for (int pass = 0; pass < OUT_N / EPI_COLS; ++pass) {
         if (!RESIDUAL_STAGED) asm volatile("bar.sync %0, 128;" ::"r"(named) : "memory");  // the last pass's reads are done
+#if RESIDUAL_IN_RING
+        if (pass == 1) {
+            mbar_wait(ring_full, ring_phase);
+            stage = ring_stage;
+        }
+#endif
 #pragma unroll
         for (int sl = 0; sl < SLABS; ++sl) {
 #pragma unroll
