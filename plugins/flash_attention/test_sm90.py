@@ -124,6 +124,30 @@ def test_rows_per_tile_follow_the_waves_of_short_sequences():
     assert cfg.block_m == 128 and params.extra_args[-1] == 4 * 8 * 12  # the launch counts the same tiles
 
 
+def test_batch_one_key_padding_row_takes_the_per_batch_kernel():
+    """A [1, 1, 1, Sk] key-padding row with q's batch a known 1 addresses the bias as a per-batch
+    row does (batch 0 only), so it takes that kernel (D = 64: three consumer warpgroups); with a
+    larger or dynamic batch the row is shared and keeps the two-warpgroup kernel. Kernel and launch
+    agree on the tiles either way."""
+    def choice(q, bias):
+        static = {"head_dim": 64, "arch": 90, "q_shape": q, "bias_shape": bias}
+        src = L.kernel_config(OP, "bfloat16", {"scale": 0.125}, static)
+        params = L.launch_params(OP, [q, q, q, bias], ["bfloat16"] * 4, {"scale": 0.125}, static_shape=static)
+        bm = src.meta["config"]["block_m"]
+        assert params.block[0] == 32 * src.meta["config"]["num_warps"]
+        if q[0] > 0:
+            assert params.extra_args[-1] == -(-q[2] // bm) * q[0] * q[1]  # num_tiles of the same tiles
+        return bm, src.defines["BIAS_BATCH"]
+
+    assert choice([1, 32, 16384, 64], [1, 1, 1, 16384]) == (192, "1")
+    assert choice([4, 32, 4096, 64], [1, 1, 1, 4096]) == (128, "0")
+    assert choice([-1, 32, 4096, 64], [1, 1, 1, 4096]) == (128, "0")
+    assert choice([4, 32, 4096, 64], [4, 1, 1, 4096]) == (192, "1")
+    assert L.kernel_bias_pattern([1, 1, 1, 512], {"q_shape": [1, 8, 512, 64]}) == (1, 0, 0, 1)
+    assert L.kernel_bias_pattern([1, 1, 1, 512], None) == (0, 0, 0, 1)
+    assert L.kernel_bias_pattern(None, {"q_shape": [1, 8, 512, 64]}) is None
+
+
 def test_launch_params_persistent_and_symbolic():
     static = {"head_dim": 128, "bias_shape": (-1, 1, 1, -1), "arch": 90}
     shapes = [[2, 16, 1000, 128], [2, 4, 1000, 128], [2, 4, 1000, 128], [2, 1, 1, 1000]]
