@@ -227,8 +227,9 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, *,
     Triton kernel); on sm_90 the CUDA kernel is chosen wherever it applies (sm90_eligible).
     ``layout`` (BlockSparseAttention): tiles of 128 query rows on sm_90 (the Triton tiles all
     divide the 128-block layout); so do left windows up to SM90_SHORT_WINDOW keys. ``q_dims``
-    (B, H, Sq), where all are known at build time: D = 64 without a mask picks its rows per tile
-    by rows_per_tile_by_waves."""
+    (B, H, Sq), where all are known at build time: D = 64 non-causal without a mask or with key
+    padding picks its rows per tile by rows_per_tile_by_waves (key padding, H100: 128-row tiles
+    took 0.86-0.93x the time of 192-row ones where the rule picks them, results/h100_keypad_waves.json)."""
     dtype = norm_dtype(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
@@ -240,7 +241,7 @@ def choose_config(dtype: Any, head_dim: int, causal: bool, *,
         short = 0 <= window_left < SM90_SHORT_WINDOW
         # a key-padding row shared by the batch ([1, 1, 1, Sk]) spills the three-consumer producer
         shared_row = keypad and pattern[0] == 0
-        by_waves = (q_dims is not None and head_dim == 64 and not causal and pattern is None
+        by_waves = (q_dims is not None and head_dim == 64 and not causal and (pattern is None or keypad)
                     and rows_per_tile_by_waves(*q_dims, sm_count or SM90_GRID) == 128)
         return sm90_config(head_dim, causal, keypad=keypad,
                            block_m=128 if layout or short or shared_row or by_waves else None)

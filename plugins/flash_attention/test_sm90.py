@@ -116,7 +116,9 @@ def test_rows_per_tile_follow_the_waves_of_short_sequences():
     assert rows([8, 12, 512, 64]) == 128
     assert rows([-1, 12, 512, 64]) == 192  # a dynamic batch: the tuned tiles
     assert rows([32, 16, 512, 64]) == 192
-    assert rows([8, 12, 512, 64], bias_shape=[8, 1, 1, 512]) == 192  # key padding keeps its config
+    assert rows([8, 12, 512, 64], bias_shape=[8, 1, 1, 512]) == 128  # key padding follows the waves too
+    assert rows([16, 32, 1024, 64], bias_shape=[16, 1, 1, 1024]) == 192
+    assert rows([8, 12, 512, 64], causal=1, bias_shape=[8, 1, 1, 512]) == 128  # causal: 128 rows below Sq 4096 anyway
     q = [8, 12, 512, 64]
     cfg = L._config_for("float16", 64, False, None, 0.125, {"arch": 90, "q_shape": q})
     params = L.launch_params(OP, [q, [8, 12, 512, 64], [8, 12, 512, 64]], ["float16"] * 3,
