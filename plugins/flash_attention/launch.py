@@ -341,7 +341,8 @@ def kernel_bias_pattern(bias_shape: Sequence[Any] | None, static_shape: dict | N
     no-mask time with two, README "Masks")."""
     pattern = bias_pattern(bias_shape)
     dims = _known_q_dims(static_shape or {})
-    if pattern is not None and pattern[0] == 0 and dims is not None and dims[0] == 1:
+    # a real tensor only: one value broadcast everywhere ((0, 0, 0, 0), mode 1) stays a scalar
+    if _bias_mode(pattern) == 2 and pattern[0] == 0 and dims is not None and dims[0] == 1:
         return (1,) + pattern[1:]
     return pattern
 

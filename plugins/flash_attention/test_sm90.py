@@ -148,6 +148,8 @@ def test_batch_one_key_padding_row_takes_the_per_batch_kernel():
     assert L.kernel_bias_pattern([1, 1, 1, 512], {"q_shape": [1, 8, 512, 64]}) == (1, 0, 0, 1)
     assert L.kernel_bias_pattern([1, 1, 1, 512], None) == (0, 0, 0, 1)
     assert L.kernel_bias_pattern(None, {"q_shape": [1, 8, 512, 64]}) is None
+    assert L.kernel_bias_pattern((), {"q_shape": [1, 8, 512, 64]}) == (0, 0, 0, 0)  # a scalar stays one
+    assert L.kernel_bias_pattern([1, 1, 1, 1], {"q_shape": [1, 8, 512, 64]}) == (0, 0, 0, 0)
 
 
 def test_launch_params_persistent_and_symbolic():
