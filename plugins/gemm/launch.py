@@ -218,14 +218,13 @@ def _sm90_configs(op: str, dtype: str, n: int, k: int, static: dict | None, arch
     fp8 = dtype in FP8_DTYPES
     if not fp8 and out_dtype not in (None, dtype):
         return []
-    residual = static.get("residual_mode", "none")
     block_k = launch_sm90.BLOCK_K * (2 if fp8 else 1)  # one 128-byte swizzle row
     out = []
     for impl in sm90_schedules(op, k, static, activation):
         if launch_sm90.takes(op, dtype, n, static, arch, impl, k, out_dtype=out_dtype) is not None:
             continue
         out += [GemmConfig(launch_sm90.BLOCK_M, launch_sm90.OUT_N[(impl, op)], block_k, group, 12, stages, impl)
-                for stages in launch_sm90.stage_options(impl, op, residual, fp8) for group in (8, 16)]
+                for stages in launch_sm90.stage_options(impl, fp8) for group in (8, 16)]
     return out
 
 
@@ -562,8 +561,7 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
     cfg = _config_for(op, dtype, n, k, static, config, epilogue_of(op, attrs, static, dtype))
     m = rows_of(shapes[0])
     if cfg.impl in SM90_SCHEDULES:  # persistent: one CTA per SM
-        return launch_sm90.launch(cfg.impl, op, m, cfg.num_stages,
-                                  static.get("residual_mode", "none") if op == "GemmEpilogue" else "none", static)
+        return launch_sm90.launch(cfg.impl, m, cfg.num_stages, static)
     return LaunchParams(
         grid=(cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), 1, 1),
         block=(cfg.num_warps * 32, 1, 1),
@@ -591,7 +589,7 @@ def _plan_of(op: str, dtype: str, n: int, k: int, m: Any, epi: Epilogue, cfg: Ge
     impl, stages, splits = choice
     pp = replace(cfg, block_n=launch_sm90.OUT_N[(impl, op)], num_stages=stages, impl=impl)
     name = _source_name(op, dtype, n, k, epi, pp)
-    params = launch_sm90.launch(pp.impl, op, m, stages, epi.residual_mode, static)
+    params = launch_sm90.launch(pp.impl, m, stages, static)
     if splits == 1:
         src = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, name)
         return LaunchPlan([PlanStep(src, params, [Buffer("input", i) for i in present], [Buffer("output", 0)])])

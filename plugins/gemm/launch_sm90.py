@@ -59,8 +59,9 @@ def residual_by_tma(impl: str, op: str, residual_mode: str) -> bool:
 
 
 
-def shared_mem(impl: str, op: str, stages: int, residual_mode: str) -> int:
-    """The ring, the two epilogue stages, the barriers, and slack to align to 1024 bytes."""
+def shared_mem(impl: str, stages: int) -> int:
+    """The ring, the two epilogue stages, the barriers, and slack to align to 1024 bytes (a full
+    residual takes no room of its own: kernel_sm90.cu, RESIDUAL_IN_RING)."""
     if impl == PINGPONG:
         epi = 128 * 128 * 2
     elif impl == NARROW:
@@ -75,10 +76,10 @@ def shared_mem(impl: str, op: str, stages: int, residual_mode: str) -> int:
     return stages * _stage_bytes(impl) + 2 * epi + barriers + 1024
 
 
-def stage_options(impl: str, op: str, residual_mode: str, fp8: bool = False) -> list[int]:
+def stage_options(impl: str, fp8: bool = False) -> list[int]:
     """The two deepest rings that fit in shared memory, deepest first (the default); FP8 the
     shallower first (H200, M = 4096: 3 stages take 0.89-0.99x the time of 4)."""
-    fits = [s for s in (5, 4, 3) if shared_mem(impl, op, s, residual_mode) <= MAX_SMEM][:2]
+    fits = [s for s in (5, 4, 3) if shared_mem(impl, s) <= MAX_SMEM][:2]
     return fits[::-1] if fp8 else fits
 
 
@@ -97,7 +98,7 @@ def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cud
     if impl in (PINGPONG, NARROW) and n % 128:
         return f"{impl}: N = {n} is not a multiple of 128 (the tensor maps fill a tile row)"
     if impl == PINGPONG:
-        if k is not None and -(-k // BLOCK_K) < stage_options(impl, op, static.get("residual_mode", "none"))[0]:
+        if k is not None and -(-k // BLOCK_K) < stage_options(impl)[0]:
             return f"pingpong: K = {k} is shorter than the ring"
     if arch is None or int(arch) != 90:
         return f"sm_90 only (target {'unknown' if arch is None else f'sm_{arch}'})"
@@ -127,7 +128,7 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
     gated = op == "GatedGemm"
     fp8 = dtype == FP8
     out = (getattr(epi, "out_dtype", "") or dtype) if fp8 else dtype
-    need = shared_mem(impl, op, stages, epi.residual_mode)
+    need = shared_mem(impl, stages)
     if need > MAX_SMEM:
         raise ValueError(f"{op}: {stages} stages need {need} bytes of shared memory")
     defines = {
@@ -173,9 +174,9 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
     )
 
 
-def launch(impl: str, op: str, m: Any, stages: int, residual_mode: str, static: dict) -> LaunchParams:
+def launch(impl: str, m: Any, stages: int, static: dict) -> LaunchParams:
     return LaunchParams(grid=(int(static.get("sm_count") or SM90_GRID), 1, 1), block=(THREADS, 1, 1),
-                        shared_mem=shared_mem(impl, op, stages, residual_mode), extra_args=[m])
+                        shared_mem=shared_mem(impl, stages), extra_args=[m])
 
 
 # -- small M (launch.launch_plan: chosen at run time, when M is known): narrow tiles, split-K ----
@@ -218,14 +219,13 @@ def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, sta
       87.7 vs 101.0 us cooperative).
     None also where neither 128 x 128 schedule takes the instance."""
     grid = int(static.get("sm_count") or SM90_GRID)
-    residual = static.get("residual_mode", "none")
     arch = static.get("arch")
     if op != "GemmEpilogue" or takes(op, dtype, n, static, arch, NARROW, k) is not None:
         return None
     tiles = -(-m // BLOCK_M) * -(-n // 128)
-    narrow = NARROW, stage_options(NARROW, op, residual)[0], 1
+    narrow = NARROW, stage_options(NARROW)[0], 1
     pingpong_takes = takes(op, dtype, n, static, arch, PINGPONG, k) is None
-    stages = stage_options(PINGPONG, op, residual)[0]
+    stages = stage_options(PINGPONG)[0]
     if 2 * tiles <= grid and pingpong_takes:
         k_blocks = -(-k // BLOCK_K)
         least = max(stages, SPLIT_K_MIN_BLOCKS)
@@ -277,7 +277,7 @@ def wave_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
     grid = int(static.get("sm_count") or SM90_GRID)
     if wave_cost(TILE_192, m, n, grid) > TILE_192_MAX_COST * wave_cost(impl, m, n, grid):
         return None
-    return TILE_192, stage_options(TILE_192, op, static.get("residual_mode", "none"))[0], 1
+    return TILE_192, stage_options(TILE_192)[0], 1
 
 
 def reduce_source(op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, split_k: int,
