@@ -220,13 +220,13 @@ def main(argv=None):
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    ld = plugin_module("flash_attention", "launch_decode")
     rows = []
     for shape in SHAPES:
         if args.only and args.only not in shape[0]:
             continue
         try:
             sweep = []
-            ld = plugin_module("flash_attention", "launch_decode")
             if args.sweep_decode:
                 sweep = ld.candidate_decode_configs("bfloat16", shape[6])[1:]
             if variants and shape[0].startswith("decode"):
