@@ -192,6 +192,11 @@ SPARSE_CASES = [
     (3, 4, 2, 700, 700, 128, 0, (3, 1, 1, 700), "float16", {"keypad": "holes"}),
     (2, 4, 2, 800, 800, 128, 1, (2, 1, 1, 800), "bfloat16", {"keypad": "right", "window": (200, -1)}),
     (1, 8, 2, 1300, 1300, 64, 0, (1, 1, 1, 1300), "float16", {"keypad": "right"}),
+    # more tiles than CTAs, so each CTA's tiles cross batches (the producer's live range rescanned per batch change)
+    (6, 8, 2, 1100, 1100, 128, 0, (6, 1, 1, 1100), "bfloat16", {"keypad": "right"}),
+    (6, 8, 2, 1100, 1100, 64, 0, (6, 1, 1, 1100), "float16", {"keypad": "left"}),
+    (6, 8, 2, 1100, 1100, 128, 1, (6, 1, 1, 1100), "float16", {"keypad": "holes"}),
+    (5, 8, 2, 1100, 1100, 64, 1, (5, 1, 1, 1100), "bfloat16", {"keypad": "dead"}),
     # block layouts (BSR of 128-blocks): densities, per head or shared, causal, empty query blocks
     (1, 4, 2, 1500, 1400, 128, 0, None, "bfloat16", {"layout": (0.1, 4)}),
     (1, 4, 2, 1500, 1400, 64, 0, None, "float16", {"layout": (0.5, 1)}),
