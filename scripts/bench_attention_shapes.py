@@ -93,7 +93,11 @@ def copy_bandwidth() -> float:
 
 
 def _config_tag(cfg) -> str:
-    return f"split={cfg.split_keys},n={cfg.block_n},stages={cfg.num_stages},warps={cfg.num_warps}"
+    """The config's fields that differ from DecodeConfig's defaults (split size always), so two
+    contenders that differ in any field (the combine tile too) get different keys."""
+    default = type(cfg)()
+    return ",".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                    if f.name == "split_keys" or getattr(cfg, f.name) != getattr(default, f.name))
 
 
 def parse_variant(text: str) -> dict:

@@ -283,6 +283,22 @@ def test_benchmark_decode_rows_run_the_plan():
             assert _plan(B, H, Hkv, Sq, Sk, D=D, causal=causal, bias=bias, decode=cfg) is not None, name
 
 
+
+def test_benchmark_contender_keys_differ_where_configs_differ():
+    """Each decode contender of the benchmark is keyed by its config's tag: configs that differ in
+    any field (the combine tile included) must not share a key, or one's times overwrite the other's."""
+    import dataclasses
+
+    from optfuse.plugin_dirs import script_module
+
+    bench = script_module("bench_attention_shapes")
+    rule = LD.plan_config("bfloat16", 128, 64, 32, 8, 1, 4096)
+    configs = [rule, dataclasses.replace(rule, num_stages=2), dataclasses.replace(rule, combine_rows=2),
+               dataclasses.replace(rule, combine_rows=2, num_stages=2), dataclasses.replace(rule, combine_splits=8)]
+    configs += LD.candidate_decode_configs("bfloat16", 128)
+    configs = list(dict.fromkeys(configs))
+    assert len({bench._config_tag(c) for c in configs}) == len(configs)
+
 # B, H, Hkv, Sk, key padding: B = 1 and 64, caches of 1k..128k keys, GQA 32/8 and MHA
 _RUNTIME_DECODE = [
     (1, 32, 8, 1024, False), (1, 32, 8, 4096, True), (1, 32, 8, 32768, False), (1, 32, 8, 131072, True),
