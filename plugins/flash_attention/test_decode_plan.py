@@ -283,7 +283,6 @@ def test_benchmark_decode_rows_run_the_plan():
             assert _plan(B, H, Hkv, Sq, Sk, D=D, causal=causal, bias=bias, decode=cfg) is not None, name
 
 
-
 def test_benchmark_contender_keys_differ_where_configs_differ():
     """Each decode contender of the benchmark is keyed by its config's tag: configs that differ in
     any field (the combine tile included) must not share a key, or one's times overwrite the other's."""
@@ -298,6 +297,7 @@ def test_benchmark_contender_keys_differ_where_configs_differ():
     configs += LD.candidate_decode_configs("bfloat16", 128)
     configs = list(dict.fromkeys(configs))
     assert len({bench._config_tag(c) for c in configs}) == len(configs)
+
 
 # B, H, Hkv, Sk, key padding: B = 1 and 64, caches of 1k..128k keys, GQA 32/8 and MHA
 _RUNTIME_DECODE = [
