@@ -47,6 +47,12 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
 
+// `count` arrivals on `bar` by this one thread (one instruction for what several threads would
+// otherwise each arrive for).
+__device__ __forceinline__ void mbar_arrive_count(u32 bar, u32 count) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(count) : "memory");
+}
+
 // One arrival per warp (32 arrivals on one barrier word would serialize): after __syncwarp the
 // warp's earlier shared-memory reads are ordered before lane 0's release.
 __device__ __forceinline__ void mbar_arrive_warp(u32 bar) {

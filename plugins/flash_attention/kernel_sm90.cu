@@ -376,9 +376,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             mbar_init(BAR_Q_EMPTY(q), 4 * nc);  // consumer barriers: one arrival per consumer warp
         }
         for (int s = 0; s < STAGES; ++s) {
-            // loads (as for Q) + (BIAS_MODE 2) 128 plain arrivals for the key bias
+            // loads (as for Q) + (BIAS_MODE 2) one arrival per producer warp for the key bias
             // (KV_ONE_FULL: the K and the V loads' arrivals on one barrier)
-            mbar_init(BAR_FULL_K(s), (KV_ONE_FULL ? 2 : 1) * (use_tma ? 1 : 128) + (BIAS_MODE == 2 ? 128 : 0));
+            mbar_init(BAR_FULL_K(s), (KV_ONE_FULL ? 2 : 1) * (use_tma ? 1 : 128) + (BIAS_MODE == 2 ? 4 : 0));
             if (!KV_ONE_FULL) mbar_init(BAR_FULL_V(s), use_tma ? 1 : 128);
             mbar_init(BAR_EMPTY_K(s), 4 * nc);
             mbar_init(BAR_EMPTY_V(s), 4 * nc);
@@ -474,6 +474,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
         TILE_LOOP {
             TILE_COORDS
             if (n_blocks == 0) continue;  // every row of this tile is dead: nothing to load
+#if BIAS_MODE == 2
+            // With TMA, warps 1-3 only load the key bias, and sit out the blocks of a tile that reads
+            // none (below). This barrier keeps them from waiting on a ring slot more than one phase
+            // ahead of it (a parity wait would pass): thread 0 has passed every earlier wait here.
+            if (use_tma) {
+                asm volatile("bar.sync 14, 128;" ::: "memory");
+                if (!kbs.bias && ptid >= 32) {  // no key bias to load: thread 0 arrives for them
+                    ++tc;
+                    it += n_blocks;
+                    continue;
+                }
+            }
+#endif
             // Two Q buffers: this tile's Q loads while the consumers still work on the previous tile.
             const int qs = tc % Q_BUFFERS;
             PROF(PR_POST)
@@ -531,8 +544,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                         float bv = 0.f;
                         if (col < Sk) bv = bias_to_float(Bias, (BIAS_BATCH ? (long long)b * Sk : 0) + col);
                         bias_ring[s * BLOCK_N + ptid] = bv < -2.0e38f ? bv : bv * 1.4426950408889634f;
+                        mbar_arrive_warp(BAR_FULL_K(s));  // BLOCK_N == 128 == producer threads
+                    } else if (ptid == 0) {
+                        mbar_arrive_count(BAR_FULL_K(s), 4);  // nothing written: one arrival for the 4 warps
                     }
-                    mbar_arrive(BAR_FULL_K(s));  // BLOCK_N == 128 == producer threads
                 }
 #endif
                 PROF(PR_ISSUE)
