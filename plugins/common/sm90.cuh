@@ -54,7 +54,7 @@ __device__ __forceinline__ void mbar_arrive_count(u32 bar, u32 count) {
 }
 
 // One arrival per warp (32 arrivals on one barrier word would serialize): after __syncwarp the
-// warp's earlier shared-memory reads are ordered before lane 0's release.
+// warp's earlier shared-memory reads and writes are ordered before lane 0's release.
 __device__ __forceinline__ void mbar_arrive_warp(u32 bar) {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
