@@ -479,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             // none (below). This barrier keeps them from waiting on a ring slot more than one phase
             // ahead of it (a parity wait would pass): thread 0 has passed every earlier wait here.
             if (use_tma) {
-                asm volatile("bar.sync 14, 128;" ::: "memory");
+                PRODUCER_SYNC();
                 if (!kbs.bias && ptid >= 32) {  // no key bias to load: thread 0 arrives for them
                     ++tc;
                     it += n_blocks;
@@ -540,11 +540,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                     // are (times log2(e) they would overflow to -inf, turning "masked" into "-inf").
                     // A tile narrowed to a pure key-padding range reads none (kbs.bias false).
                     if (kbs.bias) {
-                        const int col = kv0 + ptid;
+                        const int col = kv0 + ptid;  // BLOCK_N == 128 == producer threads: one key each
                         float bv = 0.f;
                         if (col < Sk) bv = bias_to_float(Bias, (BIAS_BATCH ? (long long)b * Sk : 0) + col);
                         bias_ring[s * BLOCK_N + ptid] = bv < -2.0e38f ? bv : bv * 1.4426950408889634f;
-                        mbar_arrive_warp(BAR_FULL_K(s));  // BLOCK_N == 128 == producer threads
+                        mbar_arrive_warp(BAR_FULL_K(s));
                     } else if (ptid == 0) {
                         mbar_arrive_count(BAR_FULL_K(s), 4);  // nothing written: one arrival for the 4 warps
                     }

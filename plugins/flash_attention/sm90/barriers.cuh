@@ -35,3 +35,7 @@ __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 
 __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 #define TURN_WAIT(cw) named_sync(1 + (cw))
 #define TURN_PASS(cw) named_arrive(1 + ((cw) + 1) % nc)
+
+// The producer warpgroup alone (128 threads) at each tile start (kernel_sm90.cu, key padding with
+// TMA); barrier 15 is the key-padding scan's (sparsity.cuh, LIVE_BARRIER).
+#define PRODUCER_SYNC() asm volatile("bar.sync 14, 128;" ::: "memory")
