@@ -244,13 +244,30 @@ typedef u16 elem_t;
 // layout) the range is (Sk, -1): none, and every role computes the blocks itself.
 #define KEYPAD_SLOTS (BIAS_MODE == 2 && !LAYOUT)
 #if KEYPAD_SLOTS
+// With TMA and a row per batch, warps 1-3 scan the next tile's row during a tile with no key bias
+// to load, which they sit out (kp_ahead: that row's batch, into the other result slot); the
+// tile-start barrier publishes it before the range is read.
+#define KEYPAD_AHEAD (TMA && BIAS_BATCH)
+#if KEYPAD_AHEAD
+#define KEYPAD_RANGE                                                                                 \
+    if (use_tma) PRODUCER_SYNC();                                                                  \
+    if (b != kp_batch) {                                                                           \
+        kp_batch = b;                                                                              \
+        if (b == kp_ahead) kp_slot ^= 1;                                                           \
+        else live_key_range<128>(Bias, (long long)b * Sk, Sk, ptid, live_red, kp_slot);            \
+    }                                                                                              \
+    kp_ahead = -1;                                                                                 \
+    const KeyLive live = live_of(live_red, kp_slot);
+#define KEYPAD_STATE int kp_batch = -1, kp_ahead = -1, kp_slot = 0;
+#else
 #define KEYPAD_RANGE                                                                                 \
     if ((BIAS_BATCH ? b : 0) != kp_batch) {                                                        \
         kp_batch = BIAS_BATCH ? b : 0;                                                             \
-        live_key_range(Bias, (long long)kp_batch * Sk, Sk, ptid, live_red);                        \
+        live_key_range<128>(Bias, (long long)kp_batch * Sk, Sk, ptid, live_red, 0);                \
     }                                                                                              \
-    const KeyLive live = live_of(live_red);
+    const KeyLive live = live_of(live_red, 0);
 #define KEYPAD_STATE int kp_batch = -1;
+#endif
 #else
 #define KEYPAD_RANGE
 #define KEYPAD_STATE const KeyLive live = {Sk, -1, false};
@@ -318,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     (void)bias_ring;
 #if KEYPAD_SLOTS
     __shared__ KeyBlocks tile_slot[Q_BUFFERS];  // the producer's narrowed blocks of each Q slot's tile
-    __shared__ int live_red[19];                // live_key_range's reductions and result
+    __shared__ int live_red[24];                // live_key_range's reductions and two result slots
 #endif
 
     // num_tiles counts BLOCK_M-row tiles (launch.py); with nc < CONSUMERS active consumer
@@ -412,6 +429,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     if ((r & 1) && pk == num_m - 1 - pk) continue; /* odd num_m: the middle block has no partner */ \
     const int bh = pair / P;                                                                       \
     const int mb = (r & 1) ? pk : num_m - 1 - pk;
+// The (b, h) of round r + 1's tile where it starts another pair, else -1 (round r even: the same pair).
+#define NEXT_TILE_BH(r) (((r) & 1) && (((r) + 1) >> 1) * G + (int)blockIdx.x < BH * P ? ((((r) + 1) >> 1) * G + (int)blockIdx.x) / P : -1)
 #else
     // Non-causal: CTA i takes tiles i, i + G, ... with the query block fastest, so the CTAs running
     // together read the same heads' K/V from L2.
@@ -421,6 +440,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     if (tile >= n_tiles) continue;                                                                 \
     const int bh = tile / num_m;                                                                   \
     const int mb = tile % num_m;
+#define NEXT_TILE_BH(r) (((r) + 1) * G + (int)blockIdx.x < n_tiles ? (((r) + 1) * G + (int)blockIdx.x) / num_m : -1)
 #endif
 #define TILE_COORDS                                                                                  \
     TILE_INDEX                                                                                     \
@@ -479,8 +499,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             // none (below). This barrier keeps them from waiting on a ring slot more than one phase
             // ahead of it (a parity wait would pass): thread 0 has passed every earlier wait here.
             if (use_tma) {
+#if KEYPAD_SLOTS && KEYPAD_AHEAD
+                // (the tile-start barrier is KEYPAD_RANGE's) the next tile's batch where it is
+                // another one (every thread the same)
+                if (!kbs.bias) {
+                    const int nbh = NEXT_TILE_BH(r);
+                    if (nbh >= 0 && nbh / H != kp_batch) kp_ahead = nbh / H;
+                }
+#else
                 PRODUCER_SYNC();
+#endif
                 if (!kbs.bias && ptid >= 32) {  // no key bias to load: thread 0 arrives for them
+#if KEYPAD_SLOTS && KEYPAD_AHEAD
+                    if (kp_ahead >= 0) live_key_range<96>(Bias, (long long)kp_ahead * Sk, Sk, ptid - 32, live_red, kp_slot ^ 1);
+#endif
                     ++tc;
                     it += n_blocks;
                     continue;

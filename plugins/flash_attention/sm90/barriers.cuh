@@ -37,5 +37,5 @@ __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive 
 #define TURN_PASS(cw) named_arrive(1 + ((cw) + 1) % nc)
 
 // The producer warpgroup alone (128 threads) at each tile start (kernel_sm90.cu, key padding with
-// TMA); barrier 15 is the key-padding scan's (sparsity.cuh, LIVE_BARRIER).
+// TMA); barriers 15 and 13 are the key-padding scan's (sparsity.cuh, live_barrier).
 #define PRODUCER_SYNC() asm volatile("bar.sync 14, 128;" ::: "memory")

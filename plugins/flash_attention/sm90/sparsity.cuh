@@ -117,23 +117,32 @@ __device__ __forceinline__ KeyBlocks tile_blocks(int m0, int bm, int Sq, int Sk,
 
 // The live range (first, last key whose bias is above KEYPAD_MASKED; NaN counts as live) of one
 // key-padding row and whether it is pure, by the producer warpgroup (ptid = its thread, 0..127;
-// red: 19 ints of shared memory, the result in red[16..18] -- shared memory, not registers, holds
+// red: 24 ints of shared memory, the result in a slot of red[16..23] -- shared memory, not registers, holds
 // it between tiles: the three-consumer producer has 32 registers; named barrier 15): (Sk, -1)
 // when every key is masked. One pass:
 // the row is pure when the live keys fill [first, last] (their count) and are all 0. Called once
 // per batch change of the CTA's tiles; the consumers get the tile's blocks from the producer
 // (kernel_sm90.cu, KEYPAD_SLOTS). LIVE_UNROLL independent loads per thread in flight: a row of
 // 1024 keys costs one L2 round trip.
-#define LIVE_BARRIER() asm volatile("bar.sync 15, 128;" ::: "memory")
 #define LIVE_UNROLL 8
-__device__ __forceinline__ void live_key_range(const void* bias, long long row, int Sk, int ptid, volatile int* red) {
+// THREADS: 128 (the producer warpgroup; named barrier 15) or 96 (its warps 1-3 scanning the next
+// tile's row ahead, kernel_sm90.cu KEYPAD_AHEAD; named barrier 13); t: the thread among them. The
+// result goes to red[16 + 4 slot ..]: two slots, the current row's and the one scanned ahead.
+template <int THREADS>
+__device__ __forceinline__ void live_barrier() {
+    if constexpr (THREADS == 128) asm volatile("bar.sync 15, 128;" ::: "memory");
+    else asm volatile("bar.sync 13, 96;" ::: "memory");
+}
+template <int THREADS>
+__device__ __forceinline__ void live_key_range(const void* bias, long long row, int Sk, int t, volatile int* red, int slot) {
+    constexpr int WARPS = THREADS / 32;
     int f = Sk, l = -1, count = 0;
     bool nonzero = false;
 #pragma unroll 1
-    for (int c0 = 0; c0 < Sk; c0 += 128 * LIVE_UNROLL) {
+    for (int c0 = 0; c0 < Sk; c0 += THREADS * LIVE_UNROLL) {
 #pragma unroll
         for (int u = 0; u < LIVE_UNROLL; ++u) {
-            const int c = c0 + 128 * u + ptid;
+            const int c = c0 + THREADS * u + t;
             const float x = c < Sk ? bias_to_float(bias, row + c) : NEG_INF;
             if (!(x <= KEYPAD_MASKED)) {
                 f = min(f, c);
@@ -147,25 +156,26 @@ __device__ __forceinline__ void live_key_range(const void* bias, long long row, 
     l = __reduce_max_sync(0xffffffffu, l);
     count = __reduce_add_sync(0xffffffffu, count);
     nonzero = __any_sync(0xffffffffu, nonzero);
-    const int w = ptid / 32;
-    if (ptid % 32 == 0) red[w] = f, red[4 + w] = l, red[8 + w] = count, red[12 + w] = nonzero;
-    LIVE_BARRIER();
-    if (ptid == 0) {
-        const int first = min(min(red[0], red[1]), min(red[2], red[3]));
-        const int last = max(max(red[4], red[5]), max(red[6], red[7]));
-        const int live_keys = red[8] + red[9] + red[10] + red[11];
-        red[16] = first;
-        red[17] = last;
-        red[18] = live_keys == last - first + 1 && !(red[12] | red[13] | red[14] | red[15]);
+    const int w = t / 32;
+    if (t % 32 == 0) red[w] = f, red[4 + w] = l, red[8 + w] = count, red[12 + w] = nonzero;
+    live_barrier<THREADS>();
+    if (t == 0) {
+        int first = red[0], last = red[4], live_keys = red[8], any_nonzero = red[12];
+#pragma unroll
+        for (int i = 1; i < WARPS; ++i)
+            first = min(first, red[i]), last = max(last, red[4 + i]), live_keys += red[8 + i], any_nonzero |= red[12 + i];
+        red[16 + 4 * slot] = first;
+        red[17 + 4 * slot] = last;
+        red[18 + 4 * slot] = live_keys == last - first + 1 && !any_nonzero;
     }
-    LIVE_BARRIER();  // the result is visible, and red[0..15] free for the next call
+    live_barrier<THREADS>();  // the result is visible, and red[0..15] free for the next call
 }
 
-__device__ __forceinline__ KeyLive live_of(const volatile int* red) {
+__device__ __forceinline__ KeyLive live_of(const volatile int* red, int slot) {
     KeyLive live;
-    live.first = red[16];
-    live.last = red[17];
-    live.pure = red[18] != 0;
+    live.first = red[16 + 4 * slot];
+    live.last = red[17 + 4 * slot];
+    live.pure = red[18 + 4 * slot] != 0;
     return live;
 }
 
