@@ -5,7 +5,9 @@ epilogue, the eager chain and torch.compile, on the same shapes in the same run.
 Shapes (``--shapes``, names below): the QKV, FFN-up and FFN-down projections of BERT-base /
 BERT-large (bias; GELU erf on FFN up; the residual on FFN down) and LLaMA-7B / 13B (no bias;
 SwiGLU as GatedGemm; the residual on FFN down), at M = ``--tokens`` rows; plus square 4k / 8k
-(M = N = K, bias + GELU). Contenders, per shape:
+(M = N = K, bias + GELU); and, named by ``--shapes`` only, BERT-large's FFN up with each other
+epilogue (``bert-large.ffn_up.bare`` / ``.bias`` / ``.relu`` / ``.silu`` / ``.gelu_tanh``: what the
+epilogue costs). Contenders, per shape:
 
 * ``mm``: bare cuBLAS, ``torch.mm(x, W.t())`` (no epilogue at all);
 * ``lt``: cuBLASLt's fused epilogue where one call expresses the op: ``torch._addmm_activation``
@@ -87,6 +89,15 @@ SHAPES = {
     "square-4k": ("GemmEpilogue", 4096, 4096, "gelu_erf", "vector", "none"),
     "square-8k": ("GemmEpilogue", 8192, 8192, "gelu_erf", "vector", "none"),
 }
+#: BERT-large FFN up with each other epilogue (what the epilogue costs over the bare GEMM): named by
+#: ``--shapes`` only, not in the default run. ``bert-large.ffn_up`` itself is bias + GELU erf.
+EPILOGUE_SHAPES = {
+    "bert-large.ffn_up.bare": ("GemmEpilogue", 1024, 4096, "none", "none", "none"),
+    **{f"bert-large.ffn_up.{name}": ("GemmEpilogue", 1024, 4096, act, "vector", "none")
+       for name, act in (("bias", "none"), ("relu", "relu"), ("silu", "silu"), ("gelu_tanh", "gelu_tanh"))},
+}
+DEFAULT_SHAPES = tuple(SHAPES)
+SHAPES.update(EPILOGUE_SHAPES)
 TOKENS = (512, 4096, 32768)
 QUICK_SHAPES = ("bert-large.ffn_up", "llama-7b.ffn_gate_up", "llama-7b.ffn_down")
 DTYPES = ("float16",)
@@ -574,7 +585,8 @@ def parse_args(argv=None):
     ap.add_argument("--build", metavar="DIR", help="compile every artifact a run needs into DIR and exit (CPU or GPU)")
     ap.add_argument("--prebuilt", metavar="DIR", default=os.environ.get("OPTFUSE_GEMM_PREBUILT"),
                     help="KernelCache root with prebuilt artifacts (else compiled with the local Triton)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of: {', '.join(SHAPES)}")
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                    help=f"comma list of: {', '.join(SHAPES)} (default: all but the {', '.join(EPILOGUE_SHAPES)})")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="M values (squares use M = N = K)")
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--fp8", action="store_true", help="add the FP8 points (E4M3 A and weights; own table)")

@@ -18,6 +18,20 @@ def test_quick_and_selection():
     assert len(pts) == 2 * 2 + 2  # squares once per dtype, at M = N = K
 
 
+def test_epilogue_shapes_named_only():
+    """BERT-large FFN up with each other epilogue: selectable, not in the default run, same GEMM."""
+    default = bench.parse_args([]).shapes.split(",")
+    assert default == list(bench.DEFAULT_SHAPES) and not set(default) & set(bench.EPILOGUE_SHAPES)
+    base = bench.case_of("bert-large.ffn_up", 4096, "float16")
+    acts = set()
+    for name in bench.EPILOGUE_SHAPES:
+        case = bench.case_of(name, 4096, "float16")
+        assert (case.m, case.n, case.k) == (base.m, base.n, base.k)
+        acts.add((case.activation, case.bias))
+    assert len(acts) == len(bench.EPILOGUE_SHAPES)
+    assert bench.parse_args(["--shapes", "bert-large.ffn_up.relu"]).shapes == "bert-large.ffn_up.relu"
+
+
 @pytest.mark.parametrize("argv", [["--shapes", "gpt-5.ffn"], ["--tokens", "4k"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
