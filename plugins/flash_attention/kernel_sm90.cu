@@ -421,27 +421,36 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     // (balanced without ordering tiles by cost), and the CTAs running together share a few heads'
     // K/V in L2. (Heaviest-first order over all heads had each of the 132 CTAs read another
     // head's K/V: at B * H = 512 that kernel was bound by HBM traffic, 15-20 % slower.)
-#define TILE_LOOP for (int r = 0; (r >> 1) * G < BH * P; ++r)
+    // A CTA's unit is a pair: round r works on pair ROUND_UNIT(r), a new one every even round.
+#define ROUND_UNIT(r) (((r) >> 1) * G + (int)blockIdx.x)
+#define NEXT_ROUND_NEW_UNIT(r) ((r) & 1)  // round r + 1 starts another pair
+#define UNIT_COUNT (BH * P)
+#define UNIT_BH(u) ((u) / P)
+#define TILE_LOOP for (int r = 0; (r >> 1) * G < UNIT_COUNT; ++r)
 #define TILE_INDEX                                                                                   \
-    const int pair = (r >> 1) * G + (int)blockIdx.x;                                               \
-    if (pair >= BH * P) continue;                                                                  \
+    const int pair = ROUND_UNIT(r);                                                                \
+    if (pair >= UNIT_COUNT) continue;                                                              \
     const int pk = pair % P;                                                                       \
     if ((r & 1) && pk == num_m - 1 - pk) continue; /* odd num_m: the middle block has no partner */ \
-    const int bh = pair / P;                                                                       \
+    const int bh = UNIT_BH(pair);                                                                  \
     const int mb = (r & 1) ? pk : num_m - 1 - pk;
-// The (b, h) of round r + 1's tile where it starts another pair, else -1 (round r even: the same pair).
-#define NEXT_TILE_BH(r) (((r) & 1) && (((r) + 1) >> 1) * G + (int)blockIdx.x < BH * P ? ((((r) + 1) >> 1) * G + (int)blockIdx.x) / P : -1)
 #else
     // Non-causal: CTA i takes tiles i, i + G, ... with the query block fastest, so the CTAs running
-    // together read the same heads' K/V from L2.
-#define TILE_LOOP for (int r = 0; r * G < n_tiles; ++r)
+    // together read the same heads' K/V from L2. A CTA's unit is a tile, one a round.
+#define ROUND_UNIT(r) ((r) * G + (int)blockIdx.x)
+#define NEXT_ROUND_NEW_UNIT(r) true
+#define UNIT_COUNT n_tiles
+#define UNIT_BH(u) ((u) / num_m)
+#define TILE_LOOP for (int r = 0; r * G < UNIT_COUNT; ++r)
 #define TILE_INDEX                                                                                   \
-    const int tile = r * G + (int)blockIdx.x;                                                      \
-    if (tile >= n_tiles) continue;                                                                 \
-    const int bh = tile / num_m;                                                                   \
+    const int tile = ROUND_UNIT(r);                                                                \
+    if (tile >= UNIT_COUNT) continue;                                                              \
+    const int bh = UNIT_BH(tile);                                                                  \
     const int mb = tile % num_m;
-#define NEXT_TILE_BH(r) (((r) + 1) * G + (int)blockIdx.x < n_tiles ? (((r) + 1) * G + (int)blockIdx.x) / num_m : -1)
 #endif
+// The (b, h) of round r + 1's tile where that round starts another unit, else -1 (the key-padding
+// scan ahead, KEYPAD_AHEAD).
+#define NEXT_TILE_BH(r) (NEXT_ROUND_NEW_UNIT(r) && ROUND_UNIT((r) + 1) < UNIT_COUNT ? UNIT_BH(ROUND_UNIT((r) + 1)) : -1)
 #define TILE_COORDS                                                                                  \
     TILE_INDEX                                                                                     \
     const int m0 = mb * bm;                                                                        \
