@@ -36,6 +36,10 @@ __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive 
 #define TURN_WAIT(cw) named_sync(1 + (cw))
 #define TURN_PASS(cw) named_arrive(1 + ((cw) + 1) % nc)
 
-// The producer warpgroup alone (128 threads) at each tile start (kernel_sm90.cu, key padding with
-// TMA); barriers 15 and 13 are the key-padding scan's (sparsity.cuh, live_barrier).
+// The producer warpgroup's own named barriers (key padding; ids apart from the turns' 1-3 and the
+// consumers' 1 + CONSUMERS + cw): 14 joins its 128 threads at each tile start (with TMA); the
+// key-padding scan (sparsity.cuh, live_key_range) joins the whole warpgroup on 15, or its warps
+// 1-3 on 13 when they scan the next tile's row ahead.
 #define PRODUCER_SYNC() asm volatile("bar.sync 14, 128;" ::: "memory")
+#define LIVE_SYNC_PRODUCER() asm volatile("bar.sync 15, 128;" ::: "memory")
+#define LIVE_SYNC_AHEAD() asm volatile("bar.sync 13, 96;" ::: "memory")

@@ -116,22 +116,22 @@ __device__ __forceinline__ KeyBlocks tile_blocks(int m0, int bm, int Sq, int Sk,
 }
 
 // The live range (first, last key whose bias is above KEYPAD_MASKED; NaN counts as live) of one
-// key-padding row and whether it is pure, by the producer warpgroup (ptid = its thread, 0..127;
+// key-padding row and whether it is pure, by the producer warpgroup or its warps 1-3 (THREADS, t below;
 // red: 24 ints of shared memory, the result in a slot of red[16..23] -- shared memory, not registers, holds
-// it between tiles: the three-consumer producer has 32 registers; named barrier 15): (Sk, -1)
+// it between tiles: the three-consumer producer has 32 registers): (Sk, -1)
 // when every key is masked. One pass:
 // the row is pure when the live keys fill [first, last] (their count) and are all 0. Called once
 // per batch change of the CTA's tiles; the consumers get the tile's blocks from the producer
 // (kernel_sm90.cu, KEYPAD_SLOTS). LIVE_UNROLL independent loads per thread in flight: a row of
 // 1024 keys costs one L2 round trip.
 #define LIVE_UNROLL 8
-// THREADS: 128 (the producer warpgroup; named barrier 15) or 96 (its warps 1-3 scanning the next
-// tile's row ahead, kernel_sm90.cu KEYPAD_AHEAD; named barrier 13); t: the thread among them. The
+// THREADS: 128 (the producer warpgroup) or 96 (its warps 1-3 scanning the next tile's row ahead,
+// kernel_sm90.cu KEYPAD_AHEAD), each on its named barrier (barriers.cuh); t: the thread among them. The
 // result goes to red[16 + 4 slot ..]: two slots, the current row's and the one scanned ahead.
 template <int THREADS>
 __device__ __forceinline__ void live_barrier() {
-    if constexpr (THREADS == 128) asm volatile("bar.sync 15, 128;" ::: "memory");
-    else asm volatile("bar.sync 13, 96;" ::: "memory");
+    if constexpr (THREADS == 128) LIVE_SYNC_PRODUCER();
+    else LIVE_SYNC_AHEAD();
 }
 template <int THREADS>
 __device__ __forceinline__ void live_key_range(const void* bias, long long row, int Sk, int t, volatile int* red, int slot) {
