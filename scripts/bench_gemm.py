@@ -92,9 +92,9 @@ SHAPES = {
 #: BERT-large FFN up with each other epilogue (what the epilogue costs over the bare GEMM): named by
 #: ``--shapes`` only, not in the default run. ``bert-large.ffn_up`` itself is bias + GELU erf.
 EPILOGUE_SHAPES = {
-    "bert-large.ffn_up.bare": ("GemmEpilogue", 1024, 4096, "none", "none", "none"),
-    **{f"bert-large.ffn_up.{name}": ("GemmEpilogue", 1024, 4096, act, "vector", "none")
-       for name, act in (("bias", "none"), ("relu", "relu"), ("silu", "silu"), ("gelu_tanh", "gelu_tanh"))},
+    f"bert-large.ffn_up.{name}": (*SHAPES["bert-large.ffn_up"][:3], act, bias, "none")
+    for name, act, bias in (("bare", "none", "none"), ("bias", "none", "vector"), ("relu", "relu", "vector"),
+                            ("silu", "silu", "vector"), ("gelu_tanh", "gelu_tanh", "vector"))
 }
 DEFAULT_SHAPES = tuple(SHAPES)
 SHAPES.update(EPILOGUE_SHAPES)
