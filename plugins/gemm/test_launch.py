@@ -88,6 +88,33 @@ def test_sm90_activation_codes_are_the_spec_order_and_the_headers():
     assert src.defines["ACTIVATION"] == "8" and "/relu2_bias-vector_res-none/" in src.name
 
 
+def test_sm90_gelu_erf_form_within_its_stated_bound():
+    """sm90/epilogue.cuh's GELU erf (x sigmoid of a fitted odd polynomial, x^2 clamped at 36), run
+    here in fp32 with the header's own coefficients, against the float64 GELU: within the 2.6e-5 its
+    comment states for every x, and exact in the limits (x for large x, 0 for large -x)."""
+    import re
+    from pathlib import Path
+
+    import math
+
+    import numpy as np
+
+    header = (Path(L.__file__).parent / "sm90" / "epilogue.cuh").read_text()
+    block = header[header.index("#elif ACTIVATION == 2\n"):header.index("#elif ACTIVATION == 3\n")]
+    assert "|error| <=\n    // 2.6e-5" in block
+    clamp = float(re.search(r"fminf\(x \* x, ([\d.]+)f\)", block).group(1))
+    c2, c1, c0 = (np.float32(v) for v in re.search(
+        r"fmaf\(fmaf\(([-\d.e]+)f, x2, ([-\d.e]+)f\), x2, ([-\d.e]+)f\)", block).groups())
+    x = np.concatenate([np.linspace(-12, 12, 480001), [-1e4, -60.0, 60.0, 1e4]]).astype(np.float32)
+    x2 = np.minimum(x * x, np.float32(clamp))
+    with np.errstate(over="ignore"):
+        y = x * (np.float32(1) / (np.float32(1) + np.exp2(x * ((c2 * x2 + c1) * x2 + c0))))
+    xd = x.astype(np.float64)
+    ref = 0.5 * xd * (1 + np.vectorize(math.erf)(xd / math.sqrt(2)))
+    assert np.abs(y - ref).max() <= 2.6e-5
+    assert y[-1] == x[-1] and y[-2] == x[-2] and y[-3] == 0 and y[-4] == 0
+
+
 def test_argument_order_is_qdp():
     """Present inputs in spec order, M, y; absent ones are None constexprs."""
     cases = [
