@@ -7,7 +7,9 @@ BERT-large (bias; GELU erf on FFN up; the residual on FFN down) and LLaMA-7B / 1
 SwiGLU as GatedGemm; the residual on FFN down), at M = ``--tokens`` rows; plus square 4k / 8k
 (M = N = K, bias + GELU); and, named by ``--shapes`` only, BERT-large's FFN up with each other
 epilogue (``bert-large.ffn_up.bare`` / ``.bias`` / ``.relu`` / ``.silu`` / ``.gelu_tanh``: what the
-epilogue costs). Contenders, per shape:
+epilogue costs), and BERT-large's FFN down without bias or residual (``bert-large.ffn_down.bare``), with the
+bias (``.bias``) or the residual (``.res``) alone, and LLaMA-7B's without its residual
+(``llama-7b.ffn_down.bare``). Contenders, per shape:
 
 * ``mm``: bare cuBLAS, ``torch.mm(x, W.t())`` (no epilogue at all);
 * ``lt``: cuBLASLt's fused epilogue where one call expresses the op: ``torch._addmm_activation``
@@ -22,6 +24,9 @@ epilogue costs). Contenders, per shape:
   ``optfuse.kernels.launcher``; with ``--variants`` also each candidate config. Where
   ``launch.launch_plan`` answers for this M (the pingpong kernel, or split-K and its reduce),
   ``ours[plan]`` too, first: what the classic plugin runs at this M, the ratios' ``ours``.
+* ``ours[impl|baseline]`` (``--baseline DIR``: a checkout of an earlier source tree, e.g. ``git worktree add
+  DIR COMMIT``): the same CUDA config compiled from DIR's kernel source, launched and checked like ours, right
+  after it in each round: a kernel change A/B in one run. The Triton kernel has no baseline row.
 
 GatedGemm shapes replace mm / lt by ``mm2`` (two bare GEMMs, gate and up) and ``packed`` (one bare
 GEMM over [W_gate; W_up], N doubled: what the gate must not cost on top of); the chain is
@@ -96,8 +101,16 @@ EPILOGUE_SHAPES = {
     for name, act, bias in (("bare", "none", "none"), ("bias", "none", "vector"), ("relu", "relu", "vector"),
                             ("silu", "silu", "vector"), ("gelu_tanh", "gelu_tanh", "vector"))
 }
+#: FFN down split by what its epilogue adds (``bert-large.ffn_down`` itself has a bias and the residual,
+#: ``llama-7b.ffn_down`` the residual only): named by ``--shapes`` only.
+FFN_DOWN_SHAPES = {
+    **{f"bert-large.ffn_down.{name}": (*SHAPES["bert-large.ffn_down"][:3], "none", bias, residual)
+       for name, bias, residual in (("bare", "none", "none"), ("bias", "vector", "none"), ("res", "none", "full"))},
+    "llama-7b.ffn_down.bare": (*SHAPES["llama-7b.ffn_down"][:3], "none", "none", "none"),
+}
 DEFAULT_SHAPES = tuple(SHAPES)
 SHAPES.update(EPILOGUE_SHAPES)
+SHAPES.update(FFN_DOWN_SHAPES)
 TOKENS = (512, 4096, 32768)
 QUICK_SHAPES = ("bert-large.ffn_up", "llama-7b.ffn_gate_up", "llama-7b.ffn_down")
 DTYPES = ("float16",)
@@ -143,14 +156,18 @@ def ours_configs(case, arch, variants: str | None) -> list:
     return out
 
 
-def needed_sources(pts, arch, variants, with_tests=True) -> list:
-    """Every KernelSource a device run needs: each point's configs and the GPU tests' sources."""
+def needed_sources(pts, arch, variants, with_tests=True, baseline=None) -> list:
+    """Every KernelSource a device run needs: each point's configs (and their ``baseline`` versions,
+    16-bit points), and the GPU tests' sources."""
     srcs = {}
     for name, m, dt in pts:
         case = case_of(name, m, dt)
         for _, cfg in ours_configs(case, arch, variants):
             s = T.case_sources(case, config=cfg, arch=arch)[0]
             srcs[s.name] = s
+            if baseline and s.lang == "cuda" and not case.fp8:
+                b = baseline_source(s, baseline)
+                srcs[b.name] = b
         plan = T.case_plan(case, arch) if not case.fp8 else None
         for step in plan.steps if plan is not None else ():
             srcs[step.source.name] = step.source
@@ -290,7 +307,17 @@ def interleaved(fns: dict, rounds: int, notes: dict) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def contenders(case, ins, compiler, artifacts, arch, variants, check):
+def baseline_source(src, root: str):
+    """``src`` compiled from the same file under the checkout ``root`` (its own name, so both share a cache)."""
+    import dataclasses
+
+    path = Path(root).resolve() / Path(src.path).resolve().relative_to(ROOT)
+    if not path.is_file():
+        raise SystemExit(f"bench_gemm: --baseline {root}: no {path.relative_to(Path(root).resolve())} there")
+    return dataclasses.replace(src, path=str(path), name=src.name + "_baseline")
+
+
+def contenders(case, ins, compiler, artifacts, arch, variants, check, baseline=None):
     """{name: callable} for one point, and notes (compile, artifact origin, accuracy)."""
     import torch
 
@@ -324,14 +351,18 @@ def contenders(case, ins, compiler, artifacts, arch, variants, check):
         fns["ours[plan]"], notes["ours[plan]"] = plan_contender(case, plan, by_spec, artifacts, arch, ref, x.dtype)
     for label, cfg in ours_configs(case, arch, variants):
         src, params = T.case_sources(case, config=cfg, arch=arch)
-        art, origin = artifacts.get(src, arch)
-        out = torch.full((case.m, case.n), float("nan"), dtype=x.dtype, device="cuda")
-        launch(art, params, present, [out], stream, sync=True)
-        if check:  # the result against the chain in float64 (a wrong kernel is not timed)
-            check_on_device(out, ref, case.dtype, src.name)
-        notes[label] = f"{L.config_name(cfg)} ({origin})"
-        # the current stream when called: the graph capture's
-        fns[label] = (lambda a=art, p=params, o=out: launch(a, p, present, [o], torch.cuda.current_stream().cuda_stream))
+        labelled = [(label, src)]
+        if baseline and src.lang == "cuda":
+            labelled.append((label[:-1] + "|baseline]", baseline_source(src, baseline)))
+        for lab, s in labelled:
+            art, origin = artifacts.get(s, arch)
+            out = torch.full((case.m, case.n), float("nan"), dtype=x.dtype, device="cuda")
+            launch(art, params, present, [out], stream, sync=True)
+            if check:  # the result against the chain in float64 (a wrong kernel is not timed)
+                check_on_device(out, ref, case.dtype, s.name)
+            notes[lab] = f"{L.config_name(cfg)} ({origin})"
+            # the current stream when called: the graph capture's
+            fns[lab] = (lambda a=art, p=params, o=out: launch(a, p, present, [o], torch.cuda.current_stream().cuda_stream))
     return fns, notes
 
 
@@ -468,7 +499,7 @@ def run_point(name, m, dtype, args, compiler, artifacts, arch) -> dict:
         fns, notes = fp8_contenders(case, ins, artifacts, arch, args.variants, not args.no_check)
     else:
         ins = _cuda_inputs(case, gen)
-        fns, notes = contenders(case, ins, compiler, artifacts, arch, args.variants, not args.no_check)
+        fns, notes = contenders(case, ins, compiler, artifacts, arch, args.variants, not args.no_check, args.baseline)
     times = interleaved(fns, args.rounds, notes)
     flops = 2.0 * case.m * case.n * case.k * (2 if case.op == "GatedGemm" else 1)
     row = {"shape": name, "op": case.op, "M": case.m, "N": case.n, "K": case.k, "dtype": dtype,
@@ -596,6 +627,8 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (medians)")
     ap.add_argument("--variants", metavar="all|NAME[,NAME]",
                     help="also time these candidate configs (launch.config_name) of ours, or all of them")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also time each CUDA config compiled from this checkout's kernel source (ours[impl|baseline])")
     ap.add_argument("--arch", type=int, default=None, help="target arch of the kernel choice (default: the GPU's)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--compile-limit", type=float, default=30.0, help="seconds per point for torch.compile")
@@ -627,7 +660,7 @@ def main(argv=None) -> int:
         from optfuse.kernels import KernelCache
 
         arch = args.arch or 90
-        srcs = needed_sources(pts, arch, args.variants, with_tests=not args.no_test_sources)
+        srcs = needed_sources(pts, arch, args.variants, with_tests=not args.no_test_sources, baseline=args.baseline)
         t0 = time.time()
         KernelCache(args.build).build_many(srcs, arch, jobs=args.jobs)
         print(f"built {len(srcs)} artifacts for sm_{arch} in {time.time() - t0:.0f}s into {args.build}")

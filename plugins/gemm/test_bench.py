@@ -32,6 +32,53 @@ def test_epilogue_shapes_named_only():
     assert bench.parse_args(["--shapes", "bert-large.ffn_up.relu"]).shapes == "bert-large.ffn_up.relu"
 
 
+def test_ffn_down_shapes_named_only():
+    """The FFN down shapes without bias / residual, with one of them: same GEMM, named by --shapes only."""
+    default = set(bench.parse_args([]).shapes.split(","))
+    assert not default & set(bench.FFN_DOWN_SHAPES)
+    full = bench.case_of("bert-large.ffn_down", 4096, "float16")
+    parts = {(c.bias, c.residual) for c in (bench.case_of(f"bert-large.ffn_down.{t}", 4096, "float16")
+                                            for t in ("bare", "bias", "res"))
+             if (c.m, c.n, c.k, c.activation) == (full.m, full.n, full.k, "none")}
+    assert parts == {("none", "none"), ("vector", "none"), ("none", "full")} != {(full.bias, full.residual)}
+    llama, bare = (bench.case_of(n, 4096, "float16") for n in ("llama-7b.ffn_down", "llama-7b.ffn_down.bare"))
+    assert (bare.n, bare.k, bare.bias, bare.residual) == (llama.n, llama.k, "none", "none") and llama.residual == "full"
+
+
+def _tree_copy(tmp_path, rel="plugins/gemm/kernel_sm90.cu"):
+    """A baseline checkout holding the gemm plugin's CUDA sources, the kernel changed by one comment."""
+    import shutil
+
+    root = tmp_path / "base"
+    for d in ("plugins/gemm", "plugins/common"):
+        shutil.copytree(bench.ROOT / d, root / d, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    (root / rel).write_text((root / rel).read_text() + "\n// baseline\n")
+    return root
+
+
+def test_baseline_sources(tmp_path):
+    """--baseline: each CUDA config once more from the other checkout (own name and hash); Triton not."""
+    root = _tree_copy(tmp_path)
+    pts = bench.points(["bert-large.ffn_up"], [4096], ["float16"])
+    plain = bench.needed_sources(pts, 90, None, with_tests=False)
+    both = bench.needed_sources(pts, 90, None, with_tests=False, baseline=str(root))
+    cuda = [s for s in plain if s.lang == "cuda"]
+    assert cuda and len(both) == len(plain) + len(cuda)
+    base = {s.name: s for s in both if s.name.endswith("_baseline")}
+    for s in cuda:
+        b = base[s.name + "_baseline"]
+        assert b.path == str(root / "plugins/gemm/kernel_sm90.cu") and b.defines == s.defines
+        assert b.spec_dict()["source_sha256"] != s.spec_dict()["source_sha256"]
+    assert bench.parse_args(["--baseline", str(root)]).baseline == str(root)
+
+
+def test_baseline_without_the_kernel_exits(tmp_path):
+    src = next(s for s in bench.needed_sources(bench.points(["bert-large.ffn_up"], [4096], ["float16"]), 90, None,
+                                               with_tests=False) if s.lang == "cuda")
+    with pytest.raises(SystemExit, match="no plugins/gemm/kernel_sm90.cu there"):
+        bench.baseline_source(src, str(tmp_path))
+
+
 @pytest.mark.parametrize("argv", [["--shapes", "gpt-5.ffn"], ["--tokens", "4k"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -51,7 +98,7 @@ def test_every_shape_builds_and_sources_are_distinct():
     # and the split-K plans' two sources (GEMM, reduce) where launch_plan splits at this M
     want = sum(len({c.impl for c in _candidates(bench.case_of(name, m, dt))}) for name, m, dt in pts)
     splits = [n for n, m, dt in pts if (p := bench.T.case_plan(bench.case_of(n, m, dt), 90)) and len(p.steps) == 2]
-    assert splits == ["bert-base.ffn_down", "bert-large.ffn_down"]
+    assert splits == ["bert-base.ffn_down", "bert-large.ffn_down", *(f"bert-large.ffn_down.{t}" for t in ("bare", "bias", "res"))]
     assert len(srcs) == want + 2 * len(splits) and want > len(bench.SHAPES)
     assert len({s.name for s in srcs}) == len(srcs)
     with_variants = bench.needed_sources(pts[:1], 90, "all", with_tests=False)
