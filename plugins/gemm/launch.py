@@ -576,11 +576,12 @@ def plan_choice(op: str, dtype: str, m: int, n: int, k: int, impl: str, static: 
     """(schedule, ring stages, splits) of the run-time plan at M = ``m`` rows, where the static choice
     is the sm_90 schedule ``impl``; None: that one kernel runs. launch_sm90.small_m_schedule first;
     where it leaves one kernel (the static choice or an unsplit plan), 128 x 192 tiles instead if they
-    fill the grid's waves much better (launch_sm90.wave_schedule)."""
+    fill the grid's waves much better (launch_sm90.wave_schedule); where both keep the static choice,
+    the epilogue-warp schedule's wide tiles for a plain projection at large M (launch_sm90.large_m_schedule)."""
     choice = launch_sm90.small_m_schedule(op, dtype, m, n, k, impl, static, activation)
     if choice is None or choice[2] == 1:
         choice = launch_sm90.wave_schedule(op, dtype, m, n, k, choice[0] if choice else impl, static) or choice
-    return choice
+    return choice or launch_sm90.large_m_schedule(op, dtype, m, n, k, impl, static)
 
 
 def _plan_of(op: str, dtype: str, n: int, k: int, m: Any, epi: Epilogue, cfg: GemmConfig, static: dict,

@@ -276,6 +276,35 @@ def test_small_m_plan_choice():
     assert L.launch_plan(case.op, case.shapes(), case.dtypes(), case.attrs, static_shape=T.case_static(case, 89)) is None
 
 
+def test_large_m_plan_choice():
+    """Plain projections (ping-pong statically) take the epilogue-warp schedule from PLAIN_WIDE_MIN_WAVES
+    waves of 128 x 256 tiles on; other static choices, GatedGemm and smaller M keep theirs."""
+    C = T.Case
+    wide = ("cuda_sm90_epilogue_wg", 1, 1)
+    waves = L9.PLAIN_WIDE_MIN_WAVES
+    for n, k in ((2304, 768), (3072, 1024)):
+        col_tiles = -(-n // 256)
+        first = -(-waves * 132 // col_tiles) * 128  # the first M (in 128-row blocks) with that many waves
+        assert shape_of(C("GemmEpilogue", (first,), n, k, "float16", "none", "vector", "none")) == wide
+        assert shape_of(C("GemmEpilogue", (2, first // 2), n, k, "bfloat16", "none", "none", "none")) == wide
+        assert shape_of(C("GemmEpilogue", (first - 128,), n, k, "float16", "none", "vector", "none")) is None
+    # BERT-base QKV at M = 32768: 2304 tiles (17.5 waves); at 4096 ping-pong stays
+    assert shape_of(C("GemmEpilogue", (32768,), 2304, 768, "float16", "none", "vector", "none")) == wide
+    assert shape_of(C("GemmEpilogue", (4096,), 2304, 768, "float16", "none", "vector", "none")) is None
+    # not plain: an activation (epilogue warps statically), a residual, K > 2048, GatedGemm
+    assert shape_of(C("GemmEpilogue", (65536,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
+    assert shape_of(C("GemmEpilogue", (65536,), 1024, 1024, "float16", "none", "vector", "full")) is None
+    assert shape_of(C("GemmEpilogue", (65536,), 12288, 4096, "float16", "none", "none", "none")) is None
+    assert shape_of(C("GatedGemm", (65536,), 11008, 4096, "float16", "silu")) is None
+    # the plan's kernel and launch are the epilogue-warp config's (which test_kernel_gpu runs at every M)
+    case = C("GemmEpilogue", (30080,), 2304, 520, "bfloat16", "none", "vector", "none")
+    step, = _plan(case).steps
+    cfg = next(c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, 90, T.case_static(case, 90),
+                                              case.activation) if c.impl == "cuda_sm90_epilogue_wg")
+    src, params = T.case_sources(case, config=cfg, arch=90)
+    assert (src.name, src.spec_dict(), params) == (step.source.name, step.source.spec_dict(), step.params)
+
+
 def test_split_k_plan_buffers_and_workspace():
     """Split-K: the GEMM reads the op's present inputs and writes the workspace's partial planes
     (splits x M x N fp32, within workspace_bytes' bound for any M); the reduce reads them, bias and
