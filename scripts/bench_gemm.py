@@ -308,7 +308,7 @@ def interleaved(fns: dict, rounds: int, notes: dict) -> dict:
 
 
 def baseline_source(src, root: str):
-    """``src`` compiled from the same file under the checkout ``root`` (its own name, so both share a cache)."""
+    """``src`` compiled from the same file under the checkout ``root`` (its own name: both fit in one cache)."""
     import dataclasses
 
     path = Path(root).resolve() / Path(src.path).resolve().relative_to(ROOT)
@@ -643,6 +643,8 @@ def parse_args(argv=None):
     if args.fp8 and FP8 not in args.dtypes.split(","):
         args.dtypes += "," + FP8
     FP8_OUTPUT["dtype"] = args.fp8_output
+    if args.baseline and not (Path(args.baseline) / "plugins/gemm/kernel_sm90.cu").is_file():
+        ap.error(f"--baseline {args.baseline}: no plugins/gemm/kernel_sm90.cu there (give a checkout's root)")
     unknown = set(args.shapes.split(",")) - set(SHAPES)
     if unknown:
         ap.error(f"--shapes: unknown {', '.join(sorted(unknown))} (have {', '.join(SHAPES)})")

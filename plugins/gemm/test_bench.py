@@ -72,7 +72,10 @@ def test_baseline_sources(tmp_path):
     assert bench.parse_args(["--baseline", str(root)]).baseline == str(root)
 
 
-def test_baseline_without_the_kernel_exits(tmp_path):
+def test_baseline_without_the_kernel_exits(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--baseline", str(tmp_path)])
+    assert e.value.code == 2 and "no plugins/gemm/kernel_sm90.cu there" in capsys.readouterr().err
     src = next(s for s in bench.needed_sources(bench.points(["bert-large.ffn_up"], [4096], ["float16"]), 90, None,
                                                with_tests=False) if s.lang == "cuda")
     with pytest.raises(SystemExit, match="no plugins/gemm/kernel_sm90.cu there"):
