@@ -283,9 +283,10 @@ def wave_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
 # -- large M (launch.launch_plan, where neither rule above answers): wide tiles for plain projections --
 #: Plain projections (BERT's QKV: a bias at most, K <= 2048) take ping-pong statically, whose 128 x 128 tiles
 #: fill the grid's waves at small M; from this many waves of 128 x 256 tiles on, the epilogue-warp schedule's
-#: wide tiles run them faster (H100, same run, against ping-pong: BERT-base / BERT-large QKV at M = 32768,
-#: 17.5 / 23.3 waves: 0.94x / 0.93x; at M = 4096, 2.2 / 2.9 waves: 1.04x / 1.02x).
-PLAIN_WIDE_MIN_WAVES = 16
+#: wide tiles run them faster (H100, same run, against ping-pong, results/h100_qkv_by_m.json: BERT-large QKV
+#: at 5.8 waves (M = 8192) 0.96x, BERT-base / BERT-large at 8.7 / 11.6 waves (M = 16384) 0.95x / 0.95x; below
+#: it BERT-base at 4.4 waves (M = 8192) 1.07x, and both at M = 4096 (2.2 / 2.9 waves) 1.04x / 1.02x).
+PLAIN_WIDE_MIN_WAVES = 5
 
 
 def large_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,

@@ -118,7 +118,7 @@ PLAN_CASES = [
     (C("GemmEpilogue", (4000,), 768, 3072, "float16", "gelu_tanh", "scalar", "none"), "n192"),
     (C("GemmEpilogue", (1000,), 2304, 768, "float16", "none", "vector", "none"), "n192"),
     # plain projections at large M: the epilogue-warp schedule's wide tiles (PLAIN_WIDE_MIN_WAVES)
-    (C("GemmEpilogue", (30080,), 2304, 520, "bfloat16", "none", "vector", "none"), "epilogue_wg"),
+    (C("GemmEpilogue", (9472,), 2304, 520, "bfloat16", "none", "vector", "none"), "epilogue_wg"),
 ]
 #: The cases every candidate config runs on (one per op and dtype class).
 CONFIG_CASES = [
