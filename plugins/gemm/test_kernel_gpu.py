@@ -71,6 +71,14 @@ CASES = [
     # 128 x 192 tiles' last column tile 128 wide (N = 2048), and several tiles a CTA
     C("GemmEpilogue", (2, 1500), 2048, 776, "float16", "gelu_erf", "vector", "none"),
     C("GemmEpilogue", (5000,), 768, 1544, "bfloat16", "none", "scalar", "full", "before_activation"),
+    # fp16 activations the epilogue warps compute in f16x2 (GELU erf above): more tiles than 132 CTAs, as
+    # the epilogue warps take every tile of a CTA but its last; a scalar bias, a residual before the
+    # activation, a scalar residual; GatedGemm, whose epilogue warps keep fp32
+    C("GemmEpilogue", (3, 3000), 1152, 520, "float16", "gelu_tanh", "scalar", "full", "before_activation"),
+    C("GemmEpilogue", (20000,), 384, 136, "float16", "quick_gelu", "vector", "scalar", alpha=0.125),
+    C("GemmEpilogue", (9000,), 1024, 776, "float16", "silu", "vector", "none"),
+    C("GatedGemm", (2000,), 2816, 1024, "float16", "silu"),
+    C("GatedGemm", (4000,), 1024, 776, "float16", "gelu_tanh"),
 ]
 _FP8 = "float8e4m3fn"
 _EDGE = {"headroom": 0.5}  # the largest values saturated at +-448

@@ -115,6 +115,66 @@ def test_sm90_gelu_erf_form_within_its_stated_bound():
     assert y[-1] == x[-1] and y[-2] == x[-2] and y[-3] == 0 and y[-4] == 0
 
 
+def test_sm90_half2_activations_within_their_stated_bound():
+    """sm90/epilogue_wg.cuh's fp16 epilogue-warp activations (0.5 x (1 + tanh(z)) in f16x2), emulated
+    with the header's own fp16 constants (each operation rounded to fp16, tanh correctly rounded: the
+    emulation's assumption about tanh.approx.f16x2) against the float64 functions: within the ulps
+    its comment states, and the limits at +-65504 and -inf exact (0 below, x above)."""
+    import math
+    import re
+    from pathlib import Path
+
+    import numpy as np
+
+    header = (Path(L.__file__).parent / "sm90" / "epilogue_wg.cuh").read_text()
+    assert "at most 0.76 of fp16's ulp of max(|y|, 1) for the GELUs and QuickGELU, 1.13 for SiLU" in " ".join(
+        line.removeprefix("// ") for line in header.splitlines())
+    body = header[header.index("u32 activate_h2(u32 x)"):header.index("u32 epilogue_h2(")]
+
+    def consts(text):
+        return [np.array([int(b, 16)], np.uint16).view(np.float16).astype(np.float64)[0]
+                for b in re.findall(r"H2\(0x([0-9A-F]{4})u\)", text)]
+
+    def block(a):
+        rest = body[body.index(f"ACTIVATION == {a}\n"):]
+        return consts(rest[:rest.index("#e", 1)])
+
+    def r(v):  # rounded to fp16 (past 65504: inf, as the hardware rounds)
+        with np.errstate(over="ignore"):
+            return np.asarray(v, np.float64).astype(np.float16).astype(np.float64)
+    floor, half = consts(body[:body.index("#if ACTIVATION")])
+
+    def activate_h2(x, a):
+        x = np.maximum(r(x), floor)
+        hx = r(x * half)
+        if a == 2:
+            clamp, z4, z2, z0 = block(2)
+            x2 = np.minimum(r(x * x), clamp)
+            z = r(x * r(r(z4 * x2 + z2) * x2 + z0))
+        elif a == 3:
+            k1, k0 = block(3)
+            z = r(x * r(k1 * r(x * x) + k0))
+        elif a == 4:
+            z = r(x * block(4)[0])
+        else:
+            z = hx
+        return r(hx * r(np.tanh(z)) + hx)
+
+    erf = np.vectorize(math.erf)
+    refs = {2: (lambda x: 0.5 * x * (1 + erf(x / math.sqrt(2))), 0.76),
+            3: (lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))), 0.76),
+            4: (lambda x: x / (1 + np.exp(-1.702 * x)), 0.76),
+            5: (lambda x: x / (1 + np.exp(-x)), 1.13)}
+    x = r(np.linspace(-16, 16, 400001))
+    limits = np.array([-65504.0, 65504.0, -np.inf])
+    for a, (ref_fn, ulps) in refs.items():
+        with np.errstate(over="ignore"):
+            ref = ref_fn(x)
+        ulp = np.spacing(r(np.maximum(np.abs(ref), 1)).astype(np.float16)).astype(np.float64)
+        assert (np.abs(activate_h2(x, a) - ref) / ulp).max() <= ulps, a
+        assert activate_h2(limits, a).tolist() == [0.0, 65504.0, 0.0], a
+
+
 def test_argument_order_is_qdp():
     """Present inputs in spec order, M, y; absent ones are None constexprs."""
     cases = [
