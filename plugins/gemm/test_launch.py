@@ -116,7 +116,7 @@ def test_sm90_gelu_erf_form_within_its_stated_bound():
 
 
 def test_sm90_half2_activations_within_their_stated_bound():
-    """sm90/epilogue_wg.cuh's fp16 epilogue-warp activations (0.5 x (1 + tanh(z)) in f16x2), emulated
+    """sm90/epilogue.cuh's fp16 activations (0.5 x (1 + tanh(z)) in f16x2, HALF2_EPILOGUE), emulated
     with the header's own fp16 constants (each operation rounded to fp16, tanh correctly rounded: the
     emulation's assumption about tanh.approx.f16x2) against the float64 functions: within the ulps
     its comment states, and the limits at +-65504 and -inf exact (0 below, x above)."""
@@ -126,7 +126,7 @@ def test_sm90_half2_activations_within_their_stated_bound():
 
     import numpy as np
 
-    header = (Path(L.__file__).parent / "sm90" / "epilogue_wg.cuh").read_text()
+    header = (Path(L.__file__).parent / "sm90" / "epilogue.cuh").read_text()
     assert "at most 0.76 of fp16's ulp of max(|y|, 1) for the GELUs and QuickGELU, 1.13 for SiLU" in " ".join(
         line.removeprefix("// ") for line in header.splitlines())
     body = header[header.index("u32 activate_h2(u32 x)"):header.index("u32 epilogue_h2(")]

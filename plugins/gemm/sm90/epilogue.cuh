@@ -145,8 +145,88 @@ __device__ __forceinline__ float2 scale_pair(const Scales& sc, const float* w, i
     return make_float2(sc.a * ws.x, sc.a * ws.y);
 }
 
+// GemmEpilogue with fp16 I/O and GELU (erf or tanh form), QuickGELU or SiLU: the epilogue computes on
+// packed f16x2 pairs, alpha * accumulator rounded once to fp16 (as the unfused chain rounds the GEMM's
+// output; saturating at +-65504), bias and residual added in fp16 as the chain adds them, each activation
+// as x sigmoid(2 z) = 0.5 x (1 + tanh(z)) with tanh.approx.f16x2. The consumers (epilogue_pair), the
+// epilogue warps (epilogue_wg.cuh: their loop over 4 rows x 8 columns compiles to 7.9 instructions an
+// element for bias + GELU erf, where the fp32 form takes 13.4) and the split-K reduce compute the same.
+// The error, emulated on the CPU (each operation rounded to fp16, tanh correctly rounded; test_launch.py), over
+// x in [-16, 16]: at most 0.76 of fp16's ulp of max(|y|, 1) for the GELUs and QuickGELU, 1.13 for SiLU
+// (0.5 |x| times tanh's rounding near -1: in the negative tail the error is absolute, not relative to y).
+// GatedGemm keeps fp32: its up value multiplies that absolute error (H100, GELU tanh: -2.4e-3 for
+// y = -1.1e-4, outside fp16's test bound).
+#define HALF2_EPILOGUE (OPTFUSE_DTYPE == 1 && !IN_FP8 && !GATED && ACTIVATION >= 2 && ACTIVATION <= 5)
+#if HALF2_EPILOGUE
+#define H2(bits) ((bits) * 0x10001u)  // one fp16 value (its bits) in both halves
+__device__ __forceinline__ u32 h2_add(u32 a, u32 b) { u32 d; asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+__device__ __forceinline__ u32 h2_mul(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+__device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ u32 h2_min(u32 a, u32 b) { u32 d; asm("min.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+__device__ __forceinline__ u32 h2_max(u32 a, u32 b) { u32 d; asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+__device__ __forceinline__ u32 h2_tanh(u32 a) { u32 d; asm("tanh.approx.f16x2 %0, %1;" : "=r"(d) : "r"(a)); return d; }
+
+__device__ __forceinline__ u32 activate_h2(u32 x) {
+    x = h2_max(x, H2(0xFBFFu));  // -inf -> -65504, whose 0.5 x (1 + tanh(z)) is -0, not inf - inf
+    const u32 hx = h2_mul(x, H2(0x3800u));  // 0.5 x
+#if ACTIVATION == 2
+    // GELU erf: z = x (z0 + z2 x^2 + z4 x^4), activate's q(x) times -ln(2) / 2 in fp16 (0.797363,
+    // 0.0370178, -3.51429e-4); x^2 clamped at 36 as there
+    const u32 x2 = h2_min(h2_mul(x, x), H2(0x5080u));
+    const u32 z = h2_mul(x, h2_fma(h2_fma(H2(0x8DC2u), x2, H2(0x28BDu)), x2, H2(0x3A61u)));
+#elif ACTIVATION == 3
+    // GELU tanh: z = x (sqrt(2 / pi) + 0.044715 sqrt(2 / pi) x^2) (0.797852, 0.0356750); x^2 = inf past
+    // |x| = 256 gives z = +-inf, tanh +-1
+    const u32 z = h2_mul(x, h2_fma(H2(0x2891u), h2_mul(x, x), H2(0x3A62u)));
+#elif ACTIVATION == 4
+    const u32 z = h2_mul(x, H2(0x3ACFu));  // QuickGELU: x sigmoid(1.702 x), z = 0.851 x
+#else
+    const u32 z = hx;  // SiLU: x sigmoid(x), z = x / 2
+#endif
+    return h2_fma(hx, h2_tanh(z), hx);
+}
+
+// y = act(x + bias [+ residual]) [+ residual] for one packed pair (absent terms not added: x + 0 is
+// not x at -0)
+__device__ __forceinline__ u32 epilogue_h2(u32 x, u32 b, u32 r) {
+#if BIAS_MODE != 0
+    x = h2_add(x, b);
+#endif
+#if RESIDUAL_MODE != 0 && RESIDUAL_BEFORE
+    x = h2_add(x, r);
+#endif
+    x = activate_h2(x);
+#if RESIDUAL_MODE != 0 && !RESIDUAL_BEFORE
+    x = h2_add(x, r);
+#endif
+    (void)b; (void)r;
+    return x;
+}
+
+// bias / scalar residual as packed pairs (BIAS_MODE / RESIDUAL_MODE 1: one value in both halves)
+__device__ __forceinline__ u32 bias_word(const u16* bias, int col) {
+#if BIAS_MODE == 2
+    return *reinterpret_cast<const u32*>(bias + col);
+#elif BIAS_MODE == 1
+    return H2(static_cast<u32>(*bias));
+#else
+    (void)bias; (void)col;
+    return 0u;
+#endif
+}
+#endif
+
 // y = act(alpha acc + bias [+ residual]) [+ residual] for one column pair (acc already dequantized)
 __device__ __forceinline__ u32 epilogue_pair(float a0, float a1, float2 b, float2 r) {
+#if HALF2_EPILOGUE
+    u32 x;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(x) : "f"(ALPHA * a1), "f"(ALPHA * a0));
+    return epilogue_h2(x, pack2(b.x, b.y), pack2(r.x, r.y));  // b, r: fp16 values, repacked exactly
+#else
     float v0 = fmaf(ALPHA, a0, b.x), v1 = fmaf(ALPHA, a1, b.y);
 #if RESIDUAL_MODE != 0 && RESIDUAL_BEFORE
     v0 += r.x;
@@ -159,6 +239,7 @@ __device__ __forceinline__ u32 epilogue_pair(float a0, float a1, float2 b, float
     v1 += r.y;
 #endif
     return pack2(v0, v1);
+#endif
 }
 
 // The output pair (slab sl, column group j, row half h) of the fragment, packed; `g` / `u` are the
