@@ -121,6 +121,9 @@ PLAN_CASES = [
     (C("GemmEpilogue", (2, 100), 2304, 768, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"), "narrow"),
     (C("GemmEpilogue", (2, 700), 3072, 768, "float16", "silu", "scalar", "none"), "narrow"),    # 2 tiles a CTA
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "relu2", "vector", "none"), "pingpong split-K x6"),  # relu2 in the reduce
+    # the reduce's f16x2 epilogue (fp16 GELU / SiLU), a residual after and before the activation
+    (C("GemmEpilogue", (300,), 768, 3072, "float16", "gelu_erf", "vector", "full"), "pingpong split-K x6"),
+    (C("GemmEpilogue", (2, 150), 1024, 4096, "float16", "silu", "scalar", "full", "before_activation"), "pingpong split-K x4"),
     # 128 x 192 tiles where they fill the waves better (BERT-base FFN down and QKV shapes)
     (C("GemmEpilogue", (2, 2000), 768, 3072, "bfloat16", "none", "vector", "full"), "n192"),
     (C("GemmEpilogue", (4000,), 768, 3072, "float16", "gelu_tanh", "scalar", "none"), "n192"),
