@@ -71,9 +71,9 @@ CASES = [
     # 128 x 192 tiles' last column tile 128 wide (N = 2048), and several tiles a CTA
     C("GemmEpilogue", (2, 1500), 2048, 776, "float16", "gelu_erf", "vector", "none"),
     C("GemmEpilogue", (5000,), 768, 1544, "bfloat16", "none", "scalar", "full", "before_activation"),
-    # fp16 activations the epilogue warps compute in f16x2 (GELU erf above): more tiles than 132 CTAs, as
-    # the epilogue warps take every tile of a CTA but its last; a scalar bias, a residual before the
-    # activation, a scalar residual; GatedGemm, whose epilogue warps keep fp32
+    # fp16 on the epilogue warps with more tiles than 132 CTAs (they take every tile of a CTA but its last):
+    # GELU tanh in f16x2 (GELU erf above) with a scalar bias and a residual before it; QuickGELU, SiLU and
+    # GatedGemm, which keep fp32, with a scalar residual
     C("GemmEpilogue", (3, 3000), 1152, 520, "float16", "gelu_tanh", "scalar", "full", "before_activation"),
     C("GemmEpilogue", (20000,), 384, 136, "float16", "quick_gelu", "vector", "scalar", alpha=0.125),
     C("GemmEpilogue", (9000,), 1024, 776, "float16", "silu", "vector", "none"),
@@ -121,7 +121,7 @@ PLAN_CASES = [
     (C("GemmEpilogue", (2, 100), 2304, 768, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"), "narrow"),
     (C("GemmEpilogue", (2, 700), 3072, 768, "float16", "silu", "scalar", "none"), "narrow"),    # 2 tiles a CTA
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "relu2", "vector", "none"), "pingpong split-K x6"),  # relu2 in the reduce
-    # the reduce's f16x2 epilogue (fp16 GELU / SiLU), a residual after and before the activation
+    # the reduce's epilogue in fp16: GELU erf in f16x2 with a residual after it, SiLU (fp32) with one before
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "gelu_erf", "vector", "full"), "pingpong split-K x6"),
     (C("GemmEpilogue", (2, 150), 1024, 4096, "float16", "silu", "scalar", "full", "before_activation"), "pingpong split-K x4"),
     # 128 x 192 tiles where they fill the waves better (BERT-base FFN down and QKV shapes)
