@@ -53,6 +53,7 @@ Ratios are time ours / time contender (< 1: ours is faster).
     python scripts/bench_gemm.py --prebuilt .optfuse_cache/gemm --out bench_gemm.json   # GPU
     python scripts/bench_gemm.py --quick                                # three shapes, M = 4096
     python scripts/bench_gemm.py --build DIR --fp8 && python scripts/bench_gemm.py --prebuilt DIR --fp8
+    python scripts/bench_gemm.py --markdown bench_gemm.json             # the README's table from a run's rows
 
 Over 500 lines: one script, so that every contender of a point (16-bit and FP8) is timed in the
 same run with the same inputs and timing code.
@@ -63,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -599,6 +601,50 @@ def print_fp8_table(rows) -> None:
               + f"  {fmt(r.get('ours/bf16'), '9.3f')}  {r['tflops'][first]:9.0f}")
 
 
+#: README names of the kernel sources (GemmConfig.impl)
+SCHEDULE_NAMES = {"cuda_sm90": "cooperative", "cuda_sm90_pingpong": "ping-pong",
+                  "cuda_sm90_epilogue_wg": "epilogue warps", "cuda_sm90_narrow": "narrow",
+                  "cuda_sm90_n192": "128 x 192", "triton": "Triton"}
+
+
+def _schedule_of(label: str, note: str) -> str:
+    """The README name of an ``ours[...]`` contender: its kernel source's, ``ours[plan]`` by its note's
+    config (split-K plans: ``split-K xN + reduce``), ``|baseline`` rows marked."""
+    impl = label[len("ours["):-1]
+    if impl == "plan":
+        cfg = note.split(" ")[0]
+        split = re.search(r"_splitk(\d+)", cfg)
+        if split:
+            return f"split-K x{split.group(1)} + reduce"
+        impl = next(i for i in sorted(SCHEDULE_NAMES, key=len, reverse=True) if cfg.startswith(i + "_"))
+        return f"{SCHEDULE_NAMES[impl]}, run-time plan"
+    impl, _, tag = impl.partition("|")
+    return SCHEDULE_NAMES.get(impl, impl) + (f" ({tag})" if tag else "")
+
+
+def markdown_table(rows) -> list[str]:
+    """The 16-bit rows of a ``--out`` file as the gemm README's table (microseconds): cuBLAS (the packed
+    GEMM for GatedGemm), cuBLASLt's epilogue, the eager chain, ours (what the classic plugin runs: the
+    first ``ours`` contender) and the ratios, then each other kernel source against cuBLAS."""
+    out = ["| shape | M | cuBLAS | cuBLASLt epilogue | eager chain | ours (schedule) | ours / cuBLAS | ours / cuBLASLt "
+           "| ours / chain | the other kernels / cuBLAS |", "|---|---|---|---|---|---|---|---|---|---|"]
+    us = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
+    ratio = lambda a, b: "-" if b is None else f"{a / b:.2f}"  # noqa: E731
+    for r in rows:
+        if "error" in r or r.get("dtype") == FP8:
+            continue
+        ms, notes = r["ms"], r.get("notes", {})
+        gated = "packed" in ms
+        base = ms["packed" if gated else "mm"]
+        labels = [k for k in ms if k.startswith("ours[")]
+        first, ours = labels[0], ms[labels[0]]
+        others = ", ".join(f"{_schedule_of(k, notes.get(k, ''))} {ms[k] / base:.2f}" for k in labels[1:])
+        out.append(f"| {r['shape']} | {r['M']} | {us(base)}{' (packed)' if gated else ''} | {us(ms.get('lt'))} "
+                   f"| {us(ms.get('chain'))} | {us(ours)} ({_schedule_of(first, notes.get(first, ''))}) "
+                   f"| {ratio(ours, base)} | {ratio(ours, ms.get('lt'))} | {ratio(ours, ms.get('chain'))} | {others} |")
+    return out
+
+
 def losses(rows) -> list[str]:
     """Every point where ours is slower than bare cuBLAS (the packed GEMM for GatedGemm) or
     cuBLASLt's epilogue (FP8: than torch._scaled_mm, bare or packed, or with its bias), by how much."""
@@ -637,12 +683,15 @@ def parse_args(argv=None):
     ap.add_argument("--no-test-sources", action="store_true", help="--build: leave out the GPU tests' artifacts")
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--markdown", metavar="JSON", help="print an --out file's 16-bit rows as the gemm README's table and exit")
     args = ap.parse_args(argv)
     if args.quick:
         args.shapes, args.tokens = ",".join(QUICK_SHAPES), "4096"
     if args.fp8 and FP8 not in args.dtypes.split(","):
         args.dtypes += "," + FP8
     FP8_OUTPUT["dtype"] = args.fp8_output
+    if args.markdown and not Path(args.markdown).is_file():
+        ap.error(f"--markdown {args.markdown}: no such file")
     if args.baseline and not (Path(args.baseline) / "plugins/gemm/kernel_sm90.cu").is_file():
         ap.error(f"--baseline {args.baseline}: no plugins/gemm/kernel_sm90.cu there (give a checkout's root)")
     unknown = set(args.shapes.split(",")) - set(SHAPES)
@@ -657,6 +706,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.markdown:
+        try:
+            lines = markdown_table(json.loads(Path(args.markdown).read_text())["rows"])
+        except (ValueError, KeyError, TypeError, StopIteration) as e:
+            print(f"bench_gemm: --markdown {args.markdown}: not a bench_gemm --out file ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+            return 2
+        print("\n".join(lines))
+        return 0
     pts = points(args.shapes.split(","), args.token_list, args.dtypes.split(","))
     if args.build:
         from optfuse.kernels import KernelCache

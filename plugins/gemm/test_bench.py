@@ -190,3 +190,50 @@ def test_profile_small_m_sources():
     for s, f, case, cfg in ftz:
         assert s.defines == {**prof.source(case, cfg, None)[0].defines, "CONSUMER_FTZ": str(f)}
         assert s.defines["NARROW"] == "1" or s.defines["TILE_N"] == "192"
+
+
+def test_markdown_table_from_out_rows(tmp_path, capsys):
+    """--markdown: an --out file's 16-bit rows as the README table: the first ``ours`` contender is what
+    runs (a plan named by its config, split-K as such), the others against cuBLAS (the packed GEMM for
+    GatedGemm); error and FP8 rows left out; a file without rows is exit 2 with one line."""
+    import json
+
+    rows = [
+        {"shape": "bert-base.qkv", "M": 512, "dtype": "float16",
+         "ms": {"mm": 0.005, "lt": 0.006, "chain": 0.01, "ours[cuda_sm90_pingpong]": 0.0075,
+                "ours[cuda_sm90_epilogue_wg]": 0.01, "ours[cuda_sm90_epilogue_wg|baseline]": 0.011},
+         "notes": {}},
+        {"shape": "bert-base.ffn_down", "M": 512, "dtype": "float16",
+         "ms": {"mm": 0.008, "chain": 0.0124, "ours[plan]": 0.0118, "ours[cuda_sm90]": 0.033},
+         "notes": {"ours[plan]": "cuda_sm90_pingpong_128x128x64_g8_12warps_5stages_splitk4 + "
+                                 "cuda_sm90_pingpong_128x128x64_g8_12warps_5stages_splitk4_reduce (prebuilt)"}},
+        {"shape": "bert-large.ffn_up", "M": 512, "dtype": "float16",
+         "ms": {"mm": 0.008, "lt": 0.01, "chain": 0.017, "ours[plan]": 0.0106, "ours[triton]": 0.0175},
+         "notes": {"ours[plan]": "cuda_sm90_narrow_128x128x64_g8_12warps_5stages (prebuilt)"}},
+        {"shape": "llama-7b.ffn_gate_up", "M": 4096, "dtype": "float16",
+         "ms": {"packed": 1.0, "mm2": 1.01, "chain": 1.2, "ours[cuda_sm90]": 1.01, "ours[cuda_sm90_epilogue_wg]": 1.02},
+         "notes": {}},
+        {"shape": "square-4k", "M": 4096, "dtype": "float16", "error": "AssertionError: off"},
+        {"shape": "square-4k", "M": 4096, "dtype": bench.FP8, "ms": {"scaled": 0.1, "ours[cuda_sm90]": 0.11}},
+    ]
+    lines = bench.markdown_table(rows)
+    assert len(lines) == 2 + 4
+    assert lines[2] == ("| bert-base.qkv | 512 | 5.0 | 6.0 | 10.0 | 7.5 (ping-pong) | 1.50 | 1.25 | 0.75 "
+                        "| epilogue warps 2.00, epilogue warps (baseline) 2.20 |")
+    assert lines[3] == ("| bert-base.ffn_down | 512 | 8.0 | - | 12.4 | 11.8 (split-K x4 + reduce) | 1.47 | - | 0.95 "
+                        "| cooperative 4.12 |")
+    assert lines[4].startswith("| bert-large.ffn_up | 512 | 8.0 | 10.0 | 17.0 | 10.6 (narrow, run-time plan) | 1.32 | 1.06 |")
+    assert lines[5] == ("| llama-7b.ffn_gate_up | 4096 | 1000.0 (packed) | - | 1200.0 | 1010.0 (cooperative) | 1.01 | - "
+                        "| 0.84 | epilogue warps 1.02 |")
+    out = tmp_path / "bench.json"
+    out.write_text(json.dumps({"info": {}, "rows": rows}))
+    assert bench.main(["--markdown", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines() == lines
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert bench.main(["--markdown", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a bench_gemm --out file" in err[0]
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--markdown", str(tmp_path / "missing.json")])
+    assert exc.value.code == 2
