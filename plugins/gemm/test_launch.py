@@ -161,12 +161,14 @@ def test_sm90_half2_activations_within_their_stated_bound():
             3: (lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))), 0.76)}
     x = r(np.linspace(-16, 16, 400001))
     limits = np.array([-65504.0, 65504.0, -np.inf])
+    assert "h2_max_nan(x, H2(0xFBFFu))" in body and "max.NaN.f16x2" in header  # a NaN stays NaN, as np.maximum keeps it
     for a, (ref_fn, ulps) in refs.items():
         with np.errstate(over="ignore"):
             ref = ref_fn(x)
         ulp = np.spacing(r(np.maximum(np.abs(ref), 1)).astype(np.float16)).astype(np.float64)
         assert (np.abs(activate_h2(x, a) - ref) / ulp).max() <= ulps, a
         assert activate_h2(limits, a).tolist() == [0.0, 65504.0, 0.0], a
+        assert np.isnan(activate_h2(np.array([np.nan]), a)).all(), a
 
 
 def test_argument_order_is_qdp():

@@ -167,11 +167,12 @@ __device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
     return d;
 }
 __device__ __forceinline__ u32 h2_min(u32 a, u32 b) { u32 d; asm("min.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
-__device__ __forceinline__ u32 h2_max(u32 a, u32 b) { u32 d; asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+// max.NaN: a NaN stays NaN (plain max returns the other operand), as in the fp32 form
+__device__ __forceinline__ u32 h2_max_nan(u32 a, u32 b) { u32 d; asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
 __device__ __forceinline__ u32 h2_tanh(u32 a) { u32 d; asm("tanh.approx.f16x2 %0, %1;" : "=r"(d) : "r"(a)); return d; }
 
 __device__ __forceinline__ u32 activate_h2(u32 x) {
-    x = h2_max(x, H2(0xFBFFu));  // -inf -> -65504, whose 0.5 x (1 + tanh(z)) is -0, not inf - inf
+    x = h2_max_nan(x, H2(0xFBFFu));  // -inf -> -65504, whose 0.5 x (1 + tanh(z)) is -0, not inf - inf
     const u32 hx = h2_mul(x, H2(0x3800u));  // 0.5 x
 #if ACTIVATION == 2
     // GELU erf: z = x (z0 + z2 x^2 + z4 x^4), activate's q(x) times -ln(2) / 2 in fp16 (0.797363,
