@@ -245,9 +245,9 @@ NAN_CASE = C("GemmEpilogue", (2, 1050), 3072, 768, "float16", "gelu_erf", "vecto
 def test_nan_rows_stay_nan(impl, seed, cuda_torch):
     """A NaN in a row of A makes that row of y all NaN (no epilogue turns it into a number: the f16x2 GELU's
     -65504 floor is a max that keeps NaN), and the other rows match the reference."""
-    from optfuse.kernels import launch
-
     import numpy as np
+
+    from optfuse.kernels import launch
 
     arch = _device_arch()
     cfgs = configs_of(impl, NAN_CASE, arch)

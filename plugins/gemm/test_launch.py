@@ -115,11 +115,11 @@ def test_sm90_gelu_erf_form_within_its_stated_bound():
     assert y[-1] == x[-1] and y[-2] == x[-2] and y[-3] == 0 and y[-4] == 0
 
 
-def test_sm90_half2_activations_within_their_stated_bound():
+def test_sm90_half2_gelu_within_its_stated_bound():
     """sm90/epilogue.cuh's fp16 GELUs (0.5 x (1 + tanh(z)) in f16x2, HALF2_EPILOGUE), emulated
     with the header's own fp16 constants (each operation rounded to fp16, tanh correctly rounded: the
     emulation's assumption about tanh.approx.f16x2) against the float64 functions: within the ulps
-    its comment states, and the limits at +-65504 and -inf exact (0 below, x above)."""
+    its comment states, the limits at +-65504 and -inf exact (0 below, x above), NaN kept."""
     import math
     import re
     from pathlib import Path
