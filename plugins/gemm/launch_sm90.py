@@ -40,6 +40,16 @@ TILE_N = {PINGPONG: 128, NARROW: 128, TILE_192: 192}
 MAX_SMEM = 227 * 1024
 
 
+def grid_size(static: dict) -> int:
+    """CTAs of a persistent launch: one per SM (the static shape's ``sm_count``, else the H100 / H200's 132)."""
+    return int(static.get("sm_count") or SM90_GRID)
+
+
+def tile_count(m: int, n: int, width: int) -> int:
+    """Tiles of BLOCK_M rows x ``width`` columns covering y's M x N."""
+    return -(-m // BLOCK_M) * -(-n // width)
+
+
 def _stage_bytes(impl: str) -> int:
     return (BLOCK_M + TILE_N.get(impl, 256)) * BLOCK_K * 2
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2}
@@ -175,7 +185,7 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
 
 
 def launch(impl: str, m: Any, stages: int, static: dict) -> LaunchParams:
-    return LaunchParams(grid=(int(static.get("sm_count") or SM90_GRID), 1, 1), block=(THREADS, 1, 1),
+    return LaunchParams(grid=(grid_size(static), 1, 1), block=(THREADS, 1, 1),
                         shared_mem=shared_mem(impl, stages), extra_args=[m])
 
 
@@ -197,7 +207,7 @@ REDUCE_THREADS = 256
 
 def split_k_workspace(static: dict) -> int:
     """Bytes of the partial planes of any split-K plan on this grid (units <= CTAs)."""
-    return int(static.get("sm_count") or SM90_GRID) * PARTIAL_TILE_BYTES
+    return grid_size(static) * PARTIAL_TILE_BYTES
 
 
 def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, static: dict,
@@ -218,11 +228,11 @@ def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, sta
       the 128 x 256 tiles would take two, the second at most half full (LLaMA-7B's QKV at M = 512:
       87.7 vs 101.0 us cooperative).
     None also where neither 128 x 128 schedule takes the instance."""
-    grid = int(static.get("sm_count") or SM90_GRID)
+    grid = grid_size(static)
     arch = static.get("arch")
     if op != "GemmEpilogue" or takes(op, dtype, n, static, arch, NARROW, k) is not None:
         return None
-    tiles = -(-m // BLOCK_M) * -(-n // 128)
+    tiles = tile_count(m, n, 128)
     narrow = NARROW, stage_options(NARROW)[0], 1
     pingpong_takes = takes(op, dtype, n, static, arch, PINGPONG, k) is None
     stages = stage_options(PINGPONG)[0]
@@ -258,7 +268,7 @@ def wave_cost(impl: str, m: int, n: int, grid: int) -> float:
     CTA (tiles are taken round-robin) by their width. Ping-pong's two warpgroups share the tensor
     cores, so its 128 x 128 tiles weigh half as well."""
     width = TILE_N.get(impl, 256)
-    tiles = -(-m // BLOCK_M) * -(-n // width)
+    tiles = tile_count(m, n, width)
     return -(-tiles // grid) * width / 256
 
 
@@ -274,7 +284,7 @@ def wave_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
         return None
     if takes(op, dtype, n, static, static.get("arch"), TILE_192, k) is not None:
         return None
-    grid = int(static.get("sm_count") or SM90_GRID)
+    grid = grid_size(static)
     if wave_cost(TILE_192, m, n, grid) > TILE_192_MAX_COST * wave_cost(impl, m, n, grid):
         return None
     return TILE_192, stage_options(TILE_192)[0], 1
@@ -297,8 +307,8 @@ def large_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
         return None
     if takes(op, dtype, n, static, static.get("arch"), EPILOGUE_WG, k) is not None:
         return None
-    grid = int(static.get("sm_count") or SM90_GRID)
-    if -(-m // BLOCK_M) * -(-n // 256) < PLAIN_WIDE_MIN_WAVES * grid:
+    grid = grid_size(static)
+    if tile_count(m, n, 256) < PLAIN_WIDE_MIN_WAVES * grid:
         return None
     return EPILOGUE_WG, stage_options(EPILOGUE_WG)[0], 1
 
