@@ -72,6 +72,62 @@ def test_artifact_save_load(tmp_path):
     assert KernelArtifact.load(d) == art
 
 
+def test_artifact_keeps_its_tensor_maps(tmp_path):
+    from dataclasses import asdict
+
+    from optfuse.kernels.artifact import TensorMapArg
+
+    maps = [asdict(TensorMapArg(0, "float16", "extra:0", 768, 128, 64)), asdict(TensorMapArg(1, "bfloat16", 512, 768, 128, 64, pair=2))]
+    art = KernelArtifact(name="k", arch=90, cubin=b"x", ptx=None, threads=384, shared_mem=0, n_inputs=3, n_extra=1,
+                         n_outputs=1, tensor_maps=maps)
+    back = KernelArtifact.load(art.save(tmp_path / "a"))
+    assert back == art and back.n_params == 7
+
+
+def test_tensor_map_args_are_checked():
+    from optfuse.kernels import KernelSource
+    from optfuse.kernels.artifact import TensorMapArg
+
+    for bad in (dict(dtype="float32"), dict(rows="M"), dict(box_cols=32)):
+        with pytest.raises(ValueError):
+            TensorMapArg(**{**dict(pointer=0, dtype="float16", rows="extra:0", cols=64, box_rows=128, box_cols=64), **bad})
+    assert TensorMapArg(0, "uint8", 64, 256, 128, 128).box_cols == 128
+    with pytest.raises(ValueError, match="CUDA kernels"):
+        KernelSource("t", "triton", __file__, "k", 1, 0, 1, tensor_maps=(TensorMapArg(0, "float16", 64, 64, 64, 64),))
+    # the cache key: unchanged without maps, and telling maps apart
+    plain = KernelSource("c", "cuda", __file__, "k", 2, 1, 1, threads=128)
+    one = KernelSource("c", "cuda", __file__, "k", 2, 1, 1, threads=128,
+                       tensor_maps=(TensorMapArg(0, "float16", "extra:0", 64, 128, 64),))
+    other = KernelSource("c", "cuda", __file__, "k", 2, 1, 1, threads=128,
+                         tensor_maps=(TensorMapArg(0, "float16", "extra:0", 64, 64, 64),))
+    assert "tensor_maps" not in plain.spec_dict()
+    assert len({str(plain.spec_dict()), str(one.spec_dict()), str(other.spec_dict())}) == 3
+
+
+def test_tensor_map_layout():
+    """What cuTensorMapEncodeTiled gets: dims and box innermost first, byte strides of the outer dims;
+    rows from an extra argument; a pair from the lower address, its third stride the distance."""
+    from optfuse.kernels.artifact import TensorMapArg
+    from optfuse.kernels.launcher import tensor_map_layout
+
+    a = TensorMapArg(0, "float16", "extra:0", 768, 128, 64)
+    assert tensor_map_layout(a, [0x1000, 0x9000], [512]) == (0x1000, (768, 512), (1536,), (64, 128))
+    e4m3 = TensorMapArg(0, "uint8", "extra:0", 3072, 128, 128)
+    assert tensor_map_layout(e4m3, [0x2000], [5]) == (0x2000, (3072, 5), (3072,), (128, 128))
+    w = TensorMapArg(1, "bfloat16", 11008, 4096, 128, 64, pair=2)
+    lo, hi = 0x100000, 0x100000 + 11008 * 4096 * 2 + 512
+    assert tensor_map_layout(w, [0, lo, hi], [7]) == (lo, (4096, 11008, 2), (8192, hi - lo), (64, 128, 1))
+    assert tensor_map_layout(w, [0, hi, lo], [7]) == (lo, (4096, 11008, 2), (8192, hi - lo), (64, 128, 1))
+    assert tensor_map_layout(w, [0, lo, lo], [7])[2] == (8192, 11008 * 4096 * 2)  # one matrix as both
+    assert tensor_map_layout({"pointer": 0, "dtype": "float16", "rows": 4, "cols": 64, "box_rows": 4, "box_cols": 64,
+                              "pair": None}, [0x40], []) == (0x40, (64, 4), (128,), (64, 4))
+    for ptrs, extra, arg in (([0x1008], [512], a), ([0x1000], [0], a),
+                             ([0x1000], [8], TensorMapArg(0, "float16", "extra:0", 100, 128, 64)),
+                             ([0, lo, lo + 8], [7], w)):
+        with pytest.raises(ValueError, match="16-byte multiples"):
+            tensor_map_layout(arg, ptrs, extra)
+
+
 def test_launch_params_defaults():
     p = LaunchParams(grid=(4, 1, 1), block=(128, 1, 1))
     assert p.shared_mem == 0 and p.extra_args == []

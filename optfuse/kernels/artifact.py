@@ -3,7 +3,9 @@ to launch it (:class:`LaunchParams`).
 
 The argument order of every kernel is TensorRT QDP's (``aot_impl``): input pointers, then the
 int32 extra arguments, then output pointers, then -- Triton >= 3.3 only -- the trailing scratch
-pointers Triton appends (:attr:`KernelArtifact.n_scratch`).
+pointers Triton appends (:attr:`KernelArtifact.n_scratch`). A CUDA kernel that only the launcher
+runs (not QDP) may take tensor maps after the outputs (:class:`TensorMapArg`), which the launcher
+encodes from the pointers and extra arguments of each launch.
 
 An op whose work takes more than one kernel is a :class:`LaunchPlan`: its steps in launch order,
 each naming the buffers its kernel reads and writes (:class:`Buffer`: an op input, an op output,
@@ -51,6 +53,37 @@ def _inline_local_includes(path: Path, stack: tuple[Path, ...], seen: set[Path] 
     return _LOCAL_INCLUDE.sub(expand, path.read_text())
 
 
+#: Element types a :class:`TensorMapArg` can name, with their sizes in bytes.
+TENSOR_MAP_DTYPES = {"float16": 2, "bfloat16": 2, "uint8": 1}
+
+
+@dataclass(frozen=True)
+class TensorMapArg:
+    """A ``__grid_constant__`` CUtensorMap parameter that the launcher encodes
+    (cuTensorMapEncodeTiled) at each launch: pointer argument ``pointer`` (an index into the
+    inputs, then the outputs) is a row-major ``rows x cols`` matrix of ``dtype``, ``rows`` an int or
+    ``"extra:<i>"`` (the launch's int32 extra argument i, e.g. M), read in boxes of ``box_rows x
+    box_cols`` (128-byte swizzle, zeros past the edges). ``pair``: a second pointer argument of the
+    same shape; the map covers both as one ``[2, rows, cols]`` tensor from the lower address, whose
+    third stride is the distance between them (the kernel picks the matrix by the same order)."""
+
+    pointer: int
+    dtype: str
+    rows: int | str
+    cols: int
+    box_rows: int
+    box_cols: int
+    pair: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TENSOR_MAP_DTYPES:
+            raise ValueError(f"tensor map of {self.dtype}: one of {sorted(TENSOR_MAP_DTYPES)}")
+        if isinstance(self.rows, str) and not re.fullmatch(r"extra:\d+", self.rows):
+            raise ValueError(f"tensor map rows {self.rows!r}: an int or 'extra:<index>'")
+        if self.box_cols * TENSOR_MAP_DTYPES[self.dtype] != 128:
+            raise ValueError(f"tensor map box of {self.box_cols} columns: one 128-byte swizzle row")
+
+
 @dataclass
 class KernelSource:
     """One specialization of one kernel: everything a compiler needs, nothing device-specific.
@@ -81,10 +114,14 @@ class KernelSource:
     #: cuda: ``"a"`` compiles for the arch-specific target (``sm_90a``: wgmma, setmaxnreg), whose
     #: code runs on that exact compute capability only.
     arch_suffix: str = ""
+    #: cuda: tensor-map parameters after the outputs, which the launcher encodes (not QDP).
+    tensor_maps: tuple[TensorMapArg, ...] = ()
 
     def __post_init__(self) -> None:
         if self.lang not in ("triton", "cuda"):
             raise ValueError(f"unknown kernel language {self.lang!r}")
+        if self.tensor_maps and self.lang != "cuda":
+            raise ValueError(f"{self.name}: tensor-map parameters are for CUDA kernels")
         if self.arch_suffix not in ("", "a") or (self.arch_suffix and self.lang != "cuda"):
             raise ValueError(f"{self.name}: arch_suffix {self.arch_suffix!r} (only 'a', CUDA kernels)")
 
@@ -111,6 +148,8 @@ class KernelSource:
             "pointer_align": self.pointer_align,
             "arch_suffix": self.arch_suffix,
             "abi": ABI_VERSION,
+            # only where present: every other kernel keeps its cache key
+            **({"tensor_maps": [asdict(t) for t in self.tensor_maps]} if self.tensor_maps else {}),
         }
 
 
@@ -145,10 +184,12 @@ class KernelArtifact:
     key: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     arch_suffix: str = ""  # "a": sm_90a code, runs on compute capability 9.0 only
+    #: tensor-map parameters after the outputs (KernelSource.tensor_maps), as dicts of TensorMapArg's fields
+    tensor_maps: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def n_params(self) -> int:
-        return self.n_inputs + self.n_extra + self.n_outputs + self.n_scratch
+        return self.n_inputs + self.n_extra + self.n_outputs + len(self.tensor_maps) + self.n_scratch
 
     # -- on-disk form: <dir>/meta.json, <dir>/kernel.cubin, <dir>/kernel.ptx -----------------
     def save(self, directory: str | os.PathLike) -> Path:

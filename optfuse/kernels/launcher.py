@@ -1,7 +1,8 @@
 """Launch a :class:`KernelArtifact` through the CUDA driver API (cuda-python). No torch.
 
 Argument order (TensorRT QDP ``aot_impl``): input pointers, int32 extra args, output pointers,
-then ``artifact.n_scratch`` null scratch pointers (Triton >= 3.3). The cubin is loaded when it
+then the tensor maps a CUDA kernel takes (``artifact.tensor_maps``, encoded here from the launch's
+pointers and extra args), then ``artifact.n_scratch`` null scratch pointers (Triton >= 3.3). The cubin is loaded when it
 matches the device; the PTX (its ISA version lowered to what the driver accepts) only when no
 cubin fits, or when asked with ``prefer="ptx"``. :func:`launch_plan` runs the steps of a
 :class:`LaunchPlan` (kernels over the op's inputs, outputs, a workspace and a state) in order.
@@ -16,7 +17,7 @@ import re
 import threading
 from typing import Any, Sequence
 
-from .artifact import Buffer, KernelArtifact, LaunchPlan, LaunchParams
+from .artifact import TENSOR_MAP_DTYPES, Buffer, KernelArtifact, LaunchPlan, LaunchParams, TensorMapArg
 
 
 class CudaError(RuntimeError):
@@ -235,6 +236,63 @@ def _dim3(v: Any, what: str) -> tuple[int, int, int]:
     return v  # type: ignore[return-value]
 
 
+def tensor_map_layout(arg: TensorMapArg | dict, pointers: Sequence[int],
+                      extra: Sequence[int]) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(base address, dims, byte strides of dims 1.., box), innermost first, of the tensor map ``arg``
+    over one launch's ``pointers`` (inputs, then outputs) and int32 ``extra`` arguments; what
+    cuTensorMapEncodeTiled gets. Raises ValueError where TMA cannot address the tensor (a base
+    or a stride not a multiple of 16 bytes)."""
+    if isinstance(arg, dict):
+        arg = TensorMapArg(**arg)
+    size = TENSOR_MAP_DTYPES[arg.dtype]
+    rows = int(extra[int(arg.rows.split(":")[1])]) if isinstance(arg.rows, str) else int(arg.rows)
+    base = int(pointers[arg.pointer])
+    dims, strides, box = [arg.cols, rows], [arg.cols * size], [arg.box_cols, arg.box_rows]
+    if arg.pair is not None:
+        other = int(pointers[arg.pair])
+        dims.append(2)
+        strides.append(abs(other - base) or rows * arg.cols * size)  # one matrix twice: any stride past it
+        box.append(1)
+        base = min(base, other)
+    if rows <= 0 or base % 16 or any(st % 16 for st in strides):
+        raise ValueError(f"tensor map over pointer {arg.pointer}: base 0x{base:x}, rows {rows}, byte strides "
+                         f"{strides}: TMA needs rows > 0 and 16-byte multiples")
+    return base, tuple(dims), tuple(strides), tuple(box)
+
+
+_TMAP_TYPES = {"float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
+               "uint8": "CU_TENSOR_MAP_DATA_TYPE_UINT8"}
+_TMAP_CACHE: dict[tuple, Any] = {}
+_TMAP_CACHE_MAX = 1024
+
+
+def encode_tensor_map(dtype: str, layout: tuple) -> Any:
+    """The CUtensorMap of ``layout`` (tensor_map_layout) over ``dtype`` elements: 128-byte swizzle,
+    zeros past the edges, no interleave or L2 promotion (the device-built maps' settings). Cached:
+    a stream of launches over the same buffers encodes each map once."""
+    key = (dtype, layout)
+    tmap = _TMAP_CACHE.get(key)
+    if tmap is not None:
+        return tmap
+    from cuda.bindings import driver
+
+    base, dims, strides, box = layout
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    tmap = _check(
+        driver.cuTensorMapEncodeTiled(
+            getattr(driver.CUtensorMapDataType, _TMAP_TYPES[dtype]), len(dims), base,
+            [u64(d) for d in dims], [u64(st) for st in strides], [u32(b) for b in box], [u32(1)] * len(dims),
+            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        f"cuTensorMapEncodeTiled(dims={dims}, strides={strides}, box={box})")
+    if len(_TMAP_CACHE) >= _TMAP_CACHE_MAX:
+        _TMAP_CACHE.clear()
+    _TMAP_CACHE[key] = tmap
+    return tmap
+
+
 def launch(
     artifact: KernelArtifact,
     params: LaunchParams,
@@ -281,8 +339,12 @@ def launch(
     ins = [ctypes.c_uint64(device_pointer(p)) for p in inputs]
     outs = [ctypes.c_uint64(device_pointer(p)) for p in outputs]
     scratch = [ctypes.c_uint64(0) for _ in range(artifact.n_scratch)]
-    values = ins + extra + outs + scratch
-    argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    values = ins + extra + outs
+    addresses = [ctypes.addressof(v) for v in values]
+    maps = [encode_tensor_map(t["dtype"], tensor_map_layout(t, ptrs, params.extra_args))
+            for t in artifact.tensor_maps]
+    addresses += [int(m.getPtr()) for m in maps] + [ctypes.addressof(v) for v in scratch]
+    argv = (ctypes.c_void_p * len(addresses))(*addresses)
 
     func, kind = get_function(artifact, prefer)
     _set_smem(artifact, func, smem, kind)
