@@ -112,6 +112,13 @@ typedef u16 in_t;
 #if PINGPONG && GATED
 #error "GatedGemm runs the cooperative schedule"
 #endif
+// Tensor maps (HOST_MAPS 1; launch.py's run-time plans, which the classic plugin launches): A's, W's
+// and a TMA residual's maps come encoded by the host (cuTensorMapEncodeTiled) as __grid_constant__
+// parameters after y. HOST_MAPS 0 (QDP's AOT path: pointers and int32 scalars only): each CTA
+// builds them (sm90/tma.cuh), which takes its producer about 1 us before the first load (H100 probe).
+#ifndef HOST_MAPS
+#define HOST_MAPS 0
+#endif
 #if IN_FP8 && (PINGPONG || EPILOGUE_WG || !W_SCALE_MODE)
 #error "FP8 runs the cooperative schedule, with its weight scales"
 #endif
@@ -250,7 +257,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
     const float* __restrict__ w_up_scale,
 #endif
 #endif
-    int M, u16* __restrict__ Y) {
+    int M, u16* __restrict__ Y
+#if HOST_MAPS
+    , const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_w
+#if RESIDUAL_TMA
+    , const __grid_constant__ TensorMap map_residual
+#endif
+#endif
+    ) {
 #if !BIAS_MODE
     const u16* bias = nullptr;
 #endif
@@ -281,6 +295,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
 
     if (threadIdx.x == 0) {
+#if HOST_MAPS
+        // the maps' first use (the producer's first loads) finds them in the descriptor cache
+        tmap_prefetch(&map_a);
+        tmap_prefetch(&map_w);
+#if RESIDUAL_TMA
+        tmap_prefetch(&map_residual);
+#endif
+#endif
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(BAR_FULL(s), 1);   // the producer's expect_tx arrival (+ the TMA bytes)
             mbar_init(BAR_EMPTY(s), PINGPONG ? 4 : 8);  // one arrival per consuming warp
@@ -316,12 +338,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
 #else
         if (threadIdx.x >= 32) return;
 #endif
+        int mb, nb, kb0;
+#if HOST_MAPS
+        if (threadIdx.x != 0) return;
+        const void* const tmap_a = &map_a;
+        const void* const tmap_w = &map_w;
+#if RESIDUAL_TMA
+        const void* const tmap_residual = &map_residual;
+#endif
+#if GATED
+        const int gate_idx = W <= W_up ? 0 : 1;  // the host's pair map starts at the lower weight
+#endif
+#else
         // Tensor maps (A, W and the residual: 3 x 128 bytes) live in the first row of the output tile this CTA
         // writes last: no other CTA writes there, and that tile's epilogue runs only after every
         // TMA transfer of this CTA has landed (its consumers waited for all of them). launch_sm90.py
         // admits only N whose every tile row holds the maps; y is 64-byte aligned (pointer_align).
         // They are built in ring slot 0, free until the first load below.
-        int mb, nb, kb0;
         tile_coords(blockIdx.x + (num_tiles - 1 - blockIdx.x) / G * G, tiles_m, mb, nb, kb0);
 #if SPLIT_K > 1
         // the unit's partial tile: plane kb0 / UNIT_K_BLOCKS of the fp32 workspace
@@ -358,6 +391,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
         fence_proxy_async();  // TMA (async proxy) writes slot 0 after these generic writes
         __syncwarp();
         if (threadIdx.x != 0) return;
+        const void* const tmap_a = maps;
+        const void* const tmap_w = maps + 128;
+#if RESIDUAL_TMA
+        const void* const tmap_residual = maps + 256;
+#endif
+#endif  // HOST_MAPS
 
         int it = 0;  // k-blocks loaded so far: ring slot and phase
         int tc = 0;  // tiles loaded so far: epilogue stage phase
@@ -375,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                         mbar_wait(BAR_RES_EMPTY(c), (tc & 1) ^ 1);
                         mbar_expect_tx(BAR_RES_FULL(c), EPI_BYTES);
                         for (int b = 0; b < EPI_COLS / 64; ++b)
-                            tma_load_2d(SLOT_EPI(c) + b * (64 * 128), maps + 256, n0 + 64 * b, m0 + 64 * c, BAR_RES_FULL(c));
+                            tma_load_2d(SLOT_EPI(c) + b * (64 * 128), tmap_residual, n0 + 64 * b, m0 + 64 * c, BAR_RES_FULL(c));
                     }
                 }
 #endif
@@ -383,12 +422,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 mbar_wait(BAR_EMPTY(s), ((it / STAGES) & 1) ^ 1);  // a fresh barrier passes parity 1
                 mbar_expect_tx(BAR_FULL(s), STAGE_BYTES);        // zero-filled tails count too
                 const int k0 = (kb0 + kb) * BLOCK_K;
-                tma_load_2d(SLOT_A(s), maps, k0, m0, BAR_FULL(s));
+                tma_load_2d(SLOT_A(s), tmap_a, k0, m0, BAR_FULL(s));
 #if GATED
-                tma_load_3d(SLOT_W(s), maps + 128, k0, n0, gate_idx, BAR_FULL(s));
-                tma_load_3d(SLOT_W(s) + W_BYTES / 2, maps + 128, k0, n0, 1 - gate_idx, BAR_FULL(s));
+                tma_load_3d(SLOT_W(s), tmap_w, k0, n0, gate_idx, BAR_FULL(s));
+                tma_load_3d(SLOT_W(s) + W_BYTES / 2, tmap_w, k0, n0, 1 - gate_idx, BAR_FULL(s));
 #else
-                tma_load_2d(SLOT_W(s), maps + 128, k0, n0, BAR_FULL(s));
+                tma_load_2d(SLOT_W(s), tmap_w, k0, n0, BAR_FULL(s));
 #endif
             }
 #if RESIDUAL_IN_RING
@@ -399,7 +438,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(
                 mbar_expect_tx(BAR_FULL(s), 2 * EPI_BYTES);
                 for (int c = 0; c < 2; ++c)
                     for (int b = 0; b < 2; ++b)
-                        tma_load_2d(SLOT_A(s) + c * EPI_BYTES + b * (64 * 128), maps + 256, n0 + 128 + 64 * b, m0 + 64 * c,
+                        tma_load_2d(SLOT_A(s) + c * EPI_BYTES + b * (64 * 128), tmap_residual, n0 + 128 + 64 * b, m0 + 64 * c,
                                     BAR_FULL(s));
                 ++it;
             }

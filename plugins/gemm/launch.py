@@ -586,16 +586,19 @@ def plan_choice(op: str, dtype: str, m: int, n: int, k: int, impl: str, static: 
 
 def _plan_of(op: str, dtype: str, n: int, k: int, m: Any, epi: Epilogue, cfg: GemmConfig, static: dict,
              choice: tuple[str, int, int], present: Sequence[int]) -> LaunchPlan:
-    """The LaunchPlan of ``choice`` (plan_choice) for ``m`` rows; ``present``: the op inputs given."""
+    """The LaunchPlan of ``choice`` (plan_choice, or the static choice's schedule) for ``m`` rows;
+    ``present``: the op inputs given. Its GEMM takes host-encoded tensor maps (HOST_MAPS)."""
     impl, stages, splits = choice
     pp = replace(cfg, block_n=launch_sm90.OUT_N[(impl, op)], num_stages=stages, impl=impl)
-    name = _source_name(op, dtype, n, k, epi, pp)
+    name = _source_name(op, dtype, n, k, epi, pp) + "_hostmaps"
     params = launch_sm90.launch(pp.impl, m, stages, static)
     if splits == 1:
-        src = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, name)
+        src = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, name, host_maps=True)
         return LaunchPlan([PlanStep(src, params, [Buffer("input", i) for i in present], [Buffer("output", 0)])])
-    gemm = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, f"{name}_splitk{splits}", splits)
-    reduce = launch_sm90.reduce_source(op, dtype, n, k, epi, stages, pp.group_m, splits, f"{name}_splitk{splits}_reduce")
+    gemm = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, f"{name}_splitk{splits}", splits,
+                              host_maps=True)
+    reduce = launch_sm90.reduce_source(op, dtype, n, k, epi, stages, pp.group_m, splits, f"{name}_splitk{splits}_reduce",
+                                       host_maps=True)
     epilogue_inputs = [Buffer("input", i) for i in present if _INPUTS[op][i] in ("bias", "residual")]
     return LaunchPlan([
         PlanStep(gemm, params, [Buffer("input", i) for i in present], [Buffer("workspace", 0)]),
@@ -606,12 +609,14 @@ def _plan_of(op: str, dtype: str, n: int, k: int, m: Any, epi: Epilogue, cfg: Ge
 
 def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict | None,
                 cdiv=_cdiv, *, static_shape: dict | None = None) -> LaunchPlan | None:
-    """At concrete shapes, where the sm_90 kernel was chosen for large M and this M leaves most
-    SMs idle (launch_sm90.small_m_schedule): narrow tiles or the pingpong kernel alone, or split-K --
-    the pingpong kernel writing fp32 partial planes to the workspace, then gemm_sm90_splitk_reduce (op inputs
-    A, W[, bias][, residual] -> workspace -> y); 128 x 192 tiles instead of the static choice or an
-    unsplit small-M plan where they fill the grid's waves much better (launch_sm90.wave_schedule).
-    None: the one kernel of kernel_config / launch_params runs (what QDP's AOT path always runs)."""
+    """At concrete shapes, wherever the sm_90 kernel was chosen: plan_choice's schedule for this M
+    (narrow tiles or the pingpong kernel alone, or split-K -- the pingpong kernel writing fp32 partial
+    planes to the workspace, then gemm_sm90_splitk_reduce (op inputs A, W[, bias][, residual] ->
+    workspace -> y); 128 x 192 tiles; the epilogue-warp schedule for large-M plain projections), else the
+    static choice's schedule; either with its tensor maps encoded by the launcher (about 1 us a launch
+    that each CTA spends building them in the kernel of kernel_config, H100). None: the one kernel of
+    kernel_config / launch_params runs (another arch or the Triton kernel; QDP's AOT path always runs
+    that kernel)."""
     op = _check_op(op)
     dtype = norm_dtype(dtypes[0])
     static = static_shape if static_shape is not None else _static_shape_of(op, shapes, dtypes)
@@ -621,9 +626,7 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     if cfg.impl not in SM90_SCHEDULES:
         return None
     m = int(rows_of([int(d) for d in shapes[0]]))
-    choice = plan_choice(op, dtype, m, n, k, cfg.impl, static, epi.activation)
-    if choice is None:
-        return None
+    choice = plan_choice(op, dtype, m, n, k, cfg.impl, static, epi.activation) or (cfg.impl, cfg.num_stages, 1)
     return _plan_of(op, dtype, n, k, m, epi, cfg, static, choice, [i for i, s in enumerate(shapes) if s is not None])
 
 
@@ -643,12 +646,12 @@ def plan_sources(op: Any, dtype: Any, attrs: dict | None, static_shape: dict) ->
     if cfg.impl not in SM90_SCHEDULES:
         return []
     choices = {plan_choice(op, dtype, 128 * blocks, n, k, cfg.impl, static_shape, epi.activation)
-               for blocks in range(1, PLAN_ROW_BLOCKS + 1)}
+               or (cfg.impl, cfg.num_stages, 1) for blocks in range(1, PLAN_ROW_BLOCKS + 1)}
     given = {"A", "W", "W_gate", "W_up"} | ({"bias"} if epi.bias_mode != "none" else set()) \
         | ({"residual"} if epi.residual_mode != "none" else set())
     present = [i for i, name in enumerate(_INPUTS[op]) if name in given]
     out = {}
-    for choice in sorted(c for c in choices if c is not None):
+    for choice in sorted(choices):
         for step in _plan_of(op, dtype, n, k, 128, epi, cfg, static_shape, choice, present).steps:
             out[step.source.name] = step.source
     return list(out.values())
@@ -663,7 +666,7 @@ def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[Any] | None], max_sha
     dtype = norm_dtype(dtypes[0])
     static = _static_shape_of(op, max_shapes, dtypes)
     n, k = _dims(static)
-    if op != "GemmEpilogue" or launch_sm90.takes(op, dtype, n, static, 90, launch_sm90.PINGPONG, k) is not None:
+    if op != "GemmEpilogue" or launch_sm90.takes(op, dtype, n, static, 90, launch_sm90.PINGPONG, k, host_maps=True) is not None:
         return 0
     return launch_sm90.split_k_workspace(static)
 

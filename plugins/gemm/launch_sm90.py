@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from optfuse.kernels.artifact import KernelSource, LaunchParams
+from optfuse.kernels.artifact import KernelSource, LaunchParams, TensorMapArg
 from optfuse.spec import plugin_specs
 
 KERNEL_PATH = str(Path(__file__).resolve().parent / "kernel_sm90.cu")
@@ -94,9 +94,10 @@ def stage_options(impl: str, fp8: bool = False) -> list[int]:
 
 
 def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cuda_sm90", k: int | None = None,
-          out_dtype: str | None = None) -> str | None:
+          out_dtype: str | None = None, host_maps: bool = False) -> str | None:
     """Why the sm_90 kernel (schedule ``impl``) cannot run this instance (None: it can). ``dtype`` is
-    A's; ``out_dtype`` y's (None: A's), which an FP8 instance needs to be fp16 / bf16."""
+    A's; ``out_dtype`` y's (None: A's), which an FP8 instance needs to be fp16 / bf16. ``host_maps``:
+    a build whose tensor maps the launcher encodes (run-time plans), which needs no room for them in y."""
     if dtype == FP8:
         if impl != "cuda_sm90":
             return "FP8 runs the cooperative schedule"
@@ -120,21 +121,38 @@ def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cud
             return f"{name} must have A's dtype ({other} vs {dtype})"
     if n % 32:
         return f"N = {n} is not a multiple of 32"
-    # The tensor maps (2, with a TMA residual 3, x 128 bytes) live in the first row of one of this
-    # CTA's tiles: every tile's row must hold them.
+    # Maps built on the device (2, with a TMA residual 3, x 128 bytes) live in the first row of one of
+    # this CTA's tiles: every tile's row must hold them.
     maps = 3 if residual_by_tma(impl, op, static.get("residual_mode", "none")) else 2
     rest = n % OUT_N[(impl, op)]
-    if rest and rest * 2 < 128 * maps:
+    if rest and rest * 2 < 128 * maps and not host_maps:
         return f"the last column tile of N = {n} is {rest} columns, too narrow for the tensor maps"
     return None
 
 
+def tensor_maps(impl: str, op: str, dtype: str, n: int, k: int, epi: Any) -> tuple[TensorMapArg, ...]:
+    """The tensor maps a HOST_MAPS build takes after y (kernel_sm90.cu, "Tensor maps"): A [M, K] in
+    128-row boxes, W [N, K] in boxes of the tile's W rows (GatedGemm: W_gate and W_up as one pair
+    map, half the rows each), and a residual that comes by TMA, [M, N] in 64 x 64 boxes."""
+    elem = "uint8" if dtype == FP8 else dtype
+    cols = 128 if dtype == FP8 else 64  # one 128-byte swizzle row
+    w_rows = TILE_N.get(impl, 256)
+    gated = op == "GatedGemm"
+    maps = [TensorMapArg(0, elem, "extra:0", k, BLOCK_M, cols),
+            TensorMapArg(1, elem, n, k, w_rows // 2 if gated else w_rows, cols, pair=2 if gated else None)]
+    if residual_by_tma(impl, op, epi.residual_mode):
+        out = (getattr(epi, "out_dtype", "") or dtype) if dtype == FP8 else dtype
+        maps.append(TensorMapArg(2 + (epi.bias_mode != "none"), out, "extra:0", n, 64, 64))
+    return tuple(maps)
+
+
 def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, name: str,
-           split_k: int = 1) -> KernelSource:
+           split_k: int = 1, host_maps: bool = False) -> KernelSource:
     """The KernelSource of one instance; ``epi`` is launch.Epilogue (activation, alpha, residual
     position, the bias / residual modes; FP8: y's dtype and the weight scales' mode). ``split_k`` > 1: the
     pingpong kernel writing the fp32 partial planes of that many K ranges (the epilogue is then the
-    reduce's, :func:`reduce_source`)."""
+    reduce's, :func:`reduce_source`). ``host_maps``: the tensor maps come from the launcher
+    (:func:`tensor_maps`; run-time plans), not built by each CTA (QDP's AOT path)."""
     gated = op == "GatedGemm"
     fp8 = dtype == FP8
     out = (getattr(epi, "out_dtype", "") or dtype) if fp8 else dtype
@@ -159,6 +177,7 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
         "EPILOGUE_WG": str(int(impl == EPILOGUE_WG)),
         "SPLIT_K": str(split_k),
         "NARROW": str(int(impl == NARROW)),
+        "HOST_MAPS": str(int(host_maps)),
     }
     if impl == TILE_192:
         defines["TILE_N"] = "192"
@@ -180,7 +199,8 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
         pointer_align=64,  # y holds the tensor maps (64-byte aligned); TensorRT gives 256
         arch_suffix="a",
         meta={"op": op, "dtype": dtype, "N": n, "K": k, "kernel": impl, "stages": stages, "group_m": group_m,
-              "split_k": split_k},
+              "split_k": split_k, "host_maps": host_maps},
+        tensor_maps=tensor_maps(impl, op, dtype, n, k, epi) if host_maps else (),
     )
 
 
@@ -230,11 +250,11 @@ def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, sta
     None also where neither 128 x 128 schedule takes the instance."""
     grid = grid_size(static)
     arch = static.get("arch")
-    if op != "GemmEpilogue" or takes(op, dtype, n, static, arch, NARROW, k) is not None:
+    if op != "GemmEpilogue" or takes(op, dtype, n, static, arch, NARROW, k, host_maps=True) is not None:
         return None
     tiles = tile_count(m, n, 128)
     narrow = NARROW, stage_options(NARROW)[0], 1
-    pingpong_takes = takes(op, dtype, n, static, arch, PINGPONG, k) is None
+    pingpong_takes = takes(op, dtype, n, static, arch, PINGPONG, k, host_maps=True) is None
     stages = stage_options(PINGPONG)[0]
     if 2 * tiles <= grid and pingpong_takes:
         k_blocks = -(-k // BLOCK_K)
@@ -282,7 +302,7 @@ def wave_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
     -> 12.7 us."""
     if op != "GemmEpilogue" or impl == TILE_192:
         return None
-    if takes(op, dtype, n, static, static.get("arch"), TILE_192, k) is not None:
+    if takes(op, dtype, n, static, static.get("arch"), TILE_192, k, host_maps=True) is not None:
         return None
     grid = grid_size(static)
     if wave_cost(TILE_192, m, n, grid) > TILE_192_MAX_COST * wave_cost(impl, m, n, grid):
@@ -305,7 +325,7 @@ def large_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
     gives at least PLAIN_WIDE_MIN_WAVES waves of 128 x 256 tiles, or None."""
     if op != "GemmEpilogue" or impl != PINGPONG:
         return None
-    if takes(op, dtype, n, static, static.get("arch"), EPILOGUE_WG, k) is not None:
+    if takes(op, dtype, n, static, static.get("arch"), EPILOGUE_WG, k, host_maps=True) is not None:
         return None
     grid = grid_size(static)
     if tile_count(m, n, 256) < PLAIN_WIDE_MIN_WAVES * grid:
@@ -314,10 +334,10 @@ def large_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
 
 
 def reduce_source(op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, split_k: int,
-                  name: str) -> KernelSource:
+                  name: str, host_maps: bool = False) -> KernelSource:
     """gemm_sm90_splitk_reduce of a split-K plan: the same defines as its GEMM (one translation
     unit; the epilogue's), inputs the partial planes then the present bias / residual."""
-    gemm = source(PINGPONG, op, dtype, n, k, epi, stages, group_m, name, split_k)
+    gemm = source(PINGPONG, op, dtype, n, k, epi, stages, group_m, name, split_k, host_maps)
     n_inputs = 1 + (epi.bias_mode != "none") + (epi.residual_mode != "none")
     return KernelSource(name=name, lang="cuda", path=KERNEL_PATH, entry="gemm_sm90_splitk_reduce",
                         n_inputs=n_inputs, n_extra=1, n_outputs=1, defines=gemm.defines, threads=REDUCE_THREADS,

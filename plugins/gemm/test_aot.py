@@ -225,10 +225,17 @@ def _plan(case):
 
 
 def shape_of(case):
-    """(kernel, splits, steps) of the run-time plan at 132 SMs, None where the one kernel runs."""
+    """(kernel, splits, steps) of the run-time plan at 132 SMs; None where the plan runs the static
+    choice's schedule (with host-encoded tensor maps) or there is no plan (no sm_90 kernel)."""
     plan = _plan(case)
-    return None if plan is None else (plan.steps[0].source.meta["kernel"], plan.steps[0].source.meta["split_k"],
-                                      len(plan.steps))
+    if plan is None:
+        return None
+    meta = plan.steps[0].source.meta
+    static = L.choose_config(case.op, case.dtype, case.n, case.k, 90, T.case_static(case, 90), case.activation,
+                             case.y_dtype)
+    if len(plan.steps) == 1 and (meta["kernel"], meta["stages"]) == (static.impl, static.num_stages):
+        return None
+    return meta["kernel"], meta["split_k"], len(plan.steps)
 
 
 def test_small_m_plan_choice():
@@ -262,13 +269,14 @@ def test_small_m_plan_choice():
     assert shape_of(C("GemmEpilogue", (512,), 12288, 4096, "float16", "none", "none", "none")) == ("cuda_sm90_pingpong", 1, 1)
     assert shape_of(C("GemmEpilogue", (1024,), 12288, 4096, "float16", "none", "none", "none")) is None
     assert shape_of(C("GemmEpilogue", (1024,), 4096, 11008, "float16", "none", "none", "full")) is None
-    assert shape_of(C("GemmEpilogue", (2560,), 1024, 4096, "float16", "none", "vector", "full")) is None
+    assert shape_of(C("GemmEpilogue", (4096,), 1024, 4096, "float16", "none", "vector", "full")) is None
     assert shape_of(C("GemmEpilogue", (32768,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
-    # N = 1184: the cooperative kernel takes it (a 160-column last tile), neither 128 x 128 schedule does
+    # N = 1184: the cooperative kernel takes it (a 160-column last tile), neither 128 x 128 schedule does;
+    # 128 x 192 tiles do where the maps come from the host (28 tiles: 0.75 against 20 of 128 x 256)
     case = C("GemmEpilogue", (512,), 1184, 768, "float16", "gelu_erf", "vector", "none")
     assert L.choose_config(case.op, case.dtype, case.n, case.k, 90, T.case_static(case, 90), case.activation).impl \
         in L.SM90_SCHEDULES
-    assert shape_of(case) is None
+    assert shape_of(case) == ("cuda_sm90_n192", 1, 1)
     assert shape_of(C("GatedGemm", (64,), 11008, 4096, "float16", "silu")) is None
     assert shape_of(C("GemmEpilogue", (64,), 768, 3072, "float8e4m3fn", "none", "vector", "full",
                       output_dtype="bfloat16")) is None
@@ -296,13 +304,15 @@ def test_large_m_plan_choice():
     assert shape_of(C("GemmEpilogue", (65536,), 1024, 1024, "float16", "none", "vector", "full")) is None
     assert shape_of(C("GemmEpilogue", (65536,), 12288, 4096, "float16", "none", "none", "none")) is None
     assert shape_of(C("GatedGemm", (65536,), 11008, 4096, "float16", "silu")) is None
-    # the plan's kernel and launch are the epilogue-warp config's (which test_kernel_gpu runs at every M)
+    # the plan's kernel and launch are the epilogue-warp config's (which test_kernel_gpu runs at every M),
+    # with host-encoded tensor maps
     case = C("GemmEpilogue", (9472,), 2304, 520, "bfloat16", "none", "vector", "none")
     step, = _plan(case).steps
     cfg = next(c for c in L.candidate_configs(case.op, case.dtype, case.n, case.k, 90, T.case_static(case, 90),
                                               case.activation) if c.impl == "cuda_sm90_epilogue_wg")
     src, params = T.case_sources(case, config=cfg, arch=90)
-    assert (src.name, src.spec_dict(), params) == (step.source.name, step.source.spec_dict(), step.params)
+    assert step.source.meta["host_maps"] and step.source.defines == {**src.defines, "HOST_MAPS": "1"}
+    assert (src.name + "_hostmaps", params) == (step.source.name, step.params)
 
 
 def test_split_k_plan_buffers_and_workspace():
@@ -332,14 +342,18 @@ def test_split_k_plan_buffers_and_workspace():
     (T.Case("GemmEpilogue", (300,), 768, 3072, "bfloat16", "relu2", "vector", "none"), 2),
 ], ids=lambda x: x.id() if hasattr(x, "id") else str(x))
 def test_split_k_plan_compiles(tmp_path, case, reduce_inputs):
-    """Both steps of a split-K plan build for sm_90a (NVRTC): the GEMM with wgmma and its QDP-order
-    parameters, the reduce with the partials, the present epilogue inputs, M and y."""
+    """Both steps of a split-K plan build for sm_90a (NVRTC): the GEMM with wgmma, its QDP-order
+    parameters and then its two tensor maps (128-byte, 64-byte aligned), the reduce with the partials, the
+    present epilogue inputs, M and y."""
     plan = _plan(case)
-    for step in plan.steps:
+    for step, maps in zip(plan.steps, (2, 0)):
         art = KernelCache(tmp_path).build(step.source, 90)
         assert art.arch_suffix == "a" and art.cubin and art.name == step.source.entry
+        assert len(art.tensor_maps) == len(step.source.tensor_maps) == maps
         entry = re.search(r"\.entry\s+" + re.escape(art.name) + r"\s*\((.*?)\)", art.ptx, re.S).group(1)
-        assert re.findall(r"\.param\s+\.(\w+)", entry) == ["u64"] * step.source.n_inputs + ["u32", "u64"]
+        assert re.findall(r"\.param\s+(?:\.align 64 )?\.(\w+)", entry) == \
+            ["u64"] * step.source.n_inputs + ["u32", "u64"] + ["b8"] * maps
+        assert len(re.findall(r"\.param \.align 64 \.b8 \w+\[128\]", entry)) == maps
     gemm_ptx = KernelCache(tmp_path).build(plan.steps[0].source, 90).ptx
     assert "wgmma.mma_async" in gemm_ptx
     assert plan.steps[1].source.n_inputs == reduce_inputs
@@ -372,10 +386,15 @@ def test_wave_plan_choice():
     assert shape_of(C("GemmEpilogue", (1024,), 12288, 4096, "float16", "none", "none", "none")) is None
     # N = 4096: 22 column tiles of 192 (1.5) against 16 of 256 (1.0) at M = 1024
     assert shape_of(C("GemmEpilogue", (1024,), 4096, 11008, "float16", "none", "none", "full")) is None
-    # N = 1024 with a TMA residual: the last 64-column tile is too narrow for the three tensor maps
+    # N = 1024 with a TMA residual: the last 64-column tile is too narrow for three tensor maps built on
+    # the device, not for a plan's host-encoded ones (120 tiles of 128 x 192: 0.75 against 80 of 128 x 256)
     case = C("GemmEpilogue", (2560,), 1024, 4096, "float16", "none", "vector", "full")
-    assert L9.takes(case.op, case.dtype, case.n, T.case_static(case, 90), 90, L9.TILE_192, case.k) is not None
-    assert shape_of(case) is None
+    static = T.case_static(case, 90)
+    assert L9.takes(case.op, case.dtype, case.n, static, 90, L9.TILE_192, case.k) is not None
+    assert L9.takes(case.op, case.dtype, case.n, static, 90, L9.TILE_192, case.k, host_maps=True) is None
+    assert shape_of(case) == n192
+    # LLaMA-13B FFN down at M = 512: 108 tiles of 128 x 192 (a 128-column last one) against 80 of 128 x 256
+    assert shape_of(C("GemmEpilogue", (512,), 5120, 13824, "float16", "none", "none", "full")) == n192
     # GatedGemm and FP8 stay on their static kernel
     assert shape_of(C("GatedGemm", (4096,), 768, 3072, "float16", "silu")) is None
     assert shape_of(C("GemmEpilogue", (4096,), 768, 3072, "float8e4m3fn", "none", "vector", "full",

@@ -57,12 +57,13 @@ def _tree_copy(tmp_path, rel="plugins/gemm/kernel_sm90.cu"):
 
 
 def test_baseline_sources(tmp_path):
-    """--baseline: each CUDA config once more from the other checkout (own name and hash); Triton not."""
+    """--baseline: each CUDA config once more from the other checkout (own name and hash); Triton and
+    the run-time plan's kernels (host maps) not."""
     root = _tree_copy(tmp_path)
     pts = bench.points(["bert-large.ffn_up"], [4096], ["float16"])
     plain = bench.needed_sources(pts, 90, None, with_tests=False)
     both = bench.needed_sources(pts, 90, None, with_tests=False, baseline=str(root))
-    cuda = [s for s in plain if s.lang == "cuda"]
+    cuda = [s for s in plain if s.lang == "cuda" and not s.meta["host_maps"]]
     assert cuda and len(both) == len(plain) + len(cuda)
     base = {s.name: s for s in both if s.name.endswith("_baseline")}
     for s in cuda:
@@ -98,15 +99,16 @@ def test_every_shape_builds_and_sources_are_distinct():
     pts = bench.points(list(bench.SHAPES), [512], ["float16"])
     srcs = bench.needed_sources(pts, 90, None, with_tests=False)
     # one specialization per shape (M is dynamic) and kernel source (sm_90: CUDA schedules + Triton),
-    # and the split-K plans' two sources (GEMM, reduce) where launch_plan splits at this M
+    # and the run-time plan's kernels (host maps; 16-bit shapes): two (GEMM, reduce) where it splits K
     want = sum(len({c.impl for c in _candidates(bench.case_of(name, m, dt))}) for name, m, dt in pts)
-    splits = [n for n, m, dt in pts if (p := bench.T.case_plan(bench.case_of(n, m, dt), 90)) and len(p.steps) == 2]
+    plans = {n: p for n, m, dt in pts if not (c := bench.case_of(n, m, dt)).fp8 and (p := bench.T.case_plan(c, 90))}
+    splits = [n for n, p in plans.items() if len(p.steps) == 2]
     assert splits == ["bert-base.ffn_down", "bert-large.ffn_down", *(f"bert-large.ffn_down.{t}" for t in ("bare", "bias", "res"))]
-    assert len(srcs) == want + 2 * len(splits) and want > len(bench.SHAPES)
+    assert len(srcs) == want + sum(len(p.steps) for p in plans.values()) and want > len(bench.SHAPES)
     assert len({s.name for s in srcs}) == len(srcs)
     with_variants = bench.needed_sources(pts[:1], 90, "all", with_tests=False)
     case = bench.case_of(*pts[0][:1], 512, "float16")
-    assert len(with_variants) == len(_candidates(case))
+    assert len(with_variants) == len(_candidates(case)) + 1  # and the plan's kernel
 
 
 def test_ours_labels():

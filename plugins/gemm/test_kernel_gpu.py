@@ -104,9 +104,10 @@ FP8_CASES = [
     C("GemmEpilogue", (2, 1050), 3072, 768, _FP8, "relu2", "vector", "none", output_dtype="bfloat16"),
 ]
 CASES += FP8_CASES
-#: Shapes whose M leaves the statically chosen kernel's tiles on few SMs: launch_plan runs narrow
-#: tiles or the pingpong kernel instead, or splits K (the partial planes then the reduce kernel);
-#: (case, testing.plan_kind of its plan).
+#: launch_plan's plans, whose GEMM takes host-encoded tensor maps: shapes whose M leaves the statically
+#: chosen kernel's tiles on few SMs (narrow tiles or the pingpong kernel instead, or K split: the partial
+#: planes then the reduce kernel), other tile widths, and the static choice's schedule with each kind of
+#: map (a TMA residual, the gated weights' pair, FP8); (case, testing.plan_kind of its plan).
 PLAN_CASES = [
     (C("GemmEpilogue", (512,), 768, 3072, "float16", "none", "vector", "full"), "pingpong split-K x4"),  # BERT-base FFN down
     (C("GemmEpilogue", (3, 67), 1024, 4096, "bfloat16", "gelu_erf", "vector", "full", "before_activation"),
@@ -130,7 +131,21 @@ PLAN_CASES = [
     (C("GemmEpilogue", (1000,), 2304, 768, "float16", "none", "vector", "none"), "n192"),
     # plain projections at large M: the epilogue-warp schedule's wide tiles (PLAIN_WIDE_MIN_WAVES)
     (C("GemmEpilogue", (9472,), 2304, 520, "bfloat16", "none", "vector", "none"), "epilogue_wg"),
+    # the static choice's schedule
+    (C("GemmEpilogue", (4096,), 1024, 1024, "float16", "none", "vector", "full"), "cooperative"),
+    # 128 x 192 tiles with a TMA residual and a partial last column tile (64 / 128 of 192 columns)
+    (C("GemmEpilogue", (2560,), 1024, 1024, "float16", "none", "vector", "full"), "n192"),
+    (C("GemmEpilogue", (512,), 5120, 1024, "bfloat16", "none", "none", "full"), "n192"),
+    (C("GemmEpilogue", (512,), 1184, 768, "float16", "gelu_erf", "vector", "none"), "n192"),  # a 32-column last tile
+    (C("GemmEpilogue", (2, 2100), 3072, 768, "bfloat16", "gelu_erf", "vector", "none"), "epilogue_wg"),
+    (C("GemmEpilogue", (4096,), 2304, 768, "float16", "none", "vector", "none"), "pingpong"),
+    (C("GatedGemm", (1031,), 2816, 1024, "bfloat16", "silu"), "cooperative"),
+    (C("GemmEpilogue", (2, 1050), 3072, 768, _FP8, "silu", "scalar", "full", output_dtype="float16", w_scale="scalar"),
+     "cooperative"),
+    (C("GatedGemm", (1031,), 2816, 1024, _FP8, "silu", output_dtype="bfloat16", w_scale="scalar"), "cooperative"),
 ]
+#: GatedGemm whose W_up lies below W_gate (test_gated_weights_in_either_order)
+GATED_SWAP_CASE = C("GatedGemm", (1031,), 2816, 1024, "bfloat16", "silu")
 #: The cases every candidate config runs on (one per op and dtype class).
 CONFIG_CASES = [
     C("GemmEpilogue", (2, 333), 1032, 1544, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"),
@@ -187,6 +202,8 @@ def gpu_test_sources(arch=None) -> list:
         plan = T.case_plan(case, arch if arch is not None else 90)
         for step in plan.steps if plan is not None else ():
             out[step.source.name] = step.source
+    src = T.case_sources(GATED_SWAP_CASE, arch=arch if arch is not None else 90)[0]  # its plan is a PLAN_CASE's
+    out[src.name] = src
     return list(out.values())
 
 
@@ -308,3 +325,31 @@ def test_small_m_plan_matches_reference(case, kind, seed, cuda_torch):
         workspace.fill_(255)
         launch_plan(plan, dev, [out], workspace, torch.cuda.current_stream().cuda_stream, sync=True)
         T.check_close(out, ref, T.tolerance_key(case), plan.steps[0].source.name)
+
+
+def test_gated_weights_in_either_order(seed, cuda_torch):
+    """GatedGemm's gate and up weights are one pair tensor map from the lower address: with W_up stored
+    below W_gate in one buffer, the plan (host-encoded maps) and the static kernel (maps built on the device)
+    still take the gate from W_gate."""
+    from optfuse.kernels import launch
+    from optfuse.kernels.launcher import launch_plan
+
+    arch = _device_arch()
+    if arch is None or int(arch) != 90:
+        pytest.skip(f"the sm_90 kernel (device sm_{arch})")
+    case = GATED_SWAP_CASE
+    gen = torch.Generator().manual_seed((seed + zlib.crc32(case.id().encode())) % (2 ** 31))
+    ins = T.case_inputs(case, generator=gen)
+    ref = T.reference_of(case, ins)
+    both = torch.stack([ins[2], ins[1]]).cuda()  # [W_up, W_gate]
+    dev = [ins[0].cuda(), both[1], both[0]]
+    assert dev[2].data_ptr() < dev[1].data_ptr()
+    plan = T.build_plan(T.case_plan(case, arch), arch)
+    src, params = T.case_sources(case, arch=arch)
+    art = T.get_artifact(src, arch)
+    stream = torch.cuda.current_stream().cuda_stream
+    for what, run in (("plan", lambda o: launch_plan(plan, dev, [o], T.new_workspace(plan, "cuda"), stream, sync=True)),
+                      ("static", lambda o: launch(art, params, dev, [o], stream, sync=True))):
+        out = torch.full((*case.lead, case.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        run(out)
+        T.check_close(out, ref, T.tolerance_key(case), f"{what}: {src.name}")

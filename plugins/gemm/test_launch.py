@@ -395,6 +395,6 @@ def test_runtime_plan_kernels_are_prebuilt():
                     for step in plan.steps if plan is not None else ():
                         assert step.source.name in pre, (case.id(), step.source.name)
                         assert pre[step.source.name].spec_dict() == step.source.spec_dict(), step.source.name
-    assert {"narrow", "pingpong", "n192", None} <= kinds and any(k and "split-K" in k for k in kinds)
+    assert {"narrow", "pingpong", "n192", "cooperative", "epilogue_wg"} <= kinds and any(k and "split-K" in k for k in kinds)
     # other targets have no plans
     assert not any(s.meta.get("kernel") == "splitk_reduce" for s in L.prebuild_sources(arch=89))

@@ -180,7 +180,7 @@ def case_sources(case: Case, config=None, arch: int | None = None) -> tuple[Kern
 
 def case_plan(case: Case, arch: int | None = 90):
     """launch.py's run-time LaunchPlan of a case (sources, no artifacts), or None where the one
-    kernel of case_sources runs."""
+    kernel of case_sources runs (no sm_90 kernel)."""
     return launch_mod().launch_plan(case.op, case.shapes(), case.dtypes(), case.attrs,
                                     static_shape=case_static(case, arch))
 
@@ -193,12 +193,12 @@ def build_plan(plan, arch: int | None = None):
 
 
 def plan_kind(plan) -> str | None:
-    """A run-time plan in words: ``pingpong``, ``pingpong split-K x<n>``, ``narrow`` (None: no plan,
-    the one kernel runs)."""
+    """A run-time plan in words: ``pingpong``, ``pingpong split-K x<n>``, ``narrow``, ``cooperative``
+    ... (None: no plan, the one kernel runs)."""
     if plan is None:
         return None
     meta = plan.steps[0].source.meta
-    kind = meta["kernel"].removeprefix("cuda_sm90_")
+    kind = "cooperative" if meta["kernel"] == "cuda_sm90" else meta["kernel"].removeprefix("cuda_sm90_")
     return f"{kind} split-K x{meta['split_k']}" if meta["split_k"] > 1 else kind
 
 

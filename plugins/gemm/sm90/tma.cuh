@@ -1,12 +1,23 @@
 // kernel_sm90.cu, the producer's loads: tensor maps built on the device and TMA box copies into the
 // 128-byte swizzle layout wgmma reads. Needs plugins/common/sm90.cuh.
 //
-// A QDP kernel gets pointers and int32 scalars only, so no host-encoded tensor map: one thread
+// A QDP kernel gets pointers and int32 scalars only, so no host-encoded tensor map there: one thread
 // writes each map into zeroed shared memory with tensormap.replace (PTX encodings: rank - 1,
 // elemtype 0 uint8 / 6 f16 / 10 bf16, swizzle 3 = 128 bytes, fill 0 = zeros) and copies it to global memory
 // the CTA alone owns (kernel_sm90.cu, "Tensor maps"). Boxes are one 128-byte swizzle row wide (64
 // 16-bit or 128 FP8 columns) by `box_rows` rows; rows and columns past the tensor's end read as
 // zeros, which is how the M, N and K tails are handled.
+
+// A tensor map the host encoded (cuTensorMapEncodeTiled), passed by value as a __grid_constant__
+// parameter (HOST_MAPS): the layout of CUtensorMap.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+
+// Fetch a parameter's tensor map into the TMA unit's descriptor cache ahead of its first use.
+__device__ __forceinline__ void tmap_prefetch(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
+}
 
 #define TMAP_SET(sm, field, val) \
     asm volatile("tensormap.replace.tile." field ".shared::cta.b1024.b32 [%0], %1;" ::"r"(sm), "n"(val) : "memory")
