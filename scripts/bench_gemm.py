@@ -24,6 +24,8 @@ bias (``.bias``) or the residual (``.res``) alone, and LLaMA-7B's without its re
   ``optfuse.kernels.launcher``; with ``--variants`` also each candidate config. Where
   ``launch.launch_plan`` answers for this M (the pingpong kernel, or split-K and its reduce),
   ``ours[plan]`` too, first: what the classic plugin runs at this M, the ratios' ``ours``.
+* ``ours[plan|device maps]`` (``--device-maps``): the same plan with its tensor maps built by each CTA (the
+  kernel QDP runs) instead of encoded by the launcher, right after ``ours[plan]`` in each round.
 * ``ours[impl|baseline]`` (``--baseline DIR``: a checkout of an earlier source tree, e.g. ``git worktree add
   DIR COMMIT``): the same CUDA config compiled from DIR's kernel source, launched and checked like ours, right
   after it in each round: a kernel change A/B in one run. The Triton kernel has no baseline row.
@@ -158,9 +160,10 @@ def ours_configs(case, arch, variants: str | None) -> list:
     return out
 
 
-def needed_sources(pts, arch, variants, with_tests=True, baseline=None) -> list:
+def needed_sources(pts, arch, variants, with_tests=True, baseline=None, device_maps=False) -> list:
     """Every KernelSource a device run needs: each point's configs (and their ``baseline`` versions,
-    16-bit points), and the GPU tests' sources."""
+    16-bit points), its plan (and with ``device_maps`` the plan with device-built maps), and the GPU
+    tests' sources."""
     srcs = {}
     for name, m, dt in pts:
         case = case_of(name, m, dt)
@@ -170,9 +173,10 @@ def needed_sources(pts, arch, variants, with_tests=True, baseline=None) -> list:
             if baseline and s.lang == "cuda" and not case.fp8:
                 b = baseline_source(s, baseline)
                 srcs[b.name] = b
-        plan = T.case_plan(case, arch) if not case.fp8 else None
-        for step in plan.steps if plan is not None else ():
-            srcs[step.source.name] = step.source
+        plans = [T.case_plan(case, arch, host_maps=h) for h in ((True, False) if device_maps else (True,))]
+        for plan in plans if not case.fp8 else ():
+            for step in plan.steps if plan is not None else ():
+                srcs[step.source.name] = step.source
     if with_tests:
         for s in plugin_module("gemm", "test_kernel_gpu").gpu_test_sources(arch):
             srcs[s.name] = s
@@ -319,7 +323,7 @@ def baseline_source(src, root: str):
     return dataclasses.replace(src, path=str(path), name=src.name + "_baseline")
 
 
-def contenders(case, ins, compiler, artifacts, arch, variants, check, baseline=None):
+def contenders(case, ins, compiler, artifacts, arch, variants, check, baseline=None, device_maps=False):
     """{name: callable} for one point, and notes (compile, artifact origin, accuracy)."""
     import torch
 
@@ -351,6 +355,9 @@ def contenders(case, ins, compiler, artifacts, arch, variants, check, baseline=N
     plan = T.case_plan(case, arch)
     if plan is not None:  # what the plugin runs at this M: the headline (the first "ours")
         fns["ours[plan]"], notes["ours[plan]"] = plan_contender(case, plan, by_spec, artifacts, arch, ref, x.dtype)
+        if device_maps:
+            fns["ours[plan|device maps]"], notes["ours[plan|device maps]"] = plan_contender(
+                case, T.case_plan(case, arch, host_maps=False), by_spec, artifacts, arch, ref, x.dtype)
     for label, cfg in ours_configs(case, arch, variants):
         src, params = T.case_sources(case, config=cfg, arch=arch)
         labelled = [(label, src)]
@@ -501,7 +508,8 @@ def run_point(name, m, dtype, args, compiler, artifacts, arch) -> dict:
         fns, notes = fp8_contenders(case, ins, artifacts, arch, args.variants, not args.no_check)
     else:
         ins = _cuda_inputs(case, gen)
-        fns, notes = contenders(case, ins, compiler, artifacts, arch, args.variants, not args.no_check, args.baseline)
+        fns, notes = contenders(case, ins, compiler, artifacts, arch, args.variants, not args.no_check, args.baseline,
+                                args.device_maps)
     times = interleaved(fns, args.rounds, notes)
     flops = 2.0 * case.m * case.n * case.k * (2 if case.op == "GatedGemm" else 1)
     row = {"shape": name, "op": case.op, "M": case.m, "N": case.n, "K": case.k, "dtype": dtype,
@@ -609,17 +617,17 @@ SCHEDULE_NAMES = {"cuda_sm90": "cooperative", "cuda_sm90_pingpong": "ping-pong",
 
 def _schedule_of(label: str, note: str) -> str:
     """The README name of an ``ours[...]`` contender: its kernel source's, ``ours[plan]`` by its note's
-    config (split-K plans: ``split-K xN + reduce``), ``|baseline`` rows marked."""
-    impl = label[len("ours["):-1]
+    config (split-K plans: ``split-K xN + reduce``), ``|baseline`` and ``|device maps`` rows marked."""
+    impl, _, tag = label[len("ours["):-1].partition("|")
+    marked = f" ({tag})" if tag else ""
     if impl == "plan":
         cfg = note.split(" ")[0]
         split = re.search(r"_splitk(\d+)", cfg)
         if split:
-            return f"split-K x{split.group(1)} + reduce"
+            return f"split-K x{split.group(1)} + reduce{marked}"
         impl = next(i for i in sorted(SCHEDULE_NAMES, key=len, reverse=True) if cfg.startswith(i + "_"))
-        return f"{SCHEDULE_NAMES[impl]}, run-time plan"
-    impl, _, tag = impl.partition("|")
-    return SCHEDULE_NAMES.get(impl, impl) + (f" ({tag})" if tag else "")
+        return f"{SCHEDULE_NAMES[impl]}, run-time plan{marked}"
+    return SCHEDULE_NAMES.get(impl, impl) + marked
 
 
 def markdown_table(rows) -> list[str]:
@@ -675,6 +683,8 @@ def parse_args(argv=None):
                     help="also time these candidate configs (launch.config_name) of ours, or all of them")
     ap.add_argument("--baseline", metavar="DIR",
                     help="also time each CUDA config compiled from this checkout's kernel source (ours[impl|baseline])")
+    ap.add_argument("--device-maps", action="store_true",
+                    help="also time the run-time plan with its tensor maps built on the device (ours[plan|device maps])")
     ap.add_argument("--arch", type=int, default=None, help="target arch of the kernel choice (default: the GPU's)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--compile-limit", type=float, default=30.0, help="seconds per point for torch.compile")
@@ -720,7 +730,8 @@ def main(argv=None) -> int:
         from optfuse.kernels import KernelCache
 
         arch = args.arch or 90
-        srcs = needed_sources(pts, arch, args.variants, with_tests=not args.no_test_sources, baseline=args.baseline)
+        srcs = needed_sources(pts, arch, args.variants, with_tests=not args.no_test_sources, baseline=args.baseline,
+                              device_maps=args.device_maps)
         t0 = time.time()
         KernelCache(args.build).build_many(srcs, arch, jobs=args.jobs)
         print(f"built {len(srcs)} artifacts for sm_{arch} in {time.time() - t0:.0f}s into {args.build}")

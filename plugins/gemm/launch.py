@@ -585,20 +585,21 @@ def plan_choice(op: str, dtype: str, m: int, n: int, k: int, impl: str, static: 
 
 
 def _plan_of(op: str, dtype: str, n: int, k: int, m: Any, epi: Epilogue, cfg: GemmConfig, static: dict,
-             choice: tuple[str, int, int], present: Sequence[int]) -> LaunchPlan:
+             choice: tuple[str, int, int], present: Sequence[int], host_maps: bool = True) -> LaunchPlan:
     """The LaunchPlan of ``choice`` (plan_choice, or the static choice's schedule) for ``m`` rows;
-    ``present``: the op inputs given. Its GEMM takes host-encoded tensor maps (HOST_MAPS)."""
+    ``present``: the op inputs given. Its GEMM takes host-encoded tensor maps (HOST_MAPS) unless
+    ``host_maps`` is False."""
     impl, stages, splits = choice
     pp = replace(cfg, block_n=launch_sm90.OUT_N[(impl, op)], num_stages=stages, impl=impl)
-    name = _source_name(op, dtype, n, k, epi, pp) + "_hostmaps"
+    name = _source_name(op, dtype, n, k, epi, pp) + ("_hostmaps" if host_maps else "")
     params = launch_sm90.launch(pp.impl, m, stages, static)
     if splits == 1:
-        src = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, name, host_maps=True)
+        src = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, name, host_maps=host_maps)
         return LaunchPlan([PlanStep(src, params, [Buffer("input", i) for i in present], [Buffer("output", 0)])])
     gemm = launch_sm90.source(pp.impl, op, dtype, n, k, epi, stages, pp.group_m, f"{name}_splitk{splits}", splits,
-                              host_maps=True)
+                              host_maps=host_maps)
     reduce = launch_sm90.reduce_source(op, dtype, n, k, epi, stages, pp.group_m, splits, f"{name}_splitk{splits}_reduce",
-                                       host_maps=True)
+                                       host_maps=host_maps)
     epilogue_inputs = [Buffer("input", i) for i in present if _INPUTS[op][i] in ("bias", "residual")]
     return LaunchPlan([
         PlanStep(gemm, params, [Buffer("input", i) for i in present], [Buffer("workspace", 0)]),
@@ -608,7 +609,7 @@ def _plan_of(op: str, dtype: str, n: int, k: int, m: Any, epi: Epilogue, cfg: Ge
 
 
 def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict | None,
-                cdiv=_cdiv, *, static_shape: dict | None = None) -> LaunchPlan | None:
+                cdiv=_cdiv, *, static_shape: dict | None = None, host_maps: bool = True) -> LaunchPlan | None:
     """At concrete shapes, wherever the sm_90 kernel was chosen: plan_choice's schedule for this M
     (narrow tiles or the pingpong kernel alone, or split-K -- the pingpong kernel writing fp32 partial
     planes to the workspace, then gemm_sm90_splitk_reduce (op inputs A, W[, bias][, residual] ->
@@ -616,7 +617,8 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     static choice's schedule; either with its tensor maps encoded by the launcher (about 1 us a launch
     that each CTA spends building them in the kernel of kernel_config, H100). None: the one kernel of
     kernel_config / launch_params runs (another arch or the Triton kernel; QDP's AOT path always runs
-    that kernel)."""
+    that kernel). ``host_maps=False``: the same plan with the maps built on the device (an A/B of the two;
+    the schedule rules still assume the host's)."""
     op = _check_op(op)
     dtype = norm_dtype(dtypes[0])
     static = static_shape if static_shape is not None else _static_shape_of(op, shapes, dtypes)
@@ -627,7 +629,8 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
         return None
     m = int(rows_of([int(d) for d in shapes[0]]))
     choice = plan_choice(op, dtype, m, n, k, cfg.impl, static, epi.activation) or (cfg.impl, cfg.num_stages, 1)
-    return _plan_of(op, dtype, n, k, m, epi, cfg, static, choice, [i for i, s in enumerate(shapes) if s is not None])
+    return _plan_of(op, dtype, n, k, m, epi, cfg, static, choice, [i for i, s in enumerate(shapes) if s is not None],
+                    host_maps)
 
 
 #: Row blocks (128 rows) up to which prebuild_sources looks for run-time plans: M <= 128k rows.

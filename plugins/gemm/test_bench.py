@@ -73,6 +73,24 @@ def test_baseline_sources(tmp_path):
     assert bench.parse_args(["--baseline", str(root)]).baseline == str(root)
 
 
+def test_device_maps_sources():
+    """--device-maps: each 16-bit point's plan once more with the maps built on the device (HOST_MAPS 0, no
+    tensor-map parameters, its own name)."""
+    pts = bench.points(["bert-base.qkv", "bert-base.ffn_down"], [512], ["float16"])
+    plain = {s.name: s for s in bench.needed_sources(pts, 90, None, with_tests=False)}
+    both = {s.name: s for s in bench.needed_sources(pts, 90, None, with_tests=False, device_maps=True)}
+    extra = [both[n] for n in both.keys() - plain.keys()]
+    assert len(extra) == 2  # FFN down's split-K GEMM and its reduce
+    for s in extra:
+        assert s.defines["HOST_MAPS"] == "0" and not s.tensor_maps and "hostmaps" not in s.name
+        assert s.name.replace("5stages_splitk", "5stages_hostmaps_splitk") in both
+    # QKV's plan (the static ping-pong) with device-built maps is the kernel QDP runs: the config's source
+    case = bench.case_of("bert-base.qkv", 512, "float16")
+    step, = bench.T.case_plan(case, 90, host_maps=False).steps
+    assert step.source.spec_dict() == plain[step.source.name].spec_dict()
+    assert bench.parse_args(["--device-maps"]).device_maps
+
+
 def test_baseline_without_the_kernel_exits(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--baseline", str(tmp_path)])
@@ -210,8 +228,10 @@ def test_markdown_table_from_out_rows(tmp_path, capsys):
          "notes": {"ours[plan]": "cuda_sm90_pingpong_128x128x64_g8_12warps_5stages_splitk4 + "
                                  "cuda_sm90_pingpong_128x128x64_g8_12warps_5stages_splitk4_reduce (prebuilt)"}},
         {"shape": "bert-large.ffn_up", "M": 512, "dtype": "float16",
-         "ms": {"mm": 0.008, "lt": 0.01, "chain": 0.017, "ours[plan]": 0.0106, "ours[triton]": 0.0175},
-         "notes": {"ours[plan]": "cuda_sm90_narrow_128x128x64_g8_12warps_5stages (prebuilt)"}},
+         "ms": {"mm": 0.008, "lt": 0.01, "chain": 0.017, "ours[plan]": 0.0106, "ours[plan|device maps]": 0.012,
+                "ours[triton]": 0.0175},
+         "notes": {"ours[plan]": "cuda_sm90_narrow_128x128x64_g8_12warps_5stages_hostmaps (prebuilt)",
+                   "ours[plan|device maps]": "cuda_sm90_narrow_128x128x64_g8_12warps_5stages (prebuilt)"}},
         {"shape": "llama-7b.ffn_gate_up", "M": 4096, "dtype": "float16",
          "ms": {"packed": 1.0, "mm2": 1.01, "chain": 1.2, "ours[cuda_sm90]": 1.01, "ours[cuda_sm90_epilogue_wg]": 1.02},
          "notes": {}},
@@ -224,7 +244,8 @@ def test_markdown_table_from_out_rows(tmp_path, capsys):
                         "| epilogue warps 2.00, epilogue warps (baseline) 2.20 |")
     assert lines[3] == ("| bert-base.ffn_down | 512 | 8.0 | - | 12.4 | 11.8 (split-K x4 + reduce) | 1.47 | - | 0.95 "
                         "| cooperative 4.12 |")
-    assert lines[4].startswith("| bert-large.ffn_up | 512 | 8.0 | 10.0 | 17.0 | 10.6 (narrow, run-time plan) | 1.32 | 1.06 |")
+    assert lines[4] == ("| bert-large.ffn_up | 512 | 8.0 | 10.0 | 17.0 | 10.6 (narrow, run-time plan) | 1.32 | 1.06 | 0.62 "
+                        "| narrow, run-time plan (device maps) 1.50, Triton 2.19 |")
     assert lines[5] == ("| llama-7b.ffn_gate_up | 4096 | 1000.0 (packed) | - | 1200.0 | 1010.0 (cooperative) | 1.01 | - "
                         "| 0.84 | epilogue warps 1.02 |")
     out = tmp_path / "bench.json"

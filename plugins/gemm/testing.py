@@ -178,11 +178,11 @@ def case_sources(case: Case, config=None, arch: int | None = None) -> tuple[Kern
     return src, params
 
 
-def case_plan(case: Case, arch: int | None = 90):
+def case_plan(case: Case, arch: int | None = 90, host_maps: bool = True):
     """launch.py's run-time LaunchPlan of a case (sources, no artifacts), or None where the one
-    kernel of case_sources runs (no sm_90 kernel)."""
+    kernel of case_sources runs (no sm_90 kernel); ``host_maps=False``: its maps built on the device."""
     return launch_mod().launch_plan(case.op, case.shapes(), case.dtypes(), case.attrs,
-                                    static_shape=case_static(case, arch))
+                                    static_shape=case_static(case, arch), host_maps=host_maps)
 
 
 def build_plan(plan, arch: int | None = None):
