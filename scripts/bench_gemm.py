@@ -22,8 +22,9 @@ bias (``.bias``) or the residual (``.res``) alone, and LLaMA-7B's without its re
 * ``ours``: the AOT artifact of every kernel source launch.py's candidates hold for this arch (its
   first config each: what a plugin built for any M runs), launched through
   ``optfuse.kernels.launcher``; with ``--variants`` also each candidate config. Where
-  ``launch.launch_plan`` answers for this M (the pingpong kernel, or split-K and its reduce),
-  ``ours[plan]`` too, first: what the classic plugin runs at this M, the ratios' ``ours``.
+  ``launch.launch_plan`` answers for this M (on sm_90 always: the schedule for this M, its tensor maps
+  encoded by the launcher), ``ours[plan]`` too, first: what the classic plugin runs at this M, the ratios'
+  ``ours``.
 * ``ours[plan|device maps]`` (``--device-maps``): the same plan with its tensor maps built by each CTA (the
   kernel QDP runs) instead of encoded by the launcher, right after ``ours[plan]`` in each round.
 * ``ours[impl|baseline]`` (``--baseline DIR``: a checkout of an earlier source tree, e.g. ``git worktree add
@@ -43,7 +44,9 @@ per-output-channel weight scales; y in ``--fp8-output``, bf16 by default), in th
 * ``fp8_chain``: ``scaled`` then the epilogue in eager (the same math as ours: one kernel per op);
   GatedGemm: ``scaled2`` (two FP8 GEMMs) and ``scaled_packed`` (one over [W_gate; W_up]);
 * ``bf16``: ``torch.mm`` in bf16 on the same shape (what FP8 is measured against);
-* ``ours``: the FP8 Triton kernel (launch.py's choice), checked against the float64 dequantized math.
+* ``ours``: the run-time plan where ``launch.launch_plan`` makes one (sm_90: the CUDA kernel's FP8 path with
+  host-encoded maps, first), then each kernel source's first config (the CUDA kernel, the FP8 Triton kernel),
+  checked against the float64 dequantized math.
 
 Timing: ``triton.testing.do_bench_cudagraph`` medians: each contender's calls replayed from a
 CUDA graph, so no contender pays Python launch costs (ours goes through a ctypes launcher; a
@@ -174,7 +177,7 @@ def needed_sources(pts, arch, variants, with_tests=True, baseline=None, device_m
                 b = baseline_source(s, baseline)
                 srcs[b.name] = b
         plans = [T.case_plan(case, arch, host_maps=h) for h in ((True, False) if device_maps else (True,))]
-        for plan in plans if not case.fp8 else ():
+        for plan in plans:
             for step in plan.steps if plan is not None else ():
                 srcs[step.source.name] = step.source
     if with_tests:
@@ -376,7 +379,7 @@ def contenders(case, ins, compiler, artifacts, arch, variants, check, baseline=N
 
 
 def plan_contender(case, plan, by_spec, artifacts, arch, ref, dtype):
-    """launch.launch_plan's plan (pingpong or split-K at this M) as a contender, checked like the
+    """launch.launch_plan's plan (what the classic plugin runs at this M) as a contender, checked like the
     configs (``ref`` None: unchecked): (callable, note)."""
     import torch
 
@@ -390,7 +393,7 @@ def plan_contender(case, plan, by_spec, artifacts, arch, ref, dtype):
     out = torch.full((case.m, case.n), float("nan"), dtype=dtype, device="cuda")
     launch_plan(plan, by_spec, [out], workspace, torch.cuda.current_stream().cuda_stream, sync=True)
     if ref is not None:
-        check_on_device(out, ref, case.dtype, plan.steps[0].source.name)
+        check_on_device(out, ref, T.tolerance_key(case), plan.steps[0].source.name)
     note = " + ".join(s.source.name.rsplit("/", 1)[-1] for s in plan.steps) + f" ({'/'.join(sorted(set(origins)))})"
     return (lambda: launch_plan(plan, by_spec, [out], workspace, torch.cuda.current_stream().cuda_stream)), note
 
@@ -435,6 +438,9 @@ def fp8_contenders(case, ins, artifacts, arch, variants, check):
         fns["bf16"] = lambda: torch.mm(bf16["A"], bf16["W"].t())
     ref = fp8_reference(case, by) if check else None
     present = [t for t in ins if t is not None]
+    plan = T.case_plan(case, arch)
+    if plan is not None:  # what the classic plugin runs (the sm_90 kernel with host-encoded maps): the headline
+        fns["ours[plan]"], notes["ours[plan]"] = plan_contender(case, plan, list(ins), artifacts, arch, ref, y_dt)
     for label, cfg in ours_configs(case, arch, variants):
         src, params = T.case_sources(case, config=cfg, arch=arch)
         art, origin = artifacts.get(src, arch)

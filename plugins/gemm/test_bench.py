@@ -176,7 +176,8 @@ def test_losses_and_table(capsys):
 
 def test_fp8_points_sources_and_table(capsys):
     """--fp8 adds the FP8 points (y in --fp8-output); their sources are the sm_90 CUDA kernel's FP8
-    path and the FP8 Triton kernel's, and they print in their own table; losses count _scaled_mm."""
+    path (the static choice, and the run-time plan's build with host-encoded maps) and the FP8 Triton
+    kernel's, and they print in their own table; losses count _scaled_mm."""
     args = bench.parse_args(["--quick", "--fp8", "--fp8-output", "float16"])
     assert args.dtypes.split(",") == ["float16", bench.FP8]
     case = bench.case_of("llama-7b.ffn_gate_up", 4096, bench.FP8)
@@ -185,8 +186,9 @@ def test_fp8_points_sources_and_table(capsys):
     assert bench.case_of("bert-large.ffn_up", 4096, bench.FP8).y_dtype == "bfloat16"
     pts = bench.points(list(bench.QUICK_SHAPES), [4096], [bench.FP8])
     srcs = bench.needed_sources(pts, 90, None, with_tests=False)
-    assert len(srcs) == 2 * len(pts) and all("float8e4m3fn-to-bfloat16" in s.name for s in srcs)
-    assert sorted(s.lang for s in srcs) == ["cuda"] * len(pts) + ["triton"] * len(pts)
+    assert len(srcs) == 3 * len(pts) and all("float8e4m3fn-to-bfloat16" in s.name for s in srcs)
+    assert sorted(s.lang for s in srcs) == ["cuda"] * 2 * len(pts) + ["triton"] * len(pts)
+    assert sum(s.meta.get("host_maps", False) for s in srcs) == len(pts)
     rows = [{"shape": "bert-large.ffn_up", "M": 4096, "dtype": bench.FP8, "output_dtype": "bfloat16",
              "ms": {"scaled": 1.0, "rowwise": 1.1, "fp8_chain": 1.6, "bf16": 1.9, "ours[triton]": 1.2},
              "tflops": {"ours[triton]": 900.0}, "ours/scaled": 1.2, "ours/fp8_chain": 0.75, "ours/bf16": 0.63}]
