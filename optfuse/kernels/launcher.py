@@ -2,10 +2,11 @@
 
 Argument order (TensorRT QDP ``aot_impl``): input pointers, int32 extra args, output pointers,
 then the tensor maps a CUDA kernel takes (``artifact.tensor_maps``, encoded here from the launch's
-pointers and extra args), then ``artifact.n_scratch`` null scratch pointers (Triton >= 3.3). The cubin is loaded when it
-matches the device; the PTX (its ISA version lowered to what the driver accepts) only when no
-cubin fits, or when asked with ``prefer="ptx"``. :func:`launch_plan` runs the steps of a
-:class:`LaunchPlan` (kernels over the op's inputs, outputs, a workspace and a state) in order.
+pointers and extra args), then ``artifact.n_scratch`` null scratch pointers (Triton >= 3.3). The
+cubin is loaded when it matches the device; the PTX (its ISA version lowered to what the driver
+accepts) only when no cubin fits, or when asked with ``prefer="ptx"``. :func:`launch_plan` runs the
+steps of a :class:`LaunchPlan` (kernels over the op's inputs, outputs, a workspace and a state) in
+order.
 """
 
 from __future__ import annotations

@@ -669,7 +669,8 @@ def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[Any] | None], max_sha
     dtype = norm_dtype(dtypes[0])
     static = _static_shape_of(op, max_shapes, dtypes)
     n, k = _dims(static)
-    if op != "GemmEpilogue" or launch_sm90.takes(op, dtype, n, static, 90, launch_sm90.PINGPONG, k, host_maps=True) is not None:
+    if op != "GemmEpilogue" or launch_sm90.takes(op, dtype, n, static, 90, launch_sm90.PINGPONG, k,
+                                                 host_maps=True) is not None:
         return 0
     return launch_sm90.split_k_workspace(static)
 

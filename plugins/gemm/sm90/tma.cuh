@@ -1,5 +1,6 @@
-// kernel_sm90.cu, the producer's loads: tensor maps built on the device and TMA box copies into the
-// 128-byte swizzle layout wgmma reads. Needs plugins/common/sm90.cuh.
+// kernel_sm90.cu, the producer's loads: tensor maps (built on the device, or passed in by the host:
+// HOST_MAPS) and TMA box copies into the 128-byte swizzle layout wgmma reads. Needs
+// plugins/common/sm90.cuh.
 //
 // A QDP kernel gets pointers and int32 scalars only, so no host-encoded tensor map there: one thread
 // writes each map into zeroed shared memory with tensormap.replace (PTX encodings: rank - 1,
