@@ -50,7 +50,8 @@
 // Compile-time specialization (-D, launch_sm90.py): OPTFUSE_DTYPE (1 fp16, 2 bf16: y's type, and
 // A's unless IN_FP8), IN_FP8, W_SCALE_MODE, N_DIM, K_DIM (static), GATED, ACTIVATION
 // (sm90/epilogue.cuh), BIAS_MODE (0 none, 1 scalar, 2 [N]), RESIDUAL_MODE (0 none, 1 scalar, 2
-// [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG, EPILOGUE_WG, SPLIT_K, NARROW, TILE_N.
+// [M, N]), RESIDUAL_BEFORE, ALPHA, STAGES, GROUP_M, PINGPONG, EPILOGUE_WG, SPLIT_K, NARROW, TILE_N,
+// HOST_MAPS (the tensor maps as parameters after y: map_a, map_w[, map_residual]).
 // Needs sm_90a (wgmma, setmaxnreg).
 
 typedef unsigned int u32;
