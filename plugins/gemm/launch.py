@@ -571,22 +571,24 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
 
 
 # -- run-time plans (the classic plugin: M known at enqueue) ---------------------------------------
-def plan_choice(op: str, dtype: str, m: int, n: int, k: int, impl: str, static: dict,
-                activation: str) -> tuple[str, int, int] | None:
+def plan_choice(op: str, dtype: str, m: int, n: int, k: int, cfg: GemmConfig, static: dict,
+                activation: str) -> tuple[str, int, int]:
     """(schedule, ring stages, splits) of the run-time plan at M = ``m`` rows, where the static choice
-    is the sm_90 schedule ``impl``; None: that one kernel runs. launch_sm90.small_m_schedule first;
-    where it leaves one kernel (the static choice or an unsplit plan), 128 x 192 tiles instead if they
-    fill the grid's waves much better (launch_sm90.wave_schedule); where both keep the static choice,
-    the epilogue-warp schedule's wide tiles for a plain projection at large M (launch_sm90.large_m_schedule)."""
+    is the sm_90 config ``cfg``. launch_sm90.small_m_schedule first; where it leaves one kernel (the
+    static choice or an unsplit plan), 128 x 192 tiles instead if they fill the grid's waves much better
+    (launch_sm90.wave_schedule); where both keep the static choice, the epilogue-warp schedule's wide
+    tiles for a plain projection at large M (launch_sm90.large_m_schedule); else the static choice's
+    own schedule (``cfg``'s, one split)."""
+    impl = cfg.impl
     choice = launch_sm90.small_m_schedule(op, dtype, m, n, k, impl, static, activation)
     if choice is None or choice[2] == 1:
         choice = launch_sm90.wave_schedule(op, dtype, m, n, k, choice[0] if choice else impl, static) or choice
-    return choice or launch_sm90.large_m_schedule(op, dtype, m, n, k, impl, static)
+    return choice or launch_sm90.large_m_schedule(op, dtype, m, n, k, impl, static) or (impl, cfg.num_stages, 1)
 
 
 def _plan_of(op: str, dtype: str, n: int, k: int, m: Any, epi: Epilogue, cfg: GemmConfig, static: dict,
              choice: tuple[str, int, int], present: Sequence[int], host_maps: bool = True) -> LaunchPlan:
-    """The LaunchPlan of ``choice`` (plan_choice, or the static choice's schedule) for ``m`` rows;
+    """The LaunchPlan of ``choice`` (plan_choice) for ``m`` rows;
     ``present``: the op inputs given. Its GEMM takes host-encoded tensor maps (HOST_MAPS) unless
     ``host_maps`` is False."""
     impl, stages, splits = choice
@@ -628,7 +630,7 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     if cfg.impl not in SM90_SCHEDULES:
         return None
     m = int(rows_of([int(d) for d in shapes[0]]))
-    choice = plan_choice(op, dtype, m, n, k, cfg.impl, static, epi.activation) or (cfg.impl, cfg.num_stages, 1)
+    choice = plan_choice(op, dtype, m, n, k, cfg, static, epi.activation)
     return _plan_of(op, dtype, n, k, m, epi, cfg, static, choice, [i for i, s in enumerate(shapes) if s is not None],
                     host_maps)
 
@@ -648,8 +650,8 @@ def plan_sources(op: Any, dtype: Any, attrs: dict | None, static_shape: dict) ->
     cfg = _config_for(op, dtype, n, k, static_shape, None, epi)
     if cfg.impl not in SM90_SCHEDULES:
         return []
-    choices = {plan_choice(op, dtype, 128 * blocks, n, k, cfg.impl, static_shape, epi.activation)
-               or (cfg.impl, cfg.num_stages, 1) for blocks in range(1, PLAN_ROW_BLOCKS + 1)}
+    choices = {plan_choice(op, dtype, 128 * blocks, n, k, cfg, static_shape, epi.activation)
+               for blocks in range(1, PLAN_ROW_BLOCKS + 1)}
     given = {"A", "W", "W_gate", "W_up"} | ({"bias"} if epi.bias_mode != "none" else set()) \
         | ({"residual"} if epi.residual_mode != "none" else set())
     present = [i for i, name in enumerate(_INPUTS[op]) if name in given]

@@ -130,10 +130,11 @@ def takes(op: str, dtype: str, n: int, static: dict, arch: Any, impl: str = "cud
     return None
 
 
-def tensor_maps(impl: str, op: str, dtype: str, n: int, k: int, epi: Any) -> tuple[TensorMapArg, ...]:
+def tensor_maps(impl: str, op: str, dtype: str, out: str, n: int, k: int, epi: Any) -> tuple[TensorMapArg, ...]:
     """The tensor maps a HOST_MAPS build takes after y (kernel_sm90.cu, "Tensor maps"): A [M, K] in
     128-row boxes, W [N, K] in boxes of the tile's W rows (GatedGemm: W_gate and W_up as one pair
-    map, half the rows each), and a residual that comes by TMA, [M, N] in 64 x 64 boxes."""
+    map, half the rows each), and a residual (y's dtype ``out``) that comes by TMA, [M, N] in 64 x 64
+    boxes."""
     elem = "uint8" if dtype == FP8 else dtype
     cols = 128 if dtype == FP8 else 64  # one 128-byte swizzle row
     w_rows = TILE_N.get(impl, 256)
@@ -141,7 +142,6 @@ def tensor_maps(impl: str, op: str, dtype: str, n: int, k: int, epi: Any) -> tup
     maps = [TensorMapArg(0, elem, "extra:0", k, BLOCK_M, cols),
             TensorMapArg(1, elem, n, k, w_rows // 2 if gated else w_rows, cols, pair=2 if gated else None)]
     if residual_by_tma(impl, op, epi.residual_mode):
-        out = (getattr(epi, "out_dtype", "") or dtype) if dtype == FP8 else dtype
         maps.append(TensorMapArg(2 + (epi.bias_mode != "none"), out, "extra:0", n, 64, 64))
     return tuple(maps)
 
@@ -200,7 +200,7 @@ def source(impl: str, op: str, dtype: str, n: int, k: int, epi: Any, stages: int
         arch_suffix="a",
         meta={"op": op, "dtype": dtype, "N": n, "K": k, "kernel": impl, "stages": stages, "group_m": group_m,
               "split_k": split_k, "host_maps": host_maps},
-        tensor_maps=tensor_maps(impl, op, dtype, n, k, epi) if host_maps else (),
+        tensor_maps=tensor_maps(impl, op, dtype, out, n, k, epi) if host_maps else (),
     )
 
 
