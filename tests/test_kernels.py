@@ -88,10 +88,16 @@ def test_tensor_map_args_are_checked():
     from optfuse.kernels import KernelSource
     from optfuse.kernels.artifact import TensorMapArg
 
-    for bad in (dict(dtype="float32"), dict(rows="M"), dict(box_cols=32)):
+    for bad in (dict(dtype="float32"), dict(rows="M"), dict(box_cols=32), dict(cols="extra:1+1"),
+                dict(heads="extra:0*"), dict(heads=2, pair=1), dict(row_align=0)):
         with pytest.raises(ValueError):
             TensorMapArg(**{**dict(pointer=0, dtype="float16", rows="extra:0", cols=64, box_rows=128, box_cols=64), **bad})
     assert TensorMapArg(0, "uint8", 64, 256, 128, 128).box_cols == 128
+    # the artifact keeps heads and row_align only where set: maps without them keep their keys
+    assert TensorMapArg(0, "float16", 64, 64, 64, 64).spec() == dict(
+        pointer=0, dtype="float16", rows=64, cols=64, box_rows=64, box_cols=64, pair=None)
+    assert TensorMapArg(0, "uint8", 128, "extra:3", 128, 128, heads="extra:5*extra:1", row_align=16).spec()[
+        "heads"] == "extra:5*extra:1"
     with pytest.raises(ValueError, match="CUDA kernels"):
         KernelSource("t", "triton", __file__, "k", 1, 0, 1, tensor_maps=(TensorMapArg(0, "float16", 64, 64, 64, 64),))
     # the cache key: unchanged without maps, and telling maps apart
@@ -121,11 +127,21 @@ def test_tensor_map_layout():
     assert tensor_map_layout(w, [0, lo, lo], [7])[2] == (8192, 11008 * 4096 * 2)  # one matrix as both
     assert tensor_map_layout({"pointer": 0, "dtype": "float16", "rows": 4, "cols": 64, "box_rows": 4, "box_cols": 64,
                               "pair": None}, [0x40], []) == (0x40, (64, 4), (128,), (64, 4))
-    for ptrs, extra, arg in (([0x1008], [512], a), ([0x1000], [0], a),
+    # heads: a third dimension of whole matrices, its extent a product of extra arguments
+    q = TensorMapArg(0, "bfloat16", "extra:2", 128, 64, 64, heads="extra:5*extra:0")
+    assert tensor_map_layout(q, [0x1000], [12, 4, 300, 517, 99, 2]) == (
+        0x1000, (128, 300, 24), (256, 300 * 256), (64, 64, 1))
+    # FP8's V^T: the keys are the columns (Sk of them), rows padded to 16 bytes (Skv)
+    vt = TensorMapArg(2, "uint8", 128, "extra:3", 128, 128, heads="extra:5*extra:1", row_align=16)
+    assert tensor_map_layout(vt, [0, 0, 0x4000], [8, 2, 300, 517, 99, 3]) == (
+        0x4000, (517, 128, 6), (528, 128 * 528), (128, 128, 1))
+    for ptrs, extra, arg in (([0x1008], [512], a), ([0x1000], [0], a), ([0, 0, 0x4000], [1, 1, 1, 0, 1, 1], vt),
                              ([0x1000], [8], TensorMapArg(0, "float16", "extra:0", 100, 128, 64)),
                              ([0, lo, lo + 8], [7], w)):
         with pytest.raises(ValueError, match="16-byte multiples"):
             tensor_map_layout(arg, ptrs, extra)
+    with pytest.raises(ValueError, match="16-byte multiples"):  # 517 bytes a row without the padding
+        tensor_map_layout(TensorMapArg(2, "uint8", 128, "extra:3", 128, 128), [0, 0, 0x4000], [8, 2, 300, 517])
 
 
 def test_launch_params_defaults():

@@ -57,31 +57,68 @@ def _inline_local_includes(path: Path, stack: tuple[Path, ...], seen: set[Path] 
 TENSOR_MAP_DTYPES = {"float16": 2, "bfloat16": 2, "uint8": 1}
 
 
+#: A tensor-map extent: a product of factors, each a number or ``extra:<i>`` (the launch's int32 extra
+#: argument i), e.g. ``"extra:2"`` (Sq) or ``"extra:5*extra:0"`` (B * H).
+_EXTENT = re.compile(r"(?:extra:\d+|\d+)(?:\*(?:extra:\d+|\d+))*")
+
+
+def tensor_map_extent(value: int | str, extra: Any) -> int:
+    """The value of a :class:`TensorMapArg` extent (an int, or a product over ``extra``, the
+    launch's int32 extra arguments)."""
+    if isinstance(value, int):
+        return value
+    out = 1
+    for factor in value.split("*"):
+        out *= int(extra[int(factor[6:])]) if factor.startswith("extra:") else int(factor)
+    return out
+
+
 @dataclass(frozen=True)
 class TensorMapArg:
     """A ``__grid_constant__`` CUtensorMap parameter that the launcher encodes
     (cuTensorMapEncodeTiled) at each launch: pointer argument ``pointer`` (an index into the
-    inputs, then the outputs) is a row-major ``rows x cols`` matrix of ``dtype``, ``rows`` an int or
-    ``"extra:<i>"`` (the launch's int32 extra argument i, e.g. M), read in boxes of ``box_rows x
-    box_cols`` (128-byte swizzle, zeros past the edges). ``pair``: a second pointer argument of the
-    same shape; the map covers both as one ``[2, rows, cols]`` tensor from the lower address, whose
-    third stride is the distance between them (the kernel picks the matrix by the same order)."""
+    inputs, then the outputs) is a row-major ``rows x cols`` matrix of ``dtype`` (rows
+    ``row_align`` bytes apart: cols' bytes rounded up to it), read in boxes of ``box_rows x
+    box_cols`` (128-byte swizzle, zeros past the edges). ``rows``, ``cols`` and ``heads`` are ints or
+    products over the launch's extra args (:func:`tensor_map_extent`: ``"extra:5*extra:0"``).
+    ``heads``: ``heads`` such matrices one after the other, the map's third dimension (box 1).
+    ``pair``: a second pointer argument of the same shape; the map covers both as one
+    ``[2, rows, cols]`` tensor from the lower address, whose third stride is the distance between
+    them (the kernel picks the matrix by the same order)."""
 
     pointer: int
     dtype: str
     rows: int | str
-    cols: int
+    cols: int | str
     box_rows: int
     box_cols: int
     pair: int | None = None
+    heads: int | str | None = None
+    row_align: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in TENSOR_MAP_DTYPES:
             raise ValueError(f"tensor map of {self.dtype}: one of {sorted(TENSOR_MAP_DTYPES)}")
-        if isinstance(self.rows, str) and not re.fullmatch(r"extra:\d+", self.rows):
-            raise ValueError(f"tensor map rows {self.rows!r}: an int or 'extra:<index>'")
+        for what in ("rows", "cols", "heads"):
+            v = getattr(self, what)
+            if isinstance(v, str) and not _EXTENT.fullmatch(v):
+                raise ValueError(f"tensor map {what} {v!r}: an int or a product of ints and 'extra:<index>'")
         if self.box_cols * TENSOR_MAP_DTYPES[self.dtype] != 128:
             raise ValueError(f"tensor map box of {self.box_cols} columns: one 128-byte swizzle row")
+        if self.pair is not None and self.heads is not None:
+            raise ValueError("tensor map: a pair or heads, not both (each is the third dimension)")
+        if self.row_align < 1:
+            raise ValueError(f"tensor map row_align {self.row_align}: >= 1")
+
+    def spec(self) -> dict[str, Any]:
+        """The fields as an artifact keeps them (and the cache key hashes them): heads and
+        row_align only where set, so maps without them keep their keys."""
+        d = asdict(self)
+        if self.heads is None:
+            del d["heads"]
+        if self.row_align == 1:
+            del d["row_align"]
+        return d
 
 
 @dataclass
@@ -149,7 +186,7 @@ class KernelSource:
             "arch_suffix": self.arch_suffix,
             "abi": ABI_VERSION,
             # only where present: every other kernel keeps its cache key
-            **({"tensor_maps": [asdict(t) for t in self.tensor_maps]} if self.tensor_maps else {}),
+            **({"tensor_maps": [t.spec() for t in self.tensor_maps]} if self.tensor_maps else {}),
         }
 
 

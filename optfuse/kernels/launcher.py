@@ -18,7 +18,8 @@ import re
 import threading
 from typing import Any, Sequence
 
-from .artifact import TENSOR_MAP_DTYPES, Buffer, KernelArtifact, LaunchPlan, LaunchParams, TensorMapArg
+from .artifact import (TENSOR_MAP_DTYPES, Buffer, KernelArtifact, LaunchPlan, LaunchParams, TensorMapArg,
+                       tensor_map_extent)
 
 
 class CudaError(RuntimeError):
@@ -241,23 +242,28 @@ def tensor_map_layout(arg: TensorMapArg | dict, pointers: Sequence[int],
                       extra: Sequence[int]) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(base address, dims, byte strides of dims 1.., box), innermost first, of the tensor map ``arg``
     over one launch's ``pointers`` (inputs, then outputs) and int32 ``extra`` arguments; what
-    cuTensorMapEncodeTiled gets. Raises ValueError where TMA cannot address the tensor (a base
-    or a stride not a multiple of 16 bytes)."""
+    cuTensorMapEncodeTiled gets. Raises ValueError where TMA cannot address the tensor (an empty
+    dimension, a base or a stride not a multiple of 16 bytes)."""
     if isinstance(arg, dict):
         arg = TensorMapArg(**arg)
     size = TENSOR_MAP_DTYPES[arg.dtype]
-    rows = int(extra[int(arg.rows.split(":")[1])]) if isinstance(arg.rows, str) else int(arg.rows)
+    rows, cols = tensor_map_extent(arg.rows, extra), tensor_map_extent(arg.cols, extra)
+    row_bytes = -(-cols * size // arg.row_align) * arg.row_align
     base = int(pointers[arg.pointer])
-    dims, strides, box = [arg.cols, rows], [arg.cols * size], [arg.box_cols, arg.box_rows]
+    dims, strides, box = [cols, rows], [row_bytes], [arg.box_cols, arg.box_rows]
     if arg.pair is not None:
         other = int(pointers[arg.pair])
         dims.append(2)
-        strides.append(abs(other - base) or rows * arg.cols * size)  # one matrix twice: any stride past it
+        strides.append(abs(other - base) or rows * row_bytes)  # one matrix twice: any stride past it
         box.append(1)
         base = min(base, other)
-    if rows <= 0 or base % 16 or any(st % 16 for st in strides):
-        raise ValueError(f"tensor map over pointer {arg.pointer}: base 0x{base:x}, rows {rows}, byte strides "
-                         f"{strides}: TMA needs rows > 0 and 16-byte multiples")
+    if arg.heads is not None:
+        dims.append(tensor_map_extent(arg.heads, extra))
+        strides.append(rows * row_bytes)
+        box.append(1)
+    if min(dims) <= 0 or base % 16 or any(st % 16 for st in strides):
+        raise ValueError(f"tensor map over pointer {arg.pointer}: base 0x{base:x}, dims {dims}, byte strides "
+                         f"{strides}: TMA needs dims > 0 and 16-byte multiples")
     return base, tuple(dims), tuple(strides), tuple(box)
 
 

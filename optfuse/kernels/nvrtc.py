@@ -186,6 +186,6 @@ def compile_cuda(src: KernelSource, arch: int) -> KernelArtifact:
         n_scratch=0,
         pointer_align=src.pointer_align,
         arch_suffix=src.arch_suffix,
-        tensor_maps=[asdict(t) for t in src.tensor_maps],
+        tensor_maps=[t.spec() for t in src.tensor_maps],
         metadata={"lang": "cuda", "compiler": compiler_id(), "source": src.name, **src.meta},
     )
