@@ -1,7 +1,8 @@
 // Hopper (sm_90a) building blocks shared by the plugins' CUDA kernels (flash_attention,
 // gemm): the wgmma operand type, the packed 16-bit output pair, shared-memory addresses,
-// mbarriers, the generic -> async proxy fence, publishing a device-built tensor map, wgmma
-// fences / waits, shared-memory descriptors and the E4M3 m64n128k32 wgmma. Needs u32 / u64 and OPTFUSE_DTYPE (1 fp16, 2 bf16) defined first.
+// mbarriers, the generic -> async proxy fence, host-encoded tensor-map parameters, publishing a
+// device-built tensor map, wgmma fences / waits, shared-memory descriptors and the E4M3 m64n128k32
+// wgmma. Needs u32 / u64 and OPTFUSE_DTYPE (1 fp16, 2 bf16) defined first.
 
 #if OPTFUSE_DTYPE == 1
 #define WG_TY "f16"
@@ -68,6 +69,17 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
 // Make data that generic-proxy writes put in shared memory visible to wgmma / TMA (async proxy).
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// A tensor map the host encoded (cuTensorMapEncodeTiled), passed by value as a __grid_constant__
+// parameter (HOST_MAPS): the layout of CUtensorMap.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+
+// Fetch a parameter's tensor map into the TMA unit's descriptor cache ahead of its first use.
+__device__ __forceinline__ void tmap_prefetch(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }
 
 // The warp's copy of a finished tensor map to global memory, where the TMA unit reads it,

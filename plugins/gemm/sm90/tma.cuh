@@ -9,17 +9,6 @@
 // 16-bit or 128 FP8 columns) by `box_rows` rows; rows and columns past the tensor's end read as
 // zeros, which is how the M, N and K tails are handled.
 
-// A tensor map the host encoded (cuTensorMapEncodeTiled), passed by value as a __grid_constant__
-// parameter (HOST_MAPS): the layout of CUtensorMap.
-struct __align__(64) TensorMap {
-    u64 opaque[16];
-};
-
-// Fetch a parameter's tensor map into the TMA unit's descriptor cache ahead of its first use.
-__device__ __forceinline__ void tmap_prefetch(const TensorMap* map) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
-}
-
 #define TMAP_SET(sm, field, val) \
     asm volatile("tensormap.replace.tile." field ".shared::cta.b1024.b32 [%0], %1;" ::"r"(sm), "n"(val) : "memory")
 #define TMAP_SET_ORD(sm, field, ord, val) \
