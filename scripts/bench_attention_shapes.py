@@ -6,9 +6,12 @@ a tile boundary), speech, long-context GQA prefill, and decode over a KV cache (
 batch 1..256) -- each timed in interleaved rounds, every contender replayed from a CUDA graph (medians of
 ``triton.testing.do_bench_cudagraph``: no contender pays its host launch cost; ``--launch-timing``: ``do_bench``):
 
-* ``ours``: what ``launch.py`` picks on sm_90, as AOT artifacts through ``optfuse.kernels.launcher``:
-  one kernel, or for decode (Sq <= 16 over >= 512 keys) the split-KV plan -- one kernel whose
-  last split per row block combines, with its workspace and state (``launch_plan``);
+* ``ours``: what the classic plugin runs on sm_90, as AOT artifacts through ``optfuse.kernels.launcher``:
+  ``launch_plan``'s plan -- for decode (Sq <= 16 over >= 512 keys) the split-KV kernel whose last
+  split per row block combines, with its workspace and state; elsewhere the CUDA kernel with its
+  tensor maps encoded by the launcher (HOST_MAPS) -- or the one kernel where there is no plan;
+  ``--device-maps`` adds ``ours[device maps]``, the same kernel building its maps on the device
+  (what QDP runs);
 * SDPA's default choice and each backend that runs (flash, cudnn, efficient; ``enable_gqa`` for
   grouped heads, the boolean mask for padded batches).
 
@@ -120,13 +123,15 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def _ours(dtype, shapes, attrs, ins, out, decode=None):
-    """(launch function, kernel names): the decode plan (its kernels, workspace and state) where
-    launch.py picks it, else the one kernel; ``decode`` = a DecodeConfig instead of the default."""
+def _ours(dtype, shapes, attrs, ins, out, decode=None, host_maps=True):
+    """(launch function, kernel names): launch.py's plan where it makes one (decode: its kernels,
+    workspace and state; sm_90 elsewhere: the CUDA kernel with host-encoded maps), else the one
+    kernel; ``decode`` = a DecodeConfig instead of the default; ``host_maps=False``: the one kernel
+    (device-built maps) where the plan would be the HOST_MAPS build."""
     from optfuse.kernels import build_kernel, launch
     from optfuse.kernels.launcher import launch_plan
 
-    plan = T.case_plan(dtype, shapes, attrs, arch=90, decode=decode)
+    plan = T.case_plan(dtype, shapes, attrs, arch=90, decode=decode, host_maps=host_maps)
     if plan is not None:
         T.build_plan(plan, 90)
         workspace = T.new_workspace(plan, "cuda")  # 0xFF: a partial read unwritten is a NaN
@@ -140,7 +145,8 @@ def _ours(dtype, shapes, attrs, ins, out, decode=None):
     return (lambda sync=False: launch(art, params, ins, [out], _stream(), sync=sync)), src.name
 
 
-def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16", sweep=(), graphs=True):
+def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16", sweep=(), graphs=True,
+              device_maps=False):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -178,6 +184,12 @@ def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16",
            "padding": pad, "dtype": dtype, "kernel": kernel,
            "max_abs_vs_sdpa": float((out.float() - ref.float()).abs().max())}
     fns = {"ours": ours, "sdpa_default": sdpa()}
+    if device_maps and "host_maps" in kernel:  # the same kernel with its maps built on the device (QDP's)
+        fn, row["device_maps_kernel"] = _ours(dtype, shapes, attrs, ins, out, host_maps=False)
+        out.fill_(float("nan"))
+        fn(sync=True)
+        row["ours[device maps]_max_abs_vs_sdpa"] = float((out.float() - ref.float()).abs().max())
+        fns["ours[device maps]"] = fn
     for cfg in sweep:
         fn, _ = _ours(dtype, shapes, attrs, ins, out, decode=cfg)
         if fn is not None:
@@ -212,6 +224,8 @@ def main(argv=None):
                     help="time with do_bench's launches (host launch costs included) instead of CUDA graph replays")
     ap.add_argument("--sweep-decode", action="store_true",
                     help="time every candidate decode config too (decode rows only)")
+    ap.add_argument("--device-maps", action="store_true",
+                    help="time the one kernel with device-built tensor maps (QDP's) beside the plan's host-encoded ones")
     ap.add_argument("--decode-variant", action="append", default=[], metavar="FIELD=VALUE,...",
                     help="time the plan's own decode config with these DecodeConfig fields changed (decode rows)")
     args = ap.parse_args(argv)
@@ -237,7 +251,8 @@ def main(argv=None):
                 _, B, H, Hkv, Sq, Sk, D = shape[:7]
                 rule = ld.plan_config("bfloat16", D, B, H, Hkv, Sq, Sk)
                 sweep += [dataclasses.replace(rule, **v) for v in variants]
-            row = run_shape(*shape, rounds=args.rounds, sweep=sweep, graphs=not args.launch_timing)
+            row = run_shape(*shape, rounds=args.rounds, sweep=sweep, graphs=not args.launch_timing,
+                            device_maps=args.device_maps)
         except Exception as e:
             row = {"name": shape[0], "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(row, flush=True)

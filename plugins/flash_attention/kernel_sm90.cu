@@ -7,8 +7,9 @@
 // v3's FP8 form, D = 128): q, k E4M3 as above, v E4M3 transposed, [B, Hkv, D, Skv] (Skv = Sk rounded
 // up to 16), float32 per-tensor scales, o fp16/bf16 (OPTFUSE_DTYPE).
 // Arguments (TensorRT QDP order): q, k, v[, bias][, q_scale, k_scale, v_scale][, block_offsets,
-// block_indices], H, Hkv, Sq, Sk, num_tiles[, nnz] (int32), o; num_tiles = cdiv(Sq, BLOCK_M) * B * H,
-// grid = one CTA per SM (persistent). The layout arguments are BlockSparseAttention's (LAYOUT).
+// block_indices], H, Hkv, Sq, Sk, num_tiles[, nnz][, B] (int32), o[, map_q, map_k, map_v];
+// num_tiles = cdiv(Sq, BLOCK_M) * B * H, grid = one CTA per SM (persistent). The layout arguments
+// are BlockSparseAttention's (LAYOUT); B and the maps are HOST_MAPS builds' (TMA below).
 //
 // Sparsity (sm90/sparsity.cuh): a tile visits only the key blocks its rows can see -- the causal
 // and window limits, the live range of a key-padding bias, the blocks a layout lists -- and masks
@@ -29,10 +30,11 @@
 //     S_{j+1} runs, so the exponentials overlap the tensor cores (intra-warpgroup pipelining);
 //   * between the consumer warpgroups, named barriers let one issue its MMAs while the others do
 //     their softmax (turn-taking, "pingpong").
-// TMA without host-encoded tensor maps (a QDP kernel gets pointers and int32 scalars only): each
-// CTA builds its maps on the device and keeps them in output rows it alone writes, last (TMA
-// below); the loads keep up as long as K/V come mostly from L2 (each 128 x 128 block is 128 FLOP
-// per byte: from HBM alone the tensor cores would starve; see the tile order below).
+// TMA with tensor maps the host encoded (HOST_MAPS: launch.py's run-time plan, which the classic
+// plugin launches) or, in a QDP kernel (pointers and int32 scalars only), that each CTA builds on
+// the device and keeps in output rows it alone writes, last (TMA below); the loads keep up as long
+// as K/V come mostly from L2 (each 128 x 128 block is 128 FLOP per byte: from HBM alone the tensor
+// cores would starve; see the tile order below).
 //
 // This file holds the configuration, the shared-memory layout and the kernel body (tile order,
 // producer, consumers, epilogue) in one piece because both roles share the tile order, the
@@ -42,7 +44,7 @@
 // HEAD_DIM (64|128), CAUSAL,
 // BIAS_MODE (0 none, 1 scalar: a bias broadcast from one value, 2 key padding: [B|1, 1, 1, Sk]),
 // BIAS_BATCH (key padding bias has a batch dim), BIAS_DTYPE (0 fp32, 1 fp16, 2 bf16),
-// SCALE_LOG2 (scale * log2(e)), STAGES (K/V ring depth), CONSUMERS (2|3), TMA, KV_ONE_FULL,
+// SCALE_LOG2 (scale * log2(e)), STAGES (K/V ring depth), CONSUMERS (2|3), TMA, HOST_MAPS, KV_ONE_FULL,
 // SOFTMAX_STREAM, ONES_SUM (D = 64: the rows' sums of p from the tensor cores), WINDOW_LEFT /
 // WINDOW_RIGHT / SOFTCAP_IN / SOFTCAP_LOG2 / LAYOUT / LAYOUT_HEADS (sm90/sparsity.cuh), PROFILE (per-phase
 // cycle counters as a second output; for scripts/profile_attention.py only). launch.py
@@ -121,6 +123,17 @@ typedef u16 elem_t;
 // output falls back to cp.async.
 #ifndef TMA
 #define TMA 0
+#endif
+// Host-encoded tensor maps (HOST_MAPS 1, with TMA): Q's, K's and V's maps come as __grid_constant__
+// parameters after o (launch.py's plan encodes them, [B * H | B * Hkv, rows, D], FP8's V^T
+// [B * Hkv, D, Sk] with rows Skv apart; the batch size B is the last int32 argument, for the
+// launcher's extents). No CTA builds or publishes maps, none falls back to cp.async: building them
+// took the producer about 1 us before its first load (the GEMM kernel's H100 probe, same code).
+#ifndef HOST_MAPS
+#define HOST_MAPS 0
+#endif
+#if HOST_MAPS && !TMA
+#error "HOST_MAPS needs TMA"
 #endif
 // One "full" barrier per K/V ring stage (1): K_j and V_j complete the same barrier, so a consumer
 // waits once per key block (for K_j, with V_j) instead of twice (K_j, then V_{j-1}); the "empty"
@@ -228,7 +241,7 @@ typedef u16 elem_t;
 #include "../common/sm90.cuh"  // WG_TY, mbarriers, proxy fence, tensor-map publishing, wgmma fences, descriptors
 #include "sm90/profile.cuh"   // PROFILE cycle counters (compiled out of shipped builds)
 #include "sm90/barriers.cuh"  // mbarriers, proxy fence, turn-taking named barriers
-#include "sm90/loads.cuh"     // producer: TMA with device-built tensor maps, cp.async fallback
+#include "sm90/loads.cuh"     // producer: TMA (device-built or host maps), cp.async fallback
 #include "sm90/wgmma.cuh"     // mainloop MMAs: descriptors, wgmma, S = Q K^T and O += P V
 #if FP8
 #include "../common/e4m3.cuh"  // e4m3x2: two floats -> two E4M3 bytes
@@ -303,9 +316,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
 #if LAYOUT
     int nnz,
 #endif
+#if HOST_MAPS
+    int batch,
+#endif
     u16* __restrict__ O
 #if PROFILE
     , u32* __restrict__ Prof
+#endif
+#if HOST_MAPS
+    , const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
+    const __grid_constant__ TensorMap map_v
 #endif
     ) {
     extern __shared__ unsigned char smem_raw[];
@@ -359,14 +379,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     const int G = gridDim.x;
     const int P = CAUSAL ? (num_m + 1) / 2 : num_m;
 
-    // TMA loads: this CTA's tensor maps (Q, K, V: 3 x 128 bytes) live in the first rows of the
-    // output tile it writes last (the tile order below). No other CTA writes there (tiles are
-    // disjoint), and that tile's epilogue runs only after every TMA transfer of this CTA has
-    // landed (its consumers waited for all of them), so the maps are dead by then. That tile must
-    // load something: the zeros of a tile with no visible key (causal, Sk < Sq) are written
-    // without waiting for anything, possibly before the maps were even published (a race the
-    // GPU tests caught). Null: cp.async.
+#if HOST_MAPS
+    (void)batch;
+    constexpr bool use_tma = true;
+#define TMAP_Q ((const void*)&map_q)
+#define TMAP_K ((const void*)&map_k)
+#define TMAP_V ((const void*)&map_v)
+#else
+    // TMA loads with device-built maps: this CTA's tensor maps (Q, K, V: 3 x 128 bytes) live in
+    // the first rows of the output tile it writes last (the tile order below). No other CTA
+    // writes there (tiles are disjoint), and that tile's epilogue runs only after every TMA
+    // transfer of this CTA has landed (its consumers waited for all of them), so the maps are dead
+    // by then. That tile must load something: the zeros of a tile with no visible key (causal,
+    // Sk < Sq) are written without waiting for anything, possibly before the maps were even
+    // published (a race the GPU tests caught). Null: cp.async.
     unsigned char* tmaps = nullptr;
+#define TMAP_Q ((const void*)tmaps)
+#define TMAP_K ((const void*)(tmaps + 128))
+#define TMAP_V ((const void*)(tmaps + 256))
 #if TMA
     {
         const u32 grid = G, bid = blockIdx.x;
@@ -385,8 +415,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
     }
 #endif
     const bool use_tma = tmaps != nullptr;
+#endif  // HOST_MAPS
 
     if (threadIdx.x == 0) {
+#if HOST_MAPS
+        // the maps' first use (the producer's first loads) finds them in the descriptor cache
+        tmap_prefetch(&map_q);
+        tmap_prefetch(&map_k);
+        tmap_prefetch(&map_v);
+#endif
         for (int q = 0; q < Q_BUFFERS; ++q) {
             // one expect_tx arrival, or 128 cp.async ones; + the tile_slot arrival (KEYPAD_SLOTS)
             mbar_init(BAR_Q_FULL(q), (use_tma ? 1 : 128) + KEYPAD_SLOTS);
@@ -470,6 +507,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
             // One thread issues every copy; the other warps have nothing to do unless they load
             // the key bias.
             if (BIAS_MODE != 2 && !PROFILE && ptid >= 32) return;
+#if !HOST_MAPS
             if (ptid < 32) {
                 // Build the three maps in Q slot 0 (free until the first Q load, below) and
                 // publish them; then fence: TMA will write that slot (async proxy) after these
@@ -494,6 +532,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 fence_proxy_async();
                 __syncwarp();
             }
+#endif
         }
 #endif
         PROF_DECL
@@ -537,7 +576,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 if (ptid == 0) {
                     mbar_expect_tx(BAR_Q_FULL(qs), nc * 64 * D * ELEM_BYTES);
                     for (int w = 0; w < nc; ++w)  // one 64-row box per active consumer warpgroup
-                        tma_load_rows(Q_SLOT(qs) + w * (64 * 128), BLOCK_M * 128, tmaps, m0 + 64 * w, bh, BAR_Q_FULL(qs));
+                        tma_load_rows(Q_SLOT(qs) + w * (64 * 128), BLOCK_M * 128, TMAP_Q, m0 + 64 * w, bh, BAR_Q_FULL(qs));
                 }
             } else {
                 load_tile<BLOCK_M>(Q_SLOT(qs), Q + ((long long)bh * Sq + m0) * D, min(Sq - m0, bm), ptid);
@@ -570,7 +609,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 mbar_wait(BAR_EMPTY_K(s), ph ^ 1);  // a fresh barrier passes parity 1 at once
                 PROF(PR_WAIT_KV)
                 if (use_tma) {
-                    if (ptid == 0) tma_load_kv(base + OFF_K + s * KV_BYTES, tmaps + 128, kv0, kvh, BAR_FULL_K(s));
+                    if (ptid == 0) tma_load_kv(base + OFF_K + s * KV_BYTES, TMAP_K, kv0, kvh, BAR_FULL_K(s));
                 } else {
                     load_tile<BLOCK_N>(base + OFF_K + s * KV_BYTES, k_g + (long long)kv0 * D, Sk - kv0, ptid);
                     cp_async_arrive(BAR_FULL_K(s));
@@ -596,14 +635,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attention_sm90(
                 PROF(PR_WAIT_KV)
 #if FP8
                 if (use_tma) {
-                    if (ptid == 0) tma_load_vt(base + OFF_V + s * KV_BYTES, tmaps + 256, kv0, kvh, BAR_FULL_V(s));
+                    if (ptid == 0) tma_load_vt(base + OFF_V + s * KV_BYTES, TMAP_V, kv0, kvh, BAR_FULL_V(s));
                 } else {
                     load_vt_tile(base + OFF_V + s * KV_BYTES, v_g + kv0, v_keys, Sk - kv0, ptid);
                     cp_async_arrive(BAR_FULL_V(s));
                 }
 #else
                 if (use_tma) {
-                    if (ptid == 0) tma_load_kv(base + OFF_V + s * KV_BYTES, tmaps + 256, kv0, kvh, BAR_FULL_V(s));
+                    if (ptid == 0) tma_load_kv(base + OFF_V + s * KV_BYTES, TMAP_V, kv0, kvh, BAR_FULL_V(s));
                 } else {
                     load_tile<BLOCK_N>(base + OFF_V + s * KV_BYTES, v_g + (long long)kv0 * D, Sk - kv0, ptid);
                     cp_async_arrive(BAR_FULL_V(s));

@@ -9,8 +9,10 @@
   can call it with symbolic shapes.
 * ``launch_plan(op, shapes, dtypes, attrs, static_shape=...)`` -> :class:`LaunchPlan` or None: the
   split-KV decode kernels (kernel_decode.py, launch_decode.py) for Sq <= 16 over Sk >= 512 keys,
-  two launches and a workspace (``workspace_bytes`` over a TensorRT profile); None elsewhere, where
-  the one kernel above runs. QDP AOT launches one kernel, so it always takes that one.
+  with a workspace (``workspace_bytes`` over a TensorRT profile); where the CUDA kernel loads with
+  TMA (sm_90), that kernel with its tensor maps encoded by the launcher (``HOST_MAPS``); None
+  elsewhere, where the one kernel above runs. QDP AOT launches one kernel, so it always takes that
+  one (with the maps built on the device).
 
 Argument order (QDP): inputs q, k, v[, bias][, q_scale, k_scale, v_scale], extra int32 (H, Hkv,
 Sq, Sk), output o. Tensors are contiguous; strides are derived from the shapes inside the kernel.
@@ -32,7 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from optfuse.kernels.artifact import KernelSource, LaunchParams, LaunchPlan
+from optfuse.kernels.artifact import (Buffer, KernelSource, LaunchParams, LaunchPlan, PlanStep,
+                                      TensorMapArg)
 from optfuse.kernels.util import CUDA_DTYPE_CODE, TRITON_TYPE, as_float32, cdiv as _cdiv, next_pow2, norm_dtype, static_int
 from optfuse.spec import plugin_spec
 
@@ -414,14 +417,14 @@ def _bias_tag(pattern) -> str:
 
 
 def _source_name(dtype: str, head_dim: int, causal: bool, pattern, scale: float, cfg: FAConfig,
-                 tma: bool = False, sparsity: Sparsity = Sparsity(), op: str = OP) -> str:
+                 tma: bool = False, sparsity: Sparsity = Sparsity(), op: str = OP, host_maps: bool = False) -> str:
     """``flash_attention/<op>/<dtype>/scale<s>/fa_<impl>_d<D>_<causal|full>_<bias>[<sparsity>]_<config>``,
     the config in words: Triton ``128x64_8warps_3stages``; sm90 ``<2|3>wg_<n>stages`` and the
-    options that are on (``tma``, ``ones_sum``, ``kv_one_full``, ``softmax_stream``); the sparsity
-    as Sparsity.tag spells it (``_window1023_-1``, ``_softcap50``, ``_bsr``)."""
+    options that are on (``tma``, ``host_maps``, ``ones_sum``, ``kv_one_full``, ``softmax_stream``);
+    the sparsity as Sparsity.tag spells it (``_window1023_-1``, ``_softcap50``, ``_bsr``)."""
     if cfg.impl == "sm90":
-        flags = [("tma", tma), ("ones_sum", cfg.ones_sum), ("kv_one_full", cfg.kv_one_full),
-                 ("softmax_stream", cfg.softmax_stream)]
+        flags = [("tma", tma), ("host_maps", host_maps), ("ones_sum", cfg.ones_sum),
+                 ("kv_one_full", cfg.kv_one_full), ("softmax_stream", cfg.softmax_stream)]
         config = "_".join([f"{cfg.block_m // 64}wg", f"{cfg.num_stages}stages"] + [n for n, on in flags if on])
     else:
         config = f"{cfg.block_m}x{cfg.block_n}_{cfg.num_warps}warps_{cfg.num_stages}stages"
@@ -429,9 +432,28 @@ def _source_name(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
             f"{'causal' if causal else 'full'}_{_bias_tag(pattern)}{sparsity.tag()}_{config}")
 
 
+def sm90_tensor_maps(dtype: str, head_dim: int, layout: bool = False) -> tuple[TensorMapArg, ...]:
+    """Q's, K's and V's tensor maps of a HOST_MAPS build, those kernel_sm90.cu builds on the device:
+    [B * H, Sq, D] and [B * Hkv, Sk, D] in boxes of one 128-byte chunk by 64 query rows / 128 keys;
+    FP8's V^T [B * Hkv, D, Sk] (rows Skv apart: 16-byte aligned) in boxes of 128 keys by D rows. The
+    extents come from the extra args H, Hkv, Sq, Sk, num_tiles[, nnz], B."""
+    batch = f"extra:{5 + int(layout)}"
+    fp8 = dtype == FP8
+    elem, chunk = ("uint8", 128) if fp8 else (dtype, 64)
+    q = TensorMapArg(0, elem, "extra:2", head_dim, 64, chunk, heads=f"{batch}*extra:0")
+    k = TensorMapArg(1, elem, "extra:3", head_dim, 128, chunk, heads=f"{batch}*extra:1")
+    if fp8:
+        v = TensorMapArg(2, elem, head_dim, "extra:3", head_dim, chunk, heads=f"{batch}*extra:1", row_align=16)
+    else:
+        v = TensorMapArg(2, elem, "extra:3", head_dim, 128, chunk, heads=f"{batch}*extra:1")
+    return q, k, v
+
+
 def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float, cfg: FAConfig,
                  bias_dtype: str, sparsity: Sparsity = Sparsity(), op: str = OP,
-                 out_dtype: str | None = None) -> KernelSource:
+                 out_dtype: str | None = None, host_maps: bool = False) -> KernelSource:
+    """The CUDA kernel's source; ``host_maps``: the HOST_MAPS build (TMA configs only), which takes
+    B as one more extra arg and the tensor maps (sm90_tensor_maps) after o."""
     fp8 = dtype == FP8
     if not sm90_eligible(dtype, head_dim, pattern, scale, 90):
         raise ValueError(f"FlashAttention sm90 kernel: {dtype} D={head_dim} bias {pattern} "
@@ -452,6 +474,9 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         raise ValueError(f"FlashAttention sm90 kernel: a block layout needs 128-row tiles and 128-blocks "
                          f"(block_m {cfg.block_m}, block_size {sparsity.layout_block})")
     mode = _bias_mode(pattern)
+    tma = _sm90_tma(cfg, mode)
+    if host_maps and not tma:
+        raise ValueError(f"FlashAttention sm90 kernel: host-encoded tensor maps need TMA loads ({cfg})")
     scale_log2 = scale * 1.4426950408889634
     out_dtype = out_dtype or dtype
     defines = {
@@ -462,19 +487,20 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
         "SCALE_LOG2": f"{scale_log2!r}f", "STAGES": str(cfg.num_stages),
         "CONSUMERS": str(cfg.block_m // 64),
         **({"ONES_SUM": "1"} if cfg.ones_sum else {}),
-        **({"TMA": "1"} if _sm90_tma(cfg, mode) else {}),
+        **({"TMA": "1"} if tma else {}),
+        **({"HOST_MAPS": "1"} if host_maps else {}),
         **({"KV_ONE_FULL": "1"} if cfg.kv_one_full else {}),
         **({"SOFTMAX_STREAM": "1"} if cfg.softmax_stream else {}),
         **sm90_defines(sparsity, scale),
     }
     return KernelSource(
         name=_source_name(dtype if out_dtype == dtype else f"{dtype}_to_{out_dtype}", head_dim, causal,
-                          pattern, scale, cfg, tma=_sm90_tma(cfg, mode), sparsity=sparsity, op=op),
+                          pattern, scale, cfg, tma=tma, sparsity=sparsity, op=op, host_maps=host_maps),
         lang="cuda",
         path=SM90_PATH,
         entry=SM90_ENTRY,
         n_inputs=3 + (pattern is not None) + 3 * fp8 + 2 * sparsity.layout,
-        n_extra=5 + sparsity.layout,
+        n_extra=5 + sparsity.layout + host_maps,
         n_outputs=1,
         defines=defines,
         threads=32 * cfg.num_warps,
@@ -484,14 +510,16 @@ def _sm90_source(dtype: str, head_dim: int, causal: bool, pattern, scale: float,
               "scale": scale, "bias_pattern": pattern, "bias_dtype": bias_dtype if pattern is not None else None,
               "config": asdict(cfg), "shared_mem": sm90_shared_mem(head_dim, cfg, mode, 1 if fp8 else 2),
               "sparsity": asdict(sparsity)},
+        tensor_maps=sm90_tensor_maps(dtype, head_dim, sparsity.layout) if host_maps else (),
     )
 
 
 def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
-                  config: FAConfig | None = None) -> KernelSource:
+                  config: FAConfig | None = None, *, host_maps: bool = False) -> KernelSource:
     """What to compile: dtype is q's (k, v, o share it); bias may have its own
     (``static_shape['bias_dtype']``, default q's). ``static_shape['arch']`` (the target compute
-    capability, when known) lets sm_90 pick the CUDA kernel (choose_config)."""
+    capability, when known) lets sm_90 pick the CUDA kernel (choose_config). ``host_maps``: where
+    that is the CUDA kernel with TMA loads, its HOST_MAPS build (launch_plan's), else ValueError."""
     name = _check_op(op)
     dtype = norm_dtype(dtype)
     head_dim = _head_dim(static_shape)
@@ -511,7 +539,10 @@ def kernel_config(op: Any, dtype: Any, attrs: dict, static_shape: dict,
         raise ValueError(f"FlashAttention sm90 kernel: {dtype} in, {out_dtype} out not supported (use the Triton kernel)")
     if cfg.impl == "sm90":
         return _sm90_source(dtype, head_dim, causal, pattern, scale, cfg,
-                            norm_dtype(static_shape.get("bias_dtype") or out_dtype), sp, name, out_dtype)
+                            norm_dtype(static_shape.get("bias_dtype") or out_dtype), sp, name, out_dtype,
+                            host_maps)
+    if host_maps:
+        raise ValueError(f"{name}: host-encoded tensor maps are the sm_90 CUDA kernel's ({cfg})")
     if sp.layout and (sp.layout_block % cfg.block_m or sp.layout_block % cfg.block_n):
         raise ValueError(f"{name}: Triton tiles {cfg.block_m} x {cfg.block_n} do not divide the "
                          f"{sp.layout_block}-blocks of the layout")
@@ -612,28 +643,62 @@ def launch_params(op: Any, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any
 
 
 def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict, cdiv=_cdiv,
-                *, static_shape: dict | None = None, decode: DecodeConfig | None = None) -> LaunchPlan | None:
-    """The split-KV decode plan (launch_decode.decode_plan: one kernel, its partials in the
-    workspace, its arrival counters in the plan state) where launch_decode.decode_applies, else
-    None: the one kernel of kernel_config / launch_params runs. ``shapes`` are concrete: [q, k,
-    v(, bias)] (None for an absent bias)."""
+                *, static_shape: dict | None = None, decode: DecodeConfig | None = None,
+                host_maps: bool = True) -> LaunchPlan | None:
+    """At concrete shapes: the split-KV decode plan (launch_decode.decode_plan: one kernel, its
+    partials in the workspace, its arrival counters in the plan state) where
+    launch_decode.decode_applies; else, where the one kernel of kernel_config is the CUDA kernel with
+    TMA loads, that kernel's HOST_MAPS build as a plan of one step (host_maps_plan: about 1 us a
+    launch that each CTA spends building its maps, H100); else None: the one kernel of kernel_config
+    / launch_params runs. ``shapes`` are concrete: [q, k, v(, bias)] (None for an absent bias), then
+    an FP8 form's scales and a layout's arrays in spec order. ``decode``: that config for the decode
+    plan, None where it does not apply. ``host_maps=False``: no HOST_MAPS plan (an A/B of the two
+    map sources)."""
     name = _check_op(op)
     st = static_shape or {}
     shapes = list(shapes)
     bias_shape = st.get("bias_shape", shapes[3] if len(shapes) > 3 else None)
     pattern = bias_pattern(bias_shape)
     dtype = norm_dtype(dtypes[0])
-    if dtype == FP8 or output_dtype(name, dtype, attrs) != dtype:
-        return None  # the decode kernels are not FP8 and write o in q's dtype
-    if not decode_applies(name, shapes[0], shapes[1], pattern):
+    # the decode kernels are not FP8 and write o in q's dtype
+    if (dtype != FP8 and output_dtype(name, dtype, attrs) == dtype
+            and decode_applies(name, shapes[0], shapes[1], pattern)):
+        head_dim = _head_dim(st) if st else static_int(shapes[0][3], "head_dim")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
+        causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
+        present = [[int(d) for d in s] for s in shapes[:3]]
+        return decode_plan(dtype, present, attrs, head_dim, causal, pattern,
+                           sparsity_of(name, attrs, st), st.get("bias_dtype"), decode)
+    if decode is not None or not host_maps:
         return None
-    head_dim = _head_dim(st) if st else static_int(shapes[0][3], "head_dim")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"FlashAttention: head_dim {head_dim} not in {HEAD_DIMS}")
-    causal = bool(int(attrs.get("causal", DEFAULT_CAUSAL) or 0))
-    present = [[int(d) for d in s] for s in shapes[:3]]
-    return decode_plan(norm_dtype(dtypes[0]), present, attrs, head_dim, causal, pattern,
-                       sparsity_of(name, attrs, st), st.get("bias_dtype"), decode)
+    return host_maps_plan(name, shapes, dtypes, attrs, st, cdiv)
+
+
+def host_maps_plan(op: str, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict,
+                   static_shape: dict, cdiv=_cdiv) -> LaunchPlan | None:
+    """The one kernel of kernel_config (q's dims from ``shapes`` where ``static_shape`` has none:
+    the choice is the one-kernel path's at these shapes) as its HOST_MAPS build, with B appended to
+    its extra args; None where that kernel is not the CUDA kernel with TMA loads, or a dim is 0
+    (no tensor map has an empty extent) or not known (symbolic shapes: the plan is made at run time)."""
+    try:
+        q, k = [static_int(d) for d in shapes[0]], [static_int(d) for d in shapes[1]]
+    except ValueError:
+        return None
+    if min(q[:3]) <= 0 or k[2] <= 0:
+        return None
+    st = dict(static_shape)
+    st.setdefault("head_dim", q[3])
+    if _known_q_dims(st) is None:
+        st["q_shape"] = q
+    src = kernel_config(op, dtypes[0], attrs, st)
+    if src.lang != "cuda" or "TMA" not in src.defines:
+        return None
+    src = kernel_config(op, dtypes[0], attrs, st, host_maps=True)
+    params = launch_params(op, shapes, dtypes, attrs, cdiv, static_shape=st)
+    params.extra_args.append(q[0])
+    present = [i for i, s in enumerate(shapes) if s is not None]
+    return LaunchPlan([PlanStep(src, params, [Buffer("input", i) for i in present], [Buffer("output", 0)])])
 
 
 def workspace_bytes(op: Any, min_shapes: Sequence[Sequence[int] | None], max_shapes: Sequence[Sequence[int] | None],
@@ -684,13 +749,33 @@ PREBUILD_DECODE_BIASES = PREBUILD_BIASES + ((1, 1, 1, -1),)
 PREBUILD_FP8_OUTPUTS = ("float16", "bfloat16")
 
 
+#: q dims whose rows-per-tile choice differs from the one with q unknown (rows_per_tile_by_waves
+#: picks 128-row tiles at D = 64 for so few tiles): with None, every config a plan can choose.
+PLAN_Q_PROBES = (None, (1, 1, 64, 64))
+
+
+def plan_sources(op: str, dtype: str, attrs: dict, static_shape: dict) -> list[KernelSource]:
+    """The HOST_MAPS builds launch_plan can run for this instance (over PLAN_Q_PROBES: with q's dims
+    the choice of rows per tile may change), each once; none off sm_90 or without TMA loads."""
+    out: dict[str, KernelSource] = {}
+    for q in PLAN_Q_PROBES:
+        st = {**static_shape, **({"q_shape": list(q)} if q else {})}
+        src = kernel_config(op, dtype, attrs, st)
+        if src.lang == "cuda" and "TMA" in src.defines:
+            twin = kernel_config(op, dtype, attrs, st, host_maps=True)
+            out.setdefault(twin.name, twin)
+    return list(out.values())
+
+
 def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
     """With ``arch`` (the build target), the kernel launch.py picks for it (sm_90: the CUDA
-    kernel where it applies); then the split-KV decode kernels of the same specializations
-    (launch_decode.prebuild_decode_sources: every split size, Sq = 1 with MHA and GQA up to 16:1),
-    each name once; and where ``arch`` has E4M3 tensor cores (or is
-    unknown), the FP8 form of the one kernel with o in each PREBUILD_FP8_OUTPUTS dtype."""
+    kernel where it applies, and the HOST_MAPS builds of its run-time plans, plan_sources); then
+    the split-KV decode kernels of the same specializations (launch_decode.prebuild_decode_sources:
+    every split size, Sq = 1 with MHA and GQA up to 16:1), each name once; and where ``arch`` has
+    E4M3 tensor cores (or is unknown), the FP8 form of the one kernel with o in each
+    PREBUILD_FP8_OUTPUTS dtype (and on sm_90 its plans' builds)."""
     out = []
+    plans: dict[str, KernelSource] = {}
     decode: dict[str, KernelSource] = {}
     for dt in ("float16", "bfloat16"):
         for d in (64, 128):
@@ -699,6 +784,8 @@ def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
                 for bias in PREBUILD_BIASES:
                     static = {"head_dim": d, "bias_shape": bias, "arch": arch}
                     out.append(kernel_config(OP, dt, attrs, static))
+                    for src in plan_sources(OP, dt, attrs, static):
+                        plans.setdefault(src.name, src)
                 for bias in PREBUILD_DECODE_BIASES:
                     for src in prebuild_decode_sources(dt, d, bool(causal), bias_pattern(bias), attrs["scale"]):
                         decode.setdefault(src.name, src)
@@ -708,5 +795,8 @@ def prebuild_sources(arch: int | None = None) -> list[KernelSource]:
                 for causal in (0, 1):
                     attrs = {"scale": d ** -0.5, "causal": causal, "output_dtype": out_dt}
                     for bias in PREBUILD_BIASES:
-                        out.append(kernel_config(OP, FP8, attrs, {"head_dim": d, "bias_shape": bias, "arch": arch}))
-    return out + list(decode.values())
+                        static = {"head_dim": d, "bias_shape": bias, "arch": arch}
+                        out.append(kernel_config(OP, FP8, attrs, static))
+                        for src in plan_sources(OP, FP8, attrs, static):
+                            plans.setdefault(src.name, src)
+    return out + list(plans.values()) + list(decode.values())

@@ -100,11 +100,21 @@ def test_workspace_holds_the_partials_without_overlap():
     ("FlashAttention", 4, 4096, (2, 32, 4, 4096)),  # a full bias
     ("BlockSparseAttention", 1, 4096, None),        # the block-sparse op
 ])
-def test_other_shapes_keep_one_kernel(op, Sq, Sk, bias):
+def test_other_shapes_do_not_decode(op, Sq, Sk, bias):
+    """No decode plan: the one kernel, as its HOST_MAPS build where that is the CUDA kernel with
+    TMA (no bias or a scalar one here), else no plan (a per-head, per-query or full bias: Triton)."""
     attrs = T.attrs_for(32, 8, 128, 1)
     shapes = [[2, 32, Sq, 128], [2, 8, Sk, 128], [2, 8, Sk, 128], None if bias is None else list(bias)]
+    if op != L.OP:
+        attrs = dict(attrs, layout_block=128)
+        shapes += [[1, 2 * 32 + 1], [1, 4]]
     static = {"head_dim": 128, "bias_shape": bias, "arch": 90}
-    assert L.launch_plan(op, shapes, ["bfloat16"], attrs, static_shape=static) is None
+    plan = L.launch_plan(op, shapes, ["bfloat16"], attrs, static_shape=static)
+    if bias is None:
+        assert [s.source.defines.get("HOST_MAPS") for s in plan.steps] == ["1"]
+    else:
+        assert plan is None
+    assert L.launch_plan(op, shapes, ["bfloat16"], attrs, static_shape=static, host_maps=False) is None
 
 
 def test_symbolic_shapes_keep_one_kernel_and_qdp_params():

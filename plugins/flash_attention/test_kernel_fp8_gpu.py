@@ -104,8 +104,19 @@ def test_fp8_sm90_variants(variant, seed):
         check_fp8_case(case, seed, arch=90, config=L.sm90_config(128, case[6], fp8=True, **SM90_VARIANTS[variant]))
 
 
-def check_fp8_case(case, seed, arch=None, config=None):
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_fp8_launch_plan(case, seed):
+    """What the classic plugin runs on sm_90 (launch_plan through the launcher): the CUDA kernel's
+    HOST_MAPS build where the FP8 path takes the case (V^T's map: Sk keys as columns, rows Skv apart,
+    so the NaN padding keys never load)."""
+    if not torch.cuda.is_available() or _device_arch() != 90:
+        pytest.skip("needs an sm_90 device")
+    check_fp8_case(case, seed, arch=90, plan=True)
+
+
+def check_fp8_case(case, seed, arch=None, config=None, plan=False):
     from optfuse.kernels import launch
+    from optfuse.kernels.launcher import launch_plan
 
     B, H, Hkv, Sq, Sk, D, causal, bias_shape, out_dtype, extra = case
     gen = torch.Generator().manual_seed(seed + hash(case[:9]) % 1000)
@@ -118,18 +129,32 @@ def check_fp8_case(case, seed, arch=None, config=None):
     q8, k8, vt8, scales = T.fp8_inputs(q * mag, k * mag, v * mag, margin=extra.get("margin", 1.0))
     attrs, _ = T.sparse_attrs(H, Hkv, D, causal, Sq, Sk, extra, D ** -0.5 / mag ** 2)
     attrs["output_dtype"] = out_dtype
-    src, params = T.case_sources(L.FP8, [q8.shape, k8.shape, vt8.shape, None if bias is None else bias.shape],
-                                 attrs, config=config, arch=arch,
-                                 bias_dtype=None if bias is None else str(bias.dtype))
+    shapes = [q8.shape, k8.shape, vt8.shape, None if bias is None else bias.shape]
+    bias_dtype = None if bias is None else str(bias.dtype)
+    if plan:
+        plan = T.case_plan(L.FP8, shapes, attrs, arch=arch, bias_dtype=bias_dtype)
+        if plan is None:
+            pytest.skip("no plan: the Triton kernel's FP8 branch takes this case")
+        (step,) = plan.steps
+        assert step.source.defines["HOST_MAPS"] == "1", step.source.name
+        src = step.source
+        T.build_plan(plan, arch)
+    else:
+        src, params = T.case_sources(L.FP8, shapes, attrs, config=config, arch=arch, bias_dtype=bias_dtype)
+        art = T.get_artifact(src, arch)
     assert src.meta["dtype"] == L.FP8, src.name
-    art = T.get_artifact(src, arch)
-    ins = [t.cuda() for t in (q8, k8, vt8)] + ([bias.cuda()] if bias is not None else []) + [s.cuda() for s in scales]
+    dev_bias = bias.cuda() if bias is not None else None
+    ins = [t.cuda() for t in (q8, k8, vt8)] + ([dev_bias] if bias is not None else []) + [s.cuda() for s in scales]
     out = torch.full(q8.shape, float("nan"), dtype=getattr(torch, out_dtype), device="cuda")
     ref = T.fp8_reference_of(q8, k8, vt8, bias, scales, attrs)
     v_absmax = float(vt8[..., :Sk].float().abs().max() * scales[2])
     for _ in range(2):  # twice: a race or a read of unwritten memory shows as a changing result
         out.fill_(float("nan"))
-        launch(art, params, ins, [out], torch.cuda.current_stream().cuda_stream, sync=True)
+        stream = torch.cuda.current_stream().cuda_stream
+        if plan:  # the op's inputs in spec order: q, k, v, bias (or None), the scales
+            launch_plan(plan, ins[:3] + [dev_bias] + ins[-3:], [out], 0, stream, sync=True)
+        else:
+            launch(art, params, ins, [out], stream, sync=True)
         T.check_close_fp8(out, ref, v_absmax, Sk, out_dtype, src.name)
     if causal and Sk < Sq:
         assert (out[:, :, : Sq - Sk, :] == 0).all()

@@ -92,16 +92,36 @@ def _sm90_applies(case) -> bool:
     return L.sm90_eligible(dtype, D, L.bias_pattern(bias_shape), D ** -0.5, 90)
 
 
-@pytest.mark.parametrize("impl", ["triton", "sm90"])
+#: The CUDA kernel with the maps built on the device (QDP's) and with the host's (launch_plan's HOST_MAPS)
+IMPLS = ["triton", "sm90", "sm90_host_maps"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])).replace(" ", ""))
 def test_artifact_matches_reference(case, impl, seed):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    if impl == "sm90" and (not _sm90_applies(case) or _device_arch() != 90):
+    sm90 = impl.startswith("sm90")
+    if sm90 and (not _sm90_applies(case) or _device_arch() != 90):
         pytest.skip("the CUDA (sm90) kernel does not take this case / needs an sm_90 device")
     # the CUDA kernel on every case it takes, whether or not launch.py's policy picks it there
-    _check_case(case, seed, arch=90 if impl == "sm90" else None,
-                config=_sm90_default(case) if impl == "sm90" else None)
+    _check_case(case, seed, arch=90 if sm90 else None, config=_sm90_default(case) if sm90 else None,
+                host_maps=impl == "sm90_host_maps")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])).replace(" ", ""))
+def test_launch_plan_matches_reference(case, seed):
+    """What the classic plugin runs at these shapes on sm_90 (launch_plan through the launcher): the
+    HOST_MAPS build of the config the one-kernel path picks there (the waves rule's rows per tile,
+    the batch-1 key-padding flip), its B and maps from the plan."""
+    if not torch.cuda.is_available() or _device_arch() != 90:
+        pytest.skip("needs an sm_90 device")
+    B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, poison = case
+    plan = T.case_plan(dtype, [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D), bias_shape],
+                       T.attrs_for(H, Hkv, D, causal), arch=90)
+    if plan is None or plan.steps[0].source.defines.get("HOST_MAPS") != "1":
+        pytest.skip("no HOST_MAPS plan here (Triton, the cp.async config or a decode shape)")
+    _check_case(case, seed, plan=plan)
 
 
 def _sm90_default(case) -> "L.FAConfig":
@@ -155,15 +175,34 @@ def test_sm90_variants(case, variant, seed):
     _check_case(case, seed, arch=90, config=cfg)
 
 
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tma", [False, True, "host_maps"])
 def test_sm90_output_not_64_byte_aligned(tma, seed):
     """An output 16 bytes past an allocation's start: no CTA may keep its tensor maps there (they
-    need 64-byte alignment), so every CTA of the TMA build falls back to cp.async."""
+    need 64-byte alignment), so every CTA of the TMA build falls back to cp.async; the HOST_MAPS
+    build keeps no map in the output and loads with TMA."""
     if not torch.cuda.is_available() or _device_arch() != 90:
         pytest.skip("needs an sm_90 device")
     case = (2, 4, 2, 300, 300, 64, 1, None, "bfloat16", None)
-    cfg = dataclasses.replace(L.sm90_config(64, True), tma=tma)
-    _check_case(case, seed, arch=90, config=cfg, out_offset=8)
+    cfg = dataclasses.replace(L.sm90_config(64, True), tma=bool(tma))
+    _check_case(case, seed, arch=90, config=cfg, out_offset=8, host_maps=tma == "host_maps")
+
+
+#: CUDA kernel variants run as HOST_MAPS builds (every other case): rows per tile, ring depths, the
+#: K / V barriers, the softmax stream
+HOST_MAPS_VARIANTS = [dict(num_stages=2), dict(num_stages=4), dict(block_m=128, num_warps=12),
+                      dict(block_m=192, num_warps=16), dict(kv_one_full=False), dict(softmax_stream=True)]
+
+
+@pytest.mark.parametrize("variant", HOST_MAPS_VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
+@pytest.mark.parametrize("case", [c for c in CASES if _sm90_applies(c)][::2],
+                         ids=lambda c: "-".join(map(str, c[:9])).replace(" ", ""))
+def test_sm90_host_maps_variants(case, variant, seed):
+    if not torch.cuda.is_available() or _device_arch() != 90:
+        pytest.skip("needs an sm_90 device")
+    cfg = variant_config(variant, case[5], case[6])
+    if cfg is None or cfg == _sm90_default(case):
+        pytest.skip("no such variant at this head dim, its ring exceeds shared memory, or it is the default")
+    _check_case(case, seed, arch=90, config=cfg, host_maps=True)
 
 
 # Sparse cases: (B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, extra) with extra: window
@@ -221,21 +260,22 @@ def _sparse_id(c):
     return "-".join(map(str, c[:9])).replace(" ", "") + "-" + extra
 
 
-@pytest.mark.parametrize("impl", ["triton", "sm90"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=_sparse_id)
 def test_sparse_matches_reference(case, impl, seed):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    if impl == "sm90" and (not _sm90_applies(case) or _device_arch() != 90):
+    sm90 = impl.startswith("sm90")
+    if sm90 and (not _sm90_applies(case) or _device_arch() != 90):
         pytest.skip("the CUDA (sm90) kernel does not take this case / needs an sm_90 device")
     attrs, layout = _sparse_attrs(case)
     cfg = None
-    if impl == "sm90":
+    if sm90:
         cfg = _sm90_default(case)
         if layout is not None:
             cfg = dataclasses.replace(cfg, block_m=128, num_warps=12)
-    _check_case(case[:9] + (None,), seed, arch=90 if impl == "sm90" else None, config=cfg,
-                attrs=attrs, layout=layout, keypad=case[9].get("keypad"))
+    _check_case(case[:9] + (None,), seed, arch=90 if sm90 else None, config=cfg,
+                attrs=attrs, layout=layout, keypad=case[9].get("keypad"), host_maps=impl == "sm90_host_maps")
 
 
 @pytest.mark.parametrize("variant", [dict(tma=False), dict(num_stages=3), dict(softmax_stream=True)],
@@ -254,8 +294,12 @@ def test_sparse_sm90_variants(case, variant, seed):
                 keypad=case[9].get("keypad"))
 
 
-def _check_case(case, seed, arch=None, config=None, out_offset=0, attrs=None, layout=None, keypad=None):
+def _check_case(case, seed, arch=None, config=None, out_offset=0, attrs=None, layout=None, keypad=None,
+                host_maps=False, plan=None):
+    """One case against the float64 reference: the kernel of (arch, config), its HOST_MAPS build
+    (``host_maps``: skipped where the config loads with cp.async), or ``plan`` (one step)."""
     from optfuse.kernels import launch
+    from optfuse.kernels.launcher import launch_plan
 
     B, H, Hkv, Sq, Sk, D, causal, bias_shape, dtype, poison = case
     gen = torch.Generator().manual_seed(seed + hash(case) % 1000)
@@ -265,12 +309,21 @@ def _check_case(case, seed, arch=None, config=None, out_offset=0, attrs=None, la
     if keypad:
         T.key_padding(bias, keypad)
     attrs = attrs or T.attrs_for(H, Hkv, D, causal)
-    src, params = T.case_sources(dtype, [q.shape, k.shape, v.shape,
-                                         None if bias is None else bias.shape], attrs,
-                                 config=config, arch=arch, layout=layout)
+    if plan is not None:
+        (step,) = plan.steps
+        src, params = step.source, step.params
+    else:
+        try:
+            src, params = T.case_sources(dtype, [q.shape, k.shape, v.shape,
+                                                 None if bias is None else bias.shape], attrs,
+                                         config=config, arch=arch, layout=layout, host_maps=host_maps)
+        except ValueError as exc:
+            if host_maps and "need TMA" in str(exc):
+                pytest.skip("a cp.async config: no HOST_MAPS build")
+            raise
     if arch == 90:
         assert src.lang == "cuda", src.name
-    art = T.get_artifact(src)
+    art = None if plan is not None else T.get_artifact(src)
     dev = [t.cuda() if t is not None else None for t in (q, k, v, bias)]
     # out_offset elements into a larger allocation: the output's alignment is only that offset's
     out = torch.full((dev[0].numel() + out_offset,), float("nan"), dtype=dev[0].dtype,
@@ -279,9 +332,15 @@ def _check_case(case, seed, arch=None, config=None, out_offset=0, attrs=None, la
     if layout is not None:
         ins += [torch.from_numpy(a).cuda() for a in layout]
     ref = T.reference_of(q, k, v, bias, attrs, layout=layout)
+    stream = torch.cuda.current_stream().cuda_stream
+    if plan is not None:
+        T.build_plan(plan)
     for _ in range(2):  # twice: a race or a read of unwritten memory shows as a changing result
         out.fill_(float("nan"))
-        launch(art, params, ins, [out], torch.cuda.current_stream().cuda_stream, sync=True)
+        if plan is not None:  # the op's inputs in spec order, as the plugin passes them
+            launch_plan(plan, dev, [out], 0, stream, sync=True)
+        else:
+            launch(art, params, ins, [out], stream, sync=True)
         T.check_close(out, ref, dtype, src.name)
     if poison == "rows":
         assert (out[..., 3, :] == 0).all()

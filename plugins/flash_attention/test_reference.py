@@ -176,10 +176,11 @@ def test_kernel_config_variants():
     assert sum(s.entry == L.ENTRY for s in srcs) == 48
     assert sum(s.meta["dtype"] == L.FP8 for s in srcs) == 24
     # no FP8 tensor cores on sm_80: no FP8 form; sm_90: the CUDA kernel's FP8 path at D = 128 without
-    # a key bias (8 of the 24), the Triton kernel's FP8 branch for the rest
+    # a key bias (8 of the 24) and its 8 HOST_MAPS builds, the Triton kernel's FP8 branch for the rest
     assert not any(s.meta.get("dtype") == L.FP8 for s in L.prebuild_sources(80))
     fp8_90 = [s for s in L.prebuild_sources(90) if s.meta.get("dtype") == L.FP8]
-    assert len(fp8_90) == 24 and sum(s.lang == "cuda" for s in fp8_90) == 8
+    assert len(fp8_90) == 32 and sum(s.lang == "cuda" for s in fp8_90) == 16
+    assert sum("HOST_MAPS" in s.defines for s in fp8_90) == 8
 
 
 @pytest.mark.parametrize("opset", [17, 20])

@@ -256,6 +256,138 @@ def test_sm90a_compile_fp8(tmp_path, causal, bias, tma):
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass and "HGMMA" not in sass
 
 
+@pytest.mark.parametrize("dtype,D,causal,bias,block_m", [
+    ("float16", 128, 1, (-1, 1, 1, -1), 128),  # 64-register producer: the key-padding scan with causal pairs
+    ("bfloat16", 64, 0, None, 192),  # three consumer warpgroups, 32-register producer
+    ("bfloat16", 64, 1, (-1, 1, 1, -1), 128),  # key padding with the scan ahead
+    ("float16", 64, 0, None, 128),  # the waves rule's 128-row tiles
+    (L.FP8, 128, 1, (), 128),  # E4M3: V^T's map has the keys as columns
+])
+def test_sm90a_compile_host_maps(tmp_path, dtype, D, causal, bias, block_m):
+    """A HOST_MAPS build (launch_plan's): B after num_tiles, the three maps as 64-byte aligned
+    128-byte parameters after o, prefetched; no map built or published on the device and no cp.async
+    fallback left; no spills."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    fp8 = dtype == L.FP8
+    attrs = {**_attrs(D, causal), **({"output_dtype": "bfloat16"} if fp8 else {})}
+    static = {"head_dim": D, "bias_shape": bias, "arch": 90, "q_shape": [1, 1, 64 if block_m == 128 else 4096, D]}
+    src = L.kernel_config(OP, dtype, attrs, static, host_maps=True)
+    assert src.meta["config"]["block_m"] == block_m and src.defines["HOST_MAPS"] == "1"
+    assert [t.pointer for t in src.tensor_maps] == [0, 1, 2]
+    art = KernelCache(tmp_path).build(src, 90)
+    assert art.tensor_maps == [t.spec() for t in src.tensor_maps]
+    n_in = 3 + (bias is not None) + 3 * fp8
+    assert _entry_params(art) == ["u64"] * n_in + ["u32"] * 6 + ["u64"] + ["align"] * 3
+    assert len(re.findall(r"\.param \.align 64 \.b8 \w+\[128\]", art.ptx)) == 3
+    assert art.ptx.count("prefetch.tensormap") == 3
+    for instr in ("tensormap.replace", "tensormap.cp_fenceproxy", "cp.async.ca", "cp.async.cg",
+                  "cp.async.mbarrier.arrive"):
+        assert instr not in art.ptx, instr
+    assert "cp.async.bulk.tensor.3d" in art.ptx
+    tool = cuobjdump()
+    if tool:
+        res, sass = cubin_usage(tool, art, tmp_path)
+        assert "STACK:0" in res and "LOCAL:0" in res, res
+        assert "UTMALDG.3D" in sass
+
+
+def test_host_maps_need_the_cuda_kernel_with_tma():
+    """HOST_MAPS is a TMA build of the CUDA kernel: asked of a cp.async config or of the Triton
+    kernel, kernel_config refuses."""
+    static = {"head_dim": 64, "bias_shape": None, "arch": 90}
+    with pytest.raises(ValueError, match="need TMA"):
+        L.kernel_config(OP, "bfloat16", _attrs(64, 0), static,
+                        config=dataclasses.replace(L.sm90_config(64, False), tma=False), host_maps=True)
+    with pytest.raises(ValueError, match="sm_90 CUDA kernel"):
+        L.kernel_config(OP, "bfloat16", _attrs(64, 0), {**static, "arch": 80}, host_maps=True)
+
+
+def _map_layouts(step, pointers):
+    from optfuse.kernels.launcher import tensor_map_layout
+
+    return [tensor_map_layout(t, pointers, step.params.extra_args) for t in step.source.tensor_maps]
+
+
+def test_host_maps_plan_is_the_one_kernel_with_host_maps():
+    """At concrete shapes on sm_90, launch_plan runs the one kernel's HOST_MAPS build: the config the
+    one-kernel path picks at those shapes, its extra args plus B, the op's inputs and output; the
+    maps are the device-built ones ([B * H, Sq, D] and [B * Hkv, Sk, D], one 128-byte chunk by 64 /
+    128 rows a box)."""
+    B, H, Hkv, Sq, Sk, D = 2, 8, 2, 300, 517, 128
+    shapes = [[B, H, Sq, D], [B, Hkv, Sk, D], [B, Hkv, Sk, D], None]
+    attrs = _attrs(D, 1, H, Hkv)
+    static = {"head_dim": D, "bias_shape": None, "arch": 90}
+    plan = L.launch_plan(OP, shapes, ["bfloat16"], attrs, static_shape=static)
+    (step,) = plan.steps
+    one = L.kernel_config(OP, "bfloat16", attrs, {**static, "q_shape": shapes[0]})
+    assert step.source.defines == {**one.defines, "HOST_MAPS": "1"} and step.source.name != one.name
+    one_params = L.launch_params(OP, shapes, ["bfloat16"], attrs, static_shape=static)
+    assert step.params.extra_args == one_params.extra_args + [B]
+    assert [(b.kind, b.index) for b in step.inputs + step.outputs] == [("input", 0), ("input", 1), ("input", 2),
+                                                                     ("output", 0)]
+    assert plan.workspace_bytes == 0 and plan.state_bytes == 0
+    q, k, v = _map_layouts(step, [0x10000, 0x20000, 0x30000, 0x40000])
+    assert q == (0x10000, (D, Sq, B * H), (2 * D, 2 * D * Sq), (64, 64, 1))
+    assert k == (0x20000, (D, Sk, B * Hkv), (2 * D, 2 * D * Sk), (64, 128, 1))
+    assert v == (0x30000, (D, Sk, B * Hkv), (2 * D, 2 * D * Sk), (64, 128, 1))
+    # D = 64 non-causal at few tiles: the waves rule's 128-row tiles, as the one-kernel path at these dims
+    shapes64 = [[1, 2, 300, 64], [1, 2, 300, 64], [1, 2, 300, 64], None]
+    plan64 = L.launch_plan(OP, shapes64, ["float16"], _attrs(64, 0, 2, 2), static_shape={**static, "head_dim": 64})
+    assert plan64.steps[0].source.meta["config"]["block_m"] == 128
+    # no plan: an empty key axis (no map of 0 keys), another target, or the maps asked off
+    empty = [[B, H, Sq, D], [B, Hkv, 0, D], [B, Hkv, 0, D], None]
+    assert L.launch_plan(OP, empty, ["bfloat16"], attrs, static_shape=static) is None
+    assert L.launch_plan(OP, shapes, ["bfloat16"], attrs, static_shape={**static, "arch": 89}) is None
+    assert L.launch_plan(OP, shapes, ["bfloat16"], attrs, static_shape=static, host_maps=False) is None
+
+
+def test_host_maps_plan_fp8_and_block_sparse():
+    """FP8: V^T's map has the Sk keys as columns, rows Skv (Sk rounded up to 16) bytes apart, boxes of
+    128 keys by D rows; the scales are inputs 4-6. BlockSparseAttention: B after nnz."""
+    B, H, Hkv, Sq, Sk, D = 3, 4, 2, 129, 45, 128
+    shapes = [[B, H, Sq, D], [B, Hkv, Sk, D], [B, Hkv, D, 48], None, [1], [1], [1]]
+    attrs = {**_attrs(D, 0, H, Hkv), "output_dtype": "bfloat16"}
+    plan = L.launch_plan(OP, shapes, [L.FP8], attrs, static_shape={"head_dim": D, "bias_shape": None, "arch": 90})
+    (step,) = plan.steps
+    assert step.source.defines["FP8"] == "1" and [b.index for b in step.inputs] == [0, 1, 2, 4, 5, 6]
+    q, k, vt = _map_layouts(step, [0x10000, 0x20000, 0x30000, 0x1000, 0x1010, 0x1020, 0x40000])
+    assert q == (0x10000, (D, Sq, B * H), (D, D * Sq), (128, 64, 1))
+    assert vt == (0x30000, (Sk, D, B * Hkv), (48, 48 * D), (128, 128, 1))
+    bsa = dict(_attrs(D, 0, H, Hkv), layout_block=128)
+    shapes = [[B, H, 300, D], [B, Hkv, 300, D], [B, Hkv, 300, D], None, [1, 4], [1, 6]]
+    (step,) = L.launch_plan(L.BLOCK_SPARSE, shapes, ["float16"], bsa,
+                            static_shape={"head_dim": D, "bias_shape": None, "arch": 90}).steps
+    assert [b.index for b in step.inputs] == [0, 1, 2, 4, 5] and step.params.extra_args[5:] == [6, B]
+    assert {t.heads for t in step.source.tensor_maps} == {"extra:6*extra:0", "extra:6*extra:1"}
+
+
+@pytest.mark.parametrize("D,causal,bias,dtype", [(64, 0, None, "float16"), (64, 1, "keypad", "bfloat16"),
+                                                 (128, 0, (), "bfloat16"), (128, 1, "keypad", "float16"),
+                                                 (128, 1, None, "fp8")])
+def test_runtime_host_maps_kernels_are_prebuilt(D, causal, bias, dtype):
+    """Every HOST_MAPS build a plan asks for at run time (batches, heads and lengths from 1 to 16k,
+    key padding per batch or shared) is in prebuild_sources(90), by name and by specialization:
+    `optfuse kernels build` leaves nothing to compile at the first enqueue."""
+    pre = {s.name: s for s in L.prebuild_sources(90)}
+    dtype = L.FP8 if dtype == "fp8" else dtype
+    attrs = {**_attrs(D, causal, 16, 4), **({"output_dtype": "bfloat16"} if dtype == L.FP8 else {})}
+    seen = set()
+    for B, Sq, Sk in ((1, 17, 17), (1, 77, 77), (8, 512, 512), (64, 197, 197), (1, 16384, 16384), (4, 4096, 5000)):
+        b = None if bias is None else () if bias == () else (B, 1, 1, Sk) if B > 1 else (1, 1, 1, Sk)
+        static = {"head_dim": D, "bias_shape": b, "arch": 90, "q": [B, 16, Sq, D]}
+        v = [B, 4, D, -(-Sk // 16) * 16] if dtype == L.FP8 else [B, 4, Sk, D]
+        shapes = [[B, 16, Sq, D], [B, 4, Sk, D], v, None if b is None else list(b)]
+        shapes += [[1], [1], [1]] if dtype == L.FP8 else []
+        plan = L.launch_plan(OP, shapes, [dtype], attrs, static_shape=static)
+        if plan is None:  # the cp.async configs (D = 64 non-causal key padding)
+            continue
+        (step,) = plan.steps
+        assert step.source.name in pre, step.source.name
+        assert pre[step.source.name].spec_dict() == step.source.spec_dict()
+        seen.add(step.source.name)
+    assert seen or (D, causal, bias) == (64, 0, "keypad")
+
+
 def test_bench_variants():
     bench = script_module("bench_attention")
     variants = bench.parse_variants("softmax_stream=0;block_m=192,num_warps=16")

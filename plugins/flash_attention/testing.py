@@ -4,9 +4,10 @@
 * :func:`run_triton` -- run the Triton kernel of a KernelSource directly (JIT on a GPU, or the
   interpreter on CPU) with the launcher's argument order, binding by parameter name so an absent
   bias (a ``None`` constexpr in the middle of the signature) works;
-* :func:`case_plan` / :func:`build_plan` / :func:`run_plan_triton` -- the split-KV decode plan of
-  a case (launch.py's ``launch_plan``), its artifacts, its steps run as Triton functions with a
-  poisoned workspace (:func:`new_workspace`) and a zeroed state (:func:`new_state`);
+* :func:`case_plan` / :func:`build_plan` / :func:`run_plan_triton` -- the plan of a case (launch.py's
+  ``launch_plan``: split-KV decode, or the CUDA kernel's HOST_MAPS build), its artifacts, a decode
+  plan's steps run as Triton functions with a poisoned workspace (:func:`new_workspace`) and a
+  zeroed state (:func:`new_state`);
 * :func:`prebuilt_artifact` / :func:`get_artifact` -- an artifact compiled elsewhere (this repo's
   CPU machine: Triton 3.9 cubins for sm_90), looked up by its spec, else compiled here;
 * :func:`fp8_inputs` / :func:`fp8_reference_of` / :func:`check_close_fp8` -- the FP8 form: q, k, v
@@ -44,10 +45,12 @@ def attrs_for(H: int, Hkv: int, D: int, causal: bool, scale: float | None = None
 
 def case_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict,
                  config=None, bias_dtype: str | None = None,
-                 arch: int | None = None, layout=None) -> tuple[KernelSource, LaunchParams]:
+                 arch: int | None = None, layout=None, host_maps: bool = False) -> tuple[KernelSource, LaunchParams]:
     """(KernelSource, LaunchParams) for concrete shapes [q, k, v, bias-or-None]. ``arch`` is the
     target the choice may depend on (90: the CUDA kernel where it applies; None: Triton).
-    ``layout`` = (block_offsets, block_indices) arrays: the case is BlockSparseAttention."""
+    ``layout`` = (block_offsets, block_indices) arrays: the case is BlockSparseAttention.
+    ``host_maps``: the CUDA kernel's HOST_MAPS build of the same config (launch_plan's), B appended
+    to the extra args as the plan appends it."""
     L = launch_mod()
     op = OP if layout is None else L.BLOCK_SPARSE
     q = list(shapes[0])
@@ -56,13 +59,15 @@ def case_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict
               "bias_dtype": bias_dtype, "arch": arch, "q_shape": q}  # what a plugin's enqueue knows
     if layout is not None:
         static["layout_heads"] = int(layout[0].shape[0]) != 1
-    src = L.kernel_config(op, dtype, attrs, static, config=config)
+    src = L.kernel_config(op, dtype, attrs, static, config=config, host_maps=host_maps)
     shp = [list(s) for s in shapes[:3]] + ([list(bias)] if bias is not None else [])
     if dtype == L.FP8:  # spec order: the scales after the (possibly absent) bias
         shp = shp[:3] + [None if bias is None else list(bias)] + [[1], [1], [1]]
     if layout is not None:
         shp += [list(layout[0].shape), list(layout[1].shape)]
     params = L.launch_params(op, shp, [dtype], attrs, config=config, static_shape=static)
+    if host_maps:
+        params.extra_args.append(q[0])
     return src, params
 
 
@@ -84,15 +89,18 @@ def run_triton(src: KernelSource, params: LaunchParams, inputs: Sequence[Any],
 
 
 def case_plan(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, arch: int | None = None,
-              bias_dtype: str | None = None, decode=None):
+              bias_dtype: str | None = None, decode=None, host_maps: bool = True):
     """launch.py's LaunchPlan (sources, no artifacts) for concrete shapes [q, k, v, bias-or-None];
-    None where the one-kernel path runs. ``decode`` = a DecodeConfig to use instead of the default."""
+    None where the one-kernel path runs. ``decode`` = a DecodeConfig to use instead of the default;
+    ``host_maps=False``: no HOST_MAPS plan (the one kernel with device-built maps runs)."""
     q = list(shapes[0])
     bias = shapes[3] if len(shapes) > 3 else None
     static = {"head_dim": q[3], "bias_shape": None if bias is None else tuple(bias),
               "bias_dtype": bias_dtype, "arch": arch}
     shp = [list(s) for s in shapes[:3]] + [None if bias is None else list(bias)]
-    return launch_mod().launch_plan(OP, shp, [dtype], attrs, static_shape=static, decode=decode)
+    if dtype == launch_mod().FP8:  # the scales, in spec order after the bias
+        shp += [[1], [1], [1]]
+    return launch_mod().launch_plan(OP, shp, [dtype], attrs, static_shape=static, decode=decode, host_maps=host_maps)
 
 
 def forced_decode_plan(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, decode=None,

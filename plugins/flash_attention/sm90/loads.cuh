@@ -1,6 +1,6 @@
-// kernel_sm90.cu, the producer's loads: TMA (tensor maps built on the device) and the 16-byte
-// cp.async fallback, both into the 128-byte swizzle layout wgmma reads; FP8's V^T tiles. Needs
-// barriers.cuh.
+// kernel_sm90.cu, the producer's loads: TMA (tensor maps built on the device, or the host's:
+// HOST_MAPS) and the 16-byte cp.async fallback, both into the 128-byte swizzle layout wgmma reads;
+// FP8's V^T tiles. Needs barriers.cuh.
 
 // ---- TMA ----
 // A 3-D tensor map of a [heads, rows, cols] tensor (cols contiguous, rows row_bytes apart) with
