@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 from .artifact import KernelArtifact, KernelSource
