@@ -82,6 +82,8 @@ def test_artifact_keeps_its_tensor_maps(tmp_path):
                          n_outputs=1, tensor_maps=maps)
     back = KernelArtifact.load(art.save(tmp_path / "a"))
     assert back == art and back.n_params == 7
+    assert back.tensor_map_args == (TensorMapArg(0, "float16", "extra:0", 768, 128, 64),
+                                    TensorMapArg(1, "bfloat16", 512, 768, 128, 64, pair=2))
 
 
 def test_tensor_map_args_are_checked():

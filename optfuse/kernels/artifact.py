@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,11 @@ class KernelArtifact:
     @property
     def n_params(self) -> int:
         return self.n_inputs + self.n_extra + self.n_outputs + len(self.tensor_maps) + self.n_scratch
+
+    @cached_property
+    def tensor_map_args(self) -> tuple[TensorMapArg, ...]:
+        """``tensor_maps`` as TensorMapArg, checked once per artifact rather than at every launch."""
+        return tuple(TensorMapArg(**t) for t in self.tensor_maps)
 
     # -- on-disk form: <dir>/meta.json, <dir>/kernel.cubin, <dir>/kernel.ptx -----------------
     def save(self, directory: str | os.PathLike) -> Path:

@@ -348,8 +348,8 @@ def launch(
     scratch = [ctypes.c_uint64(0) for _ in range(artifact.n_scratch)]
     values = ins + extra + outs
     addresses = [ctypes.addressof(v) for v in values]
-    maps = [encode_tensor_map(t["dtype"], tensor_map_layout(t, ptrs, params.extra_args))
-            for t in artifact.tensor_maps]
+    maps = [encode_tensor_map(t.dtype, tensor_map_layout(t, ptrs, params.extra_args))
+            for t in artifact.tensor_map_args]
     addresses += [int(m.getPtr()) for m in maps] + [ctypes.addressof(v) for v in scratch]
     argv = (ctypes.c_void_p * len(addresses))(*addresses)
 
