@@ -4,9 +4,13 @@
 Sweep (issue 5): B*S = 16k tokens, H*D = 2048, S in 512..16k, D in {64, 128}, causal and not,
 bf16 and fp16. For each shape it times
 
-* ``ours``: the AOT artifact (cubin) launched through ``optfuse.kernels.launcher`` -- what a
-  TensorRT plugin runs; taken from ``--prebuilt`` (a KernelCache root built on the CPU machine
-  with ``--build``) or compiled with the local Triton;
+* ``ours``: the AOT artifacts (cubins) launched through ``optfuse.kernels.launcher`` as the
+  classic TensorRT plugin launches them (testing.launch_fn: launch.py's plan where it makes one --
+  with ``--arch 90`` the CUDA kernel with host-encoded tensor maps -- else the one kernel; a swept
+  or ``--variants`` config launched the same way); taken from ``--prebuilt`` (a KernelCache root
+  built on the CPU machine with ``--build``) or compiled with the local Triton;
+  ``--device-maps`` adds ``ours[device maps]``, the same kernel building its maps on the device
+  (what QDP runs);
 * ``jit``: the same KernelSource through Triton's JIT (local Triton) as a cross-check;
 * SDPA with each backend that runs (flash, cudnn, efficient) and the default choice.
 
@@ -64,6 +68,14 @@ def source_for(dtype, S, D, causal, config=None, bias_shape=None, arch=None):
     attrs = T.attrs_for(H, H, D, causal)
     shapes = [(B, H, S, D), (B, H, S, D), (B, H, S, D), bias_shape]
     return T.case_sources(dtype, shapes, attrs, config=config, arch=arch)
+
+
+def launched_sources(dtype, S, D, causal, config=None, bias_shape=None, arch=None):
+    """The KernelSources ``ours`` launches on a grid shape (T.launch_sources: the plan's, sm_90's
+    HOST_MAPS builds whose config follows B and S; else the one kernel)."""
+    B, H = shape_of(S, D)
+    return T.launch_sources(dtype, [(B, H, S, D)] * 3 + [bias_shape], T.attrs_for(H, H, D, causal), arch=arch,
+                            config=config)
 
 
 def _gpu_test_sources(arch=None):
@@ -130,27 +142,30 @@ def build_sources(sweep: bool = True, tests: bool = True, configs: dict | None =
         for s in _gpu_test_sources(arch):
             srcs[s.name] = s
     combos = [(dt, D, c) for dt in DTYPES for D in DIMS for c in (0, 1)]
+
+    def add(sources):
+        srcs.update((s.name, s) for s in sources)
+
     for dtype, D, causal in combos:
         cfg = (configs or {}).get((D, causal))
         B, H = shape_of(4096, D)
         for a in {None, arch}:
-            for bshape in (None, (), (B, 1, 1, 4096)):  # with arch 90: the CUDA kernel where it applies
-                s, _ = source_for(dtype, 4096, D, causal, cfg, bshape, arch=a)
-                srcs[s.name] = s
+            for S in SEQS:  # a plan's config follows B and S
+                add(launched_sources(dtype, S, D, causal, cfg, None, a))
+            for bshape in ((), (B, 1, 1, 4096)):  # with arch 90: the CUDA kernel where it applies
+                add(launched_sources(dtype, 4096, D, causal, cfg, bshape, a))
         for bshape in (None, (), (B, 1, 1, 4096)):  # variants of the shapes and of the mask rows
             if bshape is not None and dtype != MASK_DTYPE:
                 continue
             for _, vcfg in variant_configs(dtype, D, causal, variants, keypad=bool(bshape)):
-                s, _ = source_for(dtype, 4096, D, causal, vcfg, bshape, arch=90)
-                srcs[s.name] = s
+                add(launched_sources(dtype, 4096, D, causal, vcfg, bshape, arch=90))
     if sweep:
         for dtype, D, causal in combos:
             if dtype not in sweep_dtypes:
                 continue
             for a in {None, arch}:
                 for cfg in L.candidate_configs(dtype, D, causal, arch=a):
-                    s, _ = source_for(dtype, 4096, D, causal, cfg, arch=a)
-                    srcs[s.name] = s
+                    add(launched_sources(dtype, 4096, D, causal, cfg, arch=a))
     return list(srcs.values())
 
 
@@ -249,8 +264,15 @@ def interleaved(fns: dict, rounds: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _stream():
+    """The current torch stream at call time."""
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream
+
+
 def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, jit=True, arch=None,
-              triton_too=False, rounds=1, variants=()):
+              triton_too=False, rounds=1, variants=(), device_maps=False):
     import torch
     import torch.nn.functional as F
 
@@ -264,45 +286,60 @@ def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, ji
     elif bias == "keypad":
         bias_t = torch.zeros(B, 1, 1, S, device="cuda", dtype=tdt)
         bias_t[..., S - S // 8:] = torch.finfo(tdt).min
-    src, params = source_for(dtype, S, D, causal, config, None if bias_t is None else tuple(bias_t.shape),
-                             arch=arch)
+    bias_shape = None if bias_t is None else tuple(bias_t.shape)
+    src, params = source_for(dtype, S, D, causal, config, bias_shape, arch=arch)
     jit = jit and src.lang == "triton"
     out = torch.empty_like(q)
     fl = flops(B, H, S, D, causal)
-    row = {"dtype": dtype, "B": B, "H": H, "S": S, "D": D, "causal": int(causal),
-           "bias": bias or "none", "kernel": src.name}
-    from optfuse.kernels import launch
+    row = {"dtype": dtype, "B": B, "H": H, "S": S, "D": D, "causal": int(causal), "bias": bias or "none"}
+
+    # -- ours: what the classic plugin launches (T.launch_fn: the plan, else the one kernel) --
+    ins = [q, k, v] + ([bias_t] if bias_t is not None else [])
+    shapes = [q.shape, k.shape, v.shape, bias_shape]
+    attrs = T.attrs_for(H, H, D, causal)
+    found = []
+
+    def artifact(s, _arch):
+        art_, where_ = runner.artifact(s)
+        found.append((art_, where_))
+        return art_
+
+    ours, row["kernel"] = T.launch_fn(dtype, shapes, attrs, ins, out, _stream, arch=arch, config=config,
+                                      artifact=artifact)
+    art, where = found[-1]
+    row.update(artifact=where, compiler=art.metadata.get("compiler"), smem=art.shared_mem)
 
     # -- correctness against SDPA first (one launch; NaN-poisoned output) --
-    art, where = runner.artifact(src)
-    ins = [q, k, v] + ([bias_t] if bias_t is not None else [])
-    stream = torch.cuda.current_stream().cuda_stream
     out.fill_(float("nan"))
-    launch(art, params, ins, [out], stream, sync=True)
-    assert not torch.isnan(out).any(), f"{src.name}: NaN in the output"
-    row.update(artifact=where, compiler=art.metadata.get("compiler"), smem=art.shared_mem)
+    ours(sync=True)
+    assert not torch.isnan(out).any(), f"{row['kernel']}: NaN in the output"
     mask = bias_t if bias_t is not None and bias_t.dim() else None
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=bool(causal))
     row["max_abs_vs_sdpa"] = err = float((out.float() - ref.float()).abs().max())
     if not err < 0.05:  # bf16/fp16 outputs of N(0,1) inputs: ~1e-2 at most
         row["error"] = f"output differs from SDPA by {err:.3g}"
+    fns = {"ours": ours}
+    if device_maps and "host_maps" in row["kernel"]:  # the same kernel building its maps on the device (QDP's)
+        dout = torch.full_like(q, float("nan"))
+        fn, row["device_maps_kernel"] = T.launch_fn(dtype, shapes, attrs, ins, dout, _stream, arch=arch,
+                                                    host_maps=False, config=config, artifact=artifact)
+        fn(sync=True)
+        row["ours[device maps]_max_abs_vs_sdpa"] = float((dout.float() - ref.float()).abs().max())
+        fns["ours[device maps]"] = fn
 
     # -- the contenders, timed in interleaved rounds --
-    fns = {"ours": lambda: launch(art, params, ins, [out], stream)}
     if variants:  # CUDA-kernel variants (--variants), checked like ours
         row["variants"] = {}
         for name, vcfg in variant_configs(dtype, D, causal, variants, keypad=bias == "keypad"):
-            vsrc, vparams = source_for(dtype, S, D, causal, vcfg,
-                                       None if bias_t is None else tuple(bias_t.shape), arch=90)
-            vart, _ = runner.artifact(vsrc)
-            vout = torch.full_like(q, float("nan"))
-            launch(vart, vparams, ins, [vout], stream, sync=True)
+            vout = torch.full_like(q, float("nan"))  # launched as ours is (the HOST_MAPS build where it is)
+            fn, _ = T.launch_fn(dtype, shapes, attrs, ins, vout, _stream, arch=90, config=vcfg, artifact=artifact)
+            fn(sync=True)
             verr = float((vout.float() - ref.float()).abs().max())
             if not verr < 0.05:
                 row["variants"][name] = {"error": f"differs from SDPA by {verr:.3g}"}
                 continue
             row["variants"][name] = {"max_abs_vs_sdpa": verr}
-            fns["v:" + name] = (lambda a, p_, o: lambda: launch(a, p_, ins, [o], stream))(vart, vparams, vout)
+            fns["v:" + name] = fn
     del ref
     if sdpa:
         row["default_backend"] = _default_backend(q, k, v, causal)
@@ -322,11 +359,9 @@ def run_shape(runner, dtype, S, D, causal, config=None, bias=None, sdpa=True, ji
                 row[f"{name}_tfs"] = None
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
     if triton_too and src.lang != "triton":
-        tsrc, tparams = source_for(dtype, S, D, causal, None, None if bias_t is None else tuple(bias_t.shape))
-        tart, _ = runner.artifact(tsrc)
         tout = torch.empty_like(q)
-        launch(tart, tparams, ins, [tout], stream, sync=True)
-        fns["triton"] = lambda: launch(tart, tparams, ins, [tout], stream)
+        fns["triton"], _ = T.launch_fn(dtype, shapes, attrs, ins, tout, _stream, arch=None, artifact=artifact)
+        fns["triton"](sync=True)
     times = interleaved(fns, rounds)
     row.update(ours_ms=times["ours"], ours_tfs=fl / times["ours"] * 1e-9, rounds=rounds)
     for name, t in times.items():
@@ -398,6 +433,9 @@ def main(argv=None):
     ap.add_argument("--fp8-padding", type=float, default=None, metavar="FRACTION",
                     help="--fp8: both forms with a [B, 1, 1, S] key-padding bias (bf16), the last FRACTION "
                          "of each batch's keys masked (finfo.min; 0: a mask that masks nothing)")
+    ap.add_argument("--device-maps", action="store_true",
+                    help="main table and mask rows: also time ours' kernel building its tensor maps on the "
+                         "device (what QDP runs) where the plan takes them from the host (--arch 90)")
     ap.add_argument("--variants", metavar="SPEC[;SPEC]",
                     help="main table: also time the CUDA kernel's default config with these FAConfig "
                          "overrides, in the same rounds (e.g. \"softmax_stream=0;num_stages=3,tma=0\"); "
@@ -445,9 +483,9 @@ def main(argv=None):
     print(json.dumps(info))
     if args.sweep:
         seqs = [int(s) for s in args.seqs.split(",")] if args.seqs != ",".join(map(str, SEQS)) else SWEEP_SEQS
-        prebuild_missing(runners, [source_for(dt, 4096, D, c, cfg, arch=args.arch)[0] for dt in dtypes
-                                   for D in dims for c in (0, 1)
-                                   for cfg in L.candidate_configs(dt, D, c, arch=args.arch)])
+        prebuild_missing(runners, [src for dt in dtypes for D in dims for c in (0, 1) for S in seqs
+                                   for cfg in L.candidate_configs(dt, D, c, arch=args.arch)
+                                   for src in launched_sources(dt, S, D, c, cfg, arch=args.arch)])
         for runner in runners:
             for dtype in dtypes:
                 for D in dims:
@@ -501,7 +539,8 @@ def main(argv=None):
                 for S in (int(s) for s in args.seqs.split(",")):
                     rows.append(run_shape(runner, dtype, S, D, causal, cfg, jit=not args.no_jit,
                                           arch=args.arch, triton_too=args.arch is not None,
-                                          rounds=args.rounds, variants=variants))
+                                          rounds=args.rounds, variants=variants,
+                                          device_maps=args.device_maps))
                     print_table(rows[-1:])
                     sys.stdout.flush()
     for D in [int(d) for d in args.mask_dims.split(",") if d]:  # "": no mask rows
@@ -510,7 +549,7 @@ def main(argv=None):
                 cfg, runner = pick(D, causal)  # with --arch 90: the CUDA kernel, the Triton one beside it
                 rows.append(run_shape(runner, MASK_DTYPE, 4096, D, causal, cfg, bias=bias, sdpa=False,
                                       jit=False, arch=args.arch, triton_too=args.arch is not None,
-                                      rounds=args.rounds, variants=variants))
+                                      rounds=args.rounds, variants=variants, device_maps=args.device_maps))
     print("\n== summary (TF/s; ratio = ours / best SDPA backend) ==")
     for (D, causal), (cfg, root, _) in sorted(chosen.items()):
         print(f"config D{D} causal={causal}: {cfg} ({Path(root or 'local').name})")

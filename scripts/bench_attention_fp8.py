@@ -10,6 +10,9 @@ and not). Per shape, in interleaved rounds (medians of triton.testing.do_bench, 
 * ``bf16``: the kernel launch.py picks for bf16 on the target (``--arch 90``: the CUDA sm90 kernel,
   with the bf16 Triton kernel timed beside it as ``bf16_triton``; default: the Triton kernel).
 
+Both forms run as the classic plugin launches them (testing.launch_fn: on sm_90 the CUDA kernel's
+HOST_MAPS build, its tensor maps encoded by the launcher).
+
 With ``--fp8-padding F`` both forms take a [B, 1, 1, S] key-padding bias (bf16; the last F of each
 batch's keys at finfo.min, F = 0 a mask that masks nothing): the kernels each form runs with HF's
 padding mask (rows ``"bias": "key_padding"``, ``"padding": F``).
@@ -45,16 +48,29 @@ def padding_shape(S: int, D: int) -> tuple[int, int, int, int]:
     return (B, 1, 1, S)
 
 
-def fp8_source_for(S: int, D: int, causal, config=None, arch=None, padded: bool = False):
-    """KernelSource + LaunchParams of the FP8 form on a dense-grid shape (bf16 output; ``padded``:
-    with the bf16 key-padding bias), the choice for ``arch`` unless ``config`` is given."""
+def fp8_case(S: int, D: int, causal, padded: bool = False) -> tuple[list, dict]:
+    """(shapes [q, k, v^T, bias-or-None], attrs) of the FP8 form on a dense-grid shape (bf16 output;
+    ``padded``: with the bf16 key-padding bias)."""
     bench = script_module("bench_attention")
     B, H = bench.shape_of(S, D)
     attrs = {**T.attrs_for(H, H, D, causal), "output_dtype": OUT_DTYPE}
     skv = plugin_module("flash_attention", "reference").fp8_v_keys(S)
-    shapes = [(B, H, S, D), (B, H, S, D), (B, H, D, skv), padding_shape(S, D) if padded else None]
+    return [(B, H, S, D), (B, H, S, D), (B, H, D, skv), padding_shape(S, D) if padded else None], attrs
+
+
+def fp8_source_for(S: int, D: int, causal, config=None, arch=None, padded: bool = False):
+    """KernelSource + LaunchParams of the FP8 form's one kernel on a dense-grid shape, the choice
+    for ``arch`` unless ``config`` is given."""
+    shapes, attrs = fp8_case(S, D, causal, padded)
     return T.case_sources(L.FP8, shapes, attrs, config=config, arch=arch,
                           bias_dtype=OUT_DTYPE if padded else None)
+
+
+def fp8_launched_sources(S: int, D: int, causal, config=None, arch=None, padded: bool = False) -> list:
+    """The KernelSources the FP8 form launches on a dense-grid shape (T.launch_sources: sm_90's
+    HOST_MAPS build, whose config follows the shapes; else the one kernel)."""
+    shapes, attrs = fp8_case(S, D, causal, padded)
+    return T.launch_sources(L.FP8, shapes, attrs, arch=arch, config=config, bias_dtype=OUT_DTYPE if padded else None)
 
 
 def _test_case_source(case, arch=None, config=None):
@@ -92,14 +108,11 @@ def fp8_build_sources(dims, seqs=(4096,), sweep: bool = False, arch=None, padded
                 cfgs = [None] + (candidates(D, causal, arch) if sweep else [])
                 for a in {None, arch}:
                     for cfg in cfgs:
-                        s, _ = fp8_source_for(S, D, causal, cfg, arch=a)
-                        srcs[s.name] = s
+                        srcs.update((s.name, s) for s in fp8_launched_sources(S, D, causal, cfg, arch=a))
                     if padded:
-                        s, _ = fp8_source_for(S, D, causal, arch=a, padded=True)
-                        srcs[s.name] = s
-                        s, _ = script_module("bench_attention").source_for(
-                            OUT_DTYPE, S, D, causal, bias_shape=padding_shape(S, D), arch=a)
-                        srcs[s.name] = s
+                        srcs.update((s.name, s) for s in fp8_launched_sources(S, D, causal, arch=a, padded=True))
+                        srcs.update((s.name, s) for s in script_module("bench_attention").launched_sources(
+                            OUT_DTYPE, S, D, causal, bias_shape=padding_shape(S, D), arch=a))
     return list(srcs.values())
 
 
@@ -130,36 +143,48 @@ def run_fp8_shape(runner, S: int, D: int, causal, arch=None, rounds: int = 3, co
     fl = bench.flops(B, H, S, D, causal)
     padded = padding is not None
     bias = [padding_bias(B, S, padding)] if padded else []
-    src8, params8 = fp8_source_for(S, D, causal, config, arch=arch, padded=padded)
-    art8, where = runner.artifact(src8)
-    ins8 = [q8, k8, vt8, *bias, *scales]
+    shapes8, attrs8 = fp8_case(S, D, causal, padded)
+    found = []
+
+    def artifact(src, _arch):
+        art_, where_ = runner.artifact(src)
+        found.append((art_, where_))
+        return art_
+
+    ins8 = [q8, k8, vt8, bias[0] if padded else None, *scales]  # spec order (None: no bias)
     out8 = torch.full_like(q, float("nan"))
-    launch(art8, params8, ins8, [out8], stream, sync=True)
-    row = {"mode": "fp8", "B": B, "H": H, "S": S, "D": D, "causal": int(causal), "kernel": src8.name,
+    fns = {}
+    fns["fp8"], kernel8 = T.launch_fn(L.FP8, shapes8, attrs8, ins8, out8, bench._stream, arch=arch,
+                                      bias_dtype=OUT_DTYPE if padded else None, config=config, artifact=artifact)
+    art8, where = found[-1]
+    fns["fp8"](sync=True)
+    row = {"mode": "fp8", "B": B, "H": H, "S": S, "D": D, "causal": int(causal), "kernel": kernel8,
            "artifact": where, "smem": art8.shared_mem, **({"bias": "key_padding", "padding": padding} if padded else {})}
-    fns = {"fp8": lambda: launch(art8, params8, ins8, [out8], stream)}
     outs = {}
+    src8, _ = fp8_source_for(S, D, causal, config, arch=arch, padded=padded)
     if config is None and src8.lang == "cuda":  # the Triton kernel's FP8 branch beside it
         srct, paramst = fp8_source_for(S, D, causal, padded=padded)
         artt, _ = runner.artifact(srct)
         outt = torch.full_like(q, float("nan"))
-        launch(artt, paramst, ins8, [outt], stream, sync=True)
+        present8 = [x for x in ins8 if x is not None]
+        launch(artt, paramst, present8, [outt], stream, sync=True)
         row["fp8_triton_kernel"] = srct.name
         outs["fp8_triton"] = outt
-        fns["fp8_triton"] = lambda: launch(artt, paramst, ins8, [outt], stream)
+        fns["fp8_triton"] = lambda: launch(artt, paramst, present8, [outt], stream)
+    attrs16 = T.attrs_for(H, H, D, causal)
+    shapes16 = [q.shape, k.shape, v.shape, padding_shape(S, D) if padded else None]
     for name, a in (("bf16", arch), ("bf16_triton", None)):
         if name == "bf16_triton" and arch is None:
             continue
-        src, params = bench.source_for(OUT_DTYPE, S, D, causal, arch=a,
-                                       bias_shape=padding_shape(S, D) if padded else None)
-        if name == "bf16_triton" and src.name == row.get("bf16_kernel"):
-            continue  # the target's bf16 choice is the Triton kernel already
-        art, _ = runner.artifact(src)
         o = torch.full_like(q, float("nan"))
-        launch(art, params, [q, k, v, *bias], [o], stream, sync=True)
+        fn, kernel = T.launch_fn(OUT_DTYPE, shapes16, attrs16, [q, k, v, *bias], o, bench._stream, arch=a,
+                                 artifact=artifact)
+        if name == "bf16_triton" and kernel == row.get("bf16_kernel"):
+            continue  # the target's bf16 choice is the Triton kernel already
+        fn(sync=True)
         outs[name] = o
-        row[f"{name}_kernel"] = src.name
-        fns[name] = (lambda a_, p_, o_: lambda: launch(a_, p_, [q, k, v, *bias], [o_], stream))(art, params, o)
+        row[f"{name}_kernel"] = kernel
+        fns[name] = fn
     ref = outs["bf16"].float()
     for name, o8 in (("fp8", out8), ("fp8_triton", outs.get("fp8_triton"))):
         if o8 is None:

@@ -124,25 +124,11 @@ def _stream() -> int:
 
 
 def _ours(dtype, shapes, attrs, ins, out, decode=None, host_maps=True):
-    """(launch function, kernel names): launch.py's plan where it makes one (decode: its kernels,
-    workspace and state; sm_90 elsewhere: the CUDA kernel with host-encoded maps), else the one
-    kernel; ``decode`` = a DecodeConfig instead of the default; ``host_maps=False``: the one kernel
-    (device-built maps) where the plan would be the HOST_MAPS build."""
-    from optfuse.kernels import build_kernel, launch
-    from optfuse.kernels.launcher import launch_plan
-
-    plan = T.case_plan(dtype, shapes, attrs, arch=90, decode=decode, host_maps=host_maps)
-    if plan is not None:
-        T.build_plan(plan, 90)
-        workspace = T.new_workspace(plan, "cuda")  # 0xFF: a partial read unwritten is a NaN
-        state = T.new_state(plan, "cuda")  # the split programs' arrival counters, zero
-        return (lambda sync=False: launch_plan(plan, ins, [out], workspace, _stream(), state=state, sync=sync),
-                " + ".join(step.source.name for step in plan.steps))
-    if decode is not None:
-        return None, ""
-    src, params = T.case_sources(dtype, shapes, attrs, arch=90)
-    art = build_kernel(src, 90)
-    return (lambda sync=False: launch(art, params, ins, [out], _stream(), sync=sync)), src.name
+    """(launch function, kernel names) of T.launch_fn: launch.py's plan where it makes one (decode:
+    its kernels, workspace and state; sm_90 elsewhere: the CUDA kernel with host-encoded maps), else
+    the one kernel; ``decode`` = a DecodeConfig instead of the default; ``host_maps=False``: the one
+    kernel (device-built maps) where the plan would be the HOST_MAPS build."""
+    return T.launch_fn(dtype, shapes, attrs, ins, out, _stream, arch=90, decode=decode, host_maps=host_maps)
 
 
 def run_shape(name, B, H, Hkv, Sq, Sk, D, causal, pad, rounds, dtype="bfloat16", sweep=(), graphs=True,

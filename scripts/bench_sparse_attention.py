@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Sparse attention benchmark (H200): sliding windows, block layouts and padded batches.
 
-Every row times, in interleaved rounds in one process, the AOT artifact launched through
-``optfuse.kernels.launcher`` (what a TensorRT plugin runs) against its peers on the same inputs:
+Every row times, in interleaved rounds in one process, the AOT artifacts launched through
+``optfuse.kernels.launcher`` as the classic TensorRT plugin launches them (``launch_fn``: launch.py's
+plan, on sm_90 the CUDA kernel with host-encoded tensor maps; variants launched the same way)
+against their peers on the same inputs:
 
 * ``window``: causal sliding windows w (FlashAttention v2, window_left = w - 1) vs our dense causal
   kernel, FlexAttention (``torch.compile``d, a sliding-window BlockMask) and SDPA's default with
@@ -12,7 +14,8 @@ Every row times, in interleaved rounds in one process, the AOT artifact launched
 * ``padding``: right-padded batches (a key-padding bias, HF's finfo.min) vs the same batch with no
   mask and SDPA's default with the boolean mask;
 * ``dense``: the dense kernel vs ``--baseline``'s (a checkout of the previous kernel source), same
-  shapes (the FlashAttention README's grid), to show the dense speed is kept.
+  shapes (the FlashAttention README's grid), to show the dense speed is kept: both as the one
+  kernel that builds its maps on the device (an older source may have no HOST_MAPS build).
 
 Effective TF/s count the visible blocks' FLOPs (4 * D per score of a visited 128 x 128 block, the
 work a block-sparse kernel must do). ``ideal`` = dense non-causal time x visited-block fraction;
@@ -65,6 +68,13 @@ def interleaved(fns: dict, rounds: int, bench=None) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _stream():
+    """The current torch stream at call time."""
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream
+
+
 class Kernels:
     """KernelSources -> artifacts (compiled here once, in parallel) and launches."""
 
@@ -85,6 +95,25 @@ class Kernels:
         todo = {s.name + s.path: s for s in srcs}
         default_cache().build_many(list(todo.values()), 90, jobs=jobs)
         print(f"compiled {len(todo)} kernels in {time.time() - t0:.0f}s", flush=True)
+
+    def sources(self, op_attrs, dtype, shapes, layout=None, config=None):
+        """The KernelSources :meth:`ours` launches for a case (T.launch_sources)."""
+        return T.launch_sources(dtype, shapes, op_attrs, arch=90, layout=layout, config=config)
+
+    def ours(self, op_attrs, dtype, shapes, ins, out, layout=None, config=None):
+        """(launch function, kernel names): what the classic plugin launches (T.launch_fn: the
+        plan, sm_90's HOST_MAPS build; ``config``: that config launched the same way), run once on
+        a NaN-poisoned ``out`` first; ``ins`` in spec order (None for no bias)."""
+        import torch
+
+        from optfuse.kernels import build_kernel
+
+        fn, kernel = T.launch_fn(dtype, shapes, op_attrs, ins, out, _stream, arch=90, layout=layout,
+                                 config=config, artifact=lambda src, arch: build_kernel(src, arch))
+        out.fill_(float("nan"))
+        fn(sync=True)
+        assert not torch.isnan(out).any(), f"{kernel}: NaN in the output"
+        return fn, kernel
 
     def launcher(self, src, params, ins, out):
         import torch
@@ -152,16 +181,13 @@ def run_window(K, dtype, S, D, w, flex, rounds, sdpa_max):
     scale = D ** -0.5
     attrs = T.attrs_for(H, H, D, True) | {"window_left": w - 1}
     shapes = [q.shape, k.shape, v.shape, None]
-    src, p = K.source(attrs, dtype, shapes)
-    fns = {"ours": K.launcher(src, p, [q, k, v], out)}
-    dsrc, dp = K.source(T.attrs_for(H, H, D, True), dtype, shapes)
-    fns["dense_causal"] = K.launcher(dsrc, dp, [q, k, v], torch.empty_like(q))
-    fsrc, fp = K.source(T.attrs_for(H, H, D, False), dtype, shapes)
-    fns["dense_full"] = K.launcher(fsrc, fp, [q, k, v], torch.empty_like(q))
+    fns = {}
+    fns["ours"], kernel = K.ours(attrs, dtype, shapes, [q, k, v], out)
+    fns["dense_causal"], _ = K.ours(T.attrs_for(H, H, D, True), dtype, shapes, [q, k, v], torch.empty_like(q))
+    fns["dense_full"], _ = K.ours(T.attrs_for(H, H, D, False), dtype, shapes, [q, k, v], torch.empty_like(q))
     for name, cfg in variants("window", D, w):
-        vsrc, vp = K.source(attrs, dtype, shapes, config=cfg)
-        fns[name] = K.launcher(vsrc, vp, [q, k, v], torch.empty_like(q))
-    row = {"kind": "window", "dtype": dtype, "B": B, "H": H, "S": S, "D": D, "window": w, "kernel": src.name}
+        fns[name], _ = K.ours(attrs, dtype, shapes, [q, k, v], torch.empty_like(q), config=cfg)
+    row = {"kind": "window", "dtype": dtype, "B": B, "H": H, "S": S, "D": D, "window": w, "kernel": kernel}
     i = torch.arange(S, device="cuda")
     allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
     ref = F.scaled_dot_product_attention(q[:1, :2], k[:1, :2], v[:1, :2], attn_mask=allowed)
@@ -227,11 +253,10 @@ def run_layout(K, dtype, S, D, density, flex, rounds):
     lay_t = [torch.from_numpy(a).cuda() for a in layout]
     attrs = T.attrs_for(H, H, D, False) | {"block_size": BLOCK}
     shapes = [q.shape, k.shape, v.shape, None]
-    src, p = K.source(attrs, dtype, shapes, layout=layout)
-    fns = {"ours": K.launcher(src, p, [q, k, v] + lay_t, out)}
-    fsrc, fp = K.source(T.attrs_for(H, H, D, False), dtype, shapes)
-    fns["dense_full"] = K.launcher(fsrc, fp, [q, k, v], torch.empty_like(q))
-    row = {"kind": "layout", "dtype": dtype, "B": B, "H": H, "S": S, "D": D, "density": density, "kernel": src.name}
+    fns = {}
+    fns["ours"], kernel = K.ours(attrs, dtype, shapes, [q, k, v, None] + lay_t, out, layout=layout)
+    fns["dense_full"], _ = K.ours(T.attrs_for(H, H, D, False), dtype, shapes, [q, k, v], torch.empty_like(q))
+    row = {"kind": "layout", "dtype": dtype, "B": B, "H": H, "S": S, "D": D, "density": density, "kernel": kernel}
     # correctness on batch 0, heads 0-1, against SDPA with the layout as a boolean mask
     import torch.nn.functional as F
 
@@ -264,17 +289,15 @@ def run_padding(K, dtype, S, D, pad, rounds):
     bias[..., real:] = torch.finfo(tdt).min
     shapes = [q.shape, k.shape, v.shape, bias.shape]
     attrs = T.attrs_for(H, H, D, False)
-    src, p = K.source(attrs, dtype, shapes)
     out = torch.empty_like(q)
-    fns = {"ours": K.launcher(src, p, [q, k, v, bias], out)}
-    nsrc, np_ = K.source(attrs, dtype, shapes[:3] + [None])
-    fns["no_mask"] = K.launcher(nsrc, np_, [q, k, v], torch.empty_like(q))
+    fns = {}
+    fns["ours"], kernel = K.ours(attrs, dtype, shapes, [q, k, v, bias], out)
+    fns["no_mask"], _ = K.ours(attrs, dtype, shapes[:3] + [None], [q, k, v], torch.empty_like(q))
     for name, cfg in variants("padding", D):
-        vsrc, vp = K.source(attrs, dtype, shapes, config=cfg)
-        fns[name] = K.launcher(vsrc, vp, [q, k, v, bias], torch.empty_like(q))
+        fns[name], _ = K.ours(attrs, dtype, shapes, [q, k, v, bias], torch.empty_like(q), config=cfg)
     keep = bias > -1
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-    row = {"kind": "padding", "dtype": dtype, "B": B, "H": H, "S": S, "D": D, "padding": pad, "kernel": src.name,
+    row = {"kind": "padding", "dtype": dtype, "B": B, "H": H, "S": S, "D": D, "padding": pad, "kernel": kernel,
            "max_abs_vs_sdpa": float((out.float() - ref.float()).abs().max())}
     del ref
     fns["sdpa_mask"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
@@ -349,18 +372,18 @@ def plan_sources(K, todo, dense):
         if kind == "window":
             for attrs in (T.attrs_for(H, H, D, True) | {"window_left": x - 1}, T.attrs_for(H, H, D, True),
                           T.attrs_for(H, H, D, False)):
-                out.append(K.source(attrs, dt, shapes)[0])
+                out += K.sources(attrs, dt, shapes)
             for _, cfg in variants(kind, D, x):
-                out.append(K.source(T.attrs_for(H, H, D, True) | {"window_left": x - 1}, dt, shapes, config=cfg)[0])
+                out += K.sources(T.attrs_for(H, H, D, True) | {"window_left": x - 1}, dt, shapes, config=cfg)
         elif kind == "layout":
             lay = (np.zeros((H, math.ceil(S / BLOCK) + 1), np.int32), np.zeros((H, 1), np.int32))
-            out.append(K.source(T.attrs_for(H, H, D, False) | {"block_size": BLOCK}, dt, shapes, layout=lay)[0])
-            out.append(K.source(T.attrs_for(H, H, D, False), dt, shapes)[0])
+            out += K.sources(T.attrs_for(H, H, D, False) | {"block_size": BLOCK}, dt, shapes, layout=lay)
+            out += K.sources(T.attrs_for(H, H, D, False), dt, shapes)
         else:
-            out.append(K.source(T.attrs_for(H, H, D, False), dt, shapes[:3] + [(B, 1, 1, S)])[0])
-            out.append(K.source(T.attrs_for(H, H, D, False), dt, shapes)[0])
+            out += K.sources(T.attrs_for(H, H, D, False), dt, shapes[:3] + [(B, 1, 1, S)])
+            out += K.sources(T.attrs_for(H, H, D, False), dt, shapes)
             for _, cfg in variants(kind, D):
-                out.append(K.source(T.attrs_for(H, H, D, False), dt, shapes[:3] + [(B, 1, 1, S)], config=cfg)[0])
+                out += K.sources(T.attrs_for(H, H, D, False), dt, shapes[:3] + [(B, 1, 1, S)], config=cfg)
     for dt, S, D, c in dense:
         B, H = tokens_heads(S, D)
         shapes = [(B, H, S, D)] * 3 + [None]

@@ -361,6 +361,36 @@ def test_host_maps_plan_fp8_and_block_sparse():
     assert {t.heads for t in step.source.tensor_maps} == {"extra:6*extra:0", "extra:6*extra:1"}
 
 
+def test_benchmarks_launch_what_the_plugin_launches():
+    """testing.launch_sources (what the benchmarks' launch_fn launches): the plan's kernel where
+    launch_plan makes one (BlockSparseAttention and FP8 included), a given config as its HOST_MAPS
+    build where the plan takes that form, and the one kernel elsewhere (Triton, cp.async)."""
+    import numpy as np
+
+    T = plugin_module("flash_attention", "testing")
+    B, H, S, D = 2, 4, 300, 64
+    shapes = [(B, H, S, D)] * 3 + [None]
+    attrs = _attrs(D, 1, H, H)
+    plan = T.case_plan("bfloat16", shapes, attrs, arch=90)
+    assert T.launch_sources("bfloat16", shapes, attrs) == [plan.steps[0].source]
+    assert "host_maps" in plan.steps[0].source.name
+    (device_maps,) = T.launch_sources("bfloat16", shapes, attrs, host_maps=False)
+    assert device_maps == T.case_sources("bfloat16", shapes, attrs, arch=90)[0]
+    (triton,) = T.launch_sources("bfloat16", shapes, attrs, arch=None)
+    assert triton.lang == "triton"
+    variant = dataclasses.replace(L.sm90_config(D, True), num_stages=3)
+    (vsrc,) = T.launch_sources("bfloat16", shapes, attrs, config=variant)
+    assert vsrc == T.case_sources("bfloat16", shapes, attrs, config=variant, arch=90, host_maps=True)[0]
+    cp_async = dataclasses.replace(L.sm90_config(D, True), tma=False)
+    assert T.launch_sources("bfloat16", shapes, attrs, config=cp_async) == [
+        T.case_sources("bfloat16", shapes, attrs, config=cp_async, arch=90)[0]]
+    layout = (np.zeros((1, 4), np.int32), np.zeros((1, 6), np.int32))
+    bsa = {**_attrs(D, 0, H, H), "block_size": 128}
+    (bsrc,) = T.launch_sources("bfloat16", shapes, bsa, layout=layout)
+    assert bsrc == T.case_sources("bfloat16", shapes, bsa, arch=90, layout=layout, host_maps=True)[0]
+    assert "host_maps" in bsrc.name and bsrc != T.launch_sources("bfloat16", shapes, _attrs(D, 0, H, H))[0]
+
+
 @pytest.mark.parametrize("D,causal,bias,dtype", [(64, 0, None, "float16"), (64, 1, "keypad", "bfloat16"),
                                                  (128, 0, (), "bfloat16"), (128, 1, "keypad", "float16"),
                                                  (128, 1, None, "fp8")])

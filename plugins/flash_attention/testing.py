@@ -8,6 +8,8 @@
   ``launch_plan``: split-KV decode, or the CUDA kernel's HOST_MAPS build), its artifacts, a decode
   plan's steps run as Triton functions with a poisoned workspace (:func:`new_workspace`) and a
   zeroed state (:func:`new_state`);
+* :func:`launch_fn` -- what the classic plugin launches for a case (its plan, else the one kernel)
+  through the launcher, as the benchmarks time it;
 * :func:`prebuilt_artifact` / :func:`get_artifact` -- an artifact compiled elsewhere (this repo's
   CPU machine: Triton 3.9 cubins for sm_90), looked up by its spec, else compiled here;
 * :func:`fp8_inputs` / :func:`fp8_reference_of` / :func:`check_close_fp8` -- the FP8 form: q, k, v
@@ -89,18 +91,81 @@ def run_triton(src: KernelSource, params: LaunchParams, inputs: Sequence[Any],
 
 
 def case_plan(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, arch: int | None = None,
-              bias_dtype: str | None = None, decode=None, host_maps: bool = True):
+              bias_dtype: str | None = None, decode=None, host_maps: bool = True, layout=None):
     """launch.py's LaunchPlan (sources, no artifacts) for concrete shapes [q, k, v, bias-or-None];
     None where the one-kernel path runs. ``decode`` = a DecodeConfig to use instead of the default;
-    ``host_maps=False``: no HOST_MAPS plan (the one kernel with device-built maps runs)."""
+    ``host_maps=False``: no HOST_MAPS plan (the one kernel with device-built maps runs); ``layout`` =
+    (block_offsets, block_indices) arrays: the case is BlockSparseAttention (as in case_sources)."""
+    L = launch_mod()
+    op = OP if layout is None else L.BLOCK_SPARSE
     q = list(shapes[0])
     bias = shapes[3] if len(shapes) > 3 else None
     static = {"head_dim": q[3], "bias_shape": None if bias is None else tuple(bias),
               "bias_dtype": bias_dtype, "arch": arch}
+    if layout is not None:
+        static["layout_heads"] = int(layout[0].shape[0]) != 1
     shp = [list(s) for s in shapes[:3]] + [None if bias is None else list(bias)]
-    if dtype == launch_mod().FP8:  # the scales, in spec order after the bias
+    if dtype == L.FP8:  # the scales, in spec order after the bias
         shp += [[1], [1], [1]]
-    return launch_mod().launch_plan(OP, shp, [dtype], attrs, static_shape=static, decode=decode, host_maps=host_maps)
+    if layout is not None:
+        shp += [list(layout[0].shape), list(layout[1].shape)]
+    return L.launch_plan(op, shp, [dtype], attrs, static_shape=static, decode=decode, host_maps=host_maps)
+
+
+def _launched(dtype, shapes, attrs, arch, bias_dtype, decode, host_maps, layout, config):
+    """(plan, None) or (None, (src, params)): what launch_fn launches (its docstring)."""
+    if config is None:
+        plan = case_plan(dtype, shapes, attrs, arch, bias_dtype, decode, host_maps, layout)
+        if plan is not None or decode is not None:
+            return plan, None
+    kw = dict(config=config, bias_dtype=bias_dtype, arch=arch, layout=layout)
+    src, params = case_sources(dtype, shapes, attrs, **kw)
+    if (config is not None and host_maps and arch == 90 and src.lang == "cuda" and "TMA" in src.defines
+            and min(shapes[0][:3]) > 0 and shapes[1][2] > 0):  # as host_maps_plan builds the default config
+        src, params = case_sources(dtype, shapes, attrs, host_maps=True, **kw)
+    return None, (src, params)
+
+
+def launch_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, *, arch: int | None = 90,
+                   bias_dtype: str | None = None, decode=None, host_maps: bool = True, layout=None,
+                   config=None) -> list[KernelSource]:
+    """The KernelSources :func:`launch_fn` launches for a case (what a benchmark prebuilds)."""
+    plan, kernel = _launched(dtype, shapes, attrs, arch, bias_dtype, decode, host_maps, layout, config)
+    if plan is not None:
+        return [step.source for step in plan.steps]
+    return [] if kernel is None else [kernel[0]]
+
+
+def launch_fn(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, inputs: Sequence[Any],
+              out: Any, stream, *, arch: int | None = 90, bias_dtype: str | None = None, decode=None,
+              host_maps: bool = True, layout=None, config=None, artifact=None):
+    """What the classic plugin launches for one case, as ``(fn(sync=False), kernel names)`` on
+    torch CUDA tensors (``inputs`` in spec order, None for an absent optional input): the case's
+    plan where launch.py makes one (decode: the split-KV kernel with its workspace and state;
+    sm_90: the CUDA kernel's HOST_MAPS build), else the one kernel. ``config``: that config's one
+    kernel, as its HOST_MAPS build where the plan would take that form (a variant timed like the
+    plan); ``host_maps=False``: device-built maps throughout; ``decode`` given where no decode plan
+    applies: ``(None, "")``. ``stream()`` gives the CUDA stream at call time (a graph capture
+    records on its own); ``artifact(src, arch)`` (default get_artifact) compiles or finds each
+    kernel."""
+    from optfuse.kernels import launch
+    from optfuse.kernels.launcher import launch_plan
+
+    artifact = artifact or get_artifact
+    plan, kernel = _launched(dtype, shapes, attrs, arch, bias_dtype, decode, host_maps, layout, config)
+    if plan is not None:
+        for step in plan.steps:
+            step.artifact = artifact(step.source, arch)
+        workspace = new_workspace(plan, "cuda")  # 0xFF: a partial read unwritten is a NaN
+        state = new_state(plan, "cuda")  # the split programs' arrival counters, zero
+        return (lambda sync=False: launch_plan(plan, inputs, [out], workspace, stream(), state=state, sync=sync),
+                " + ".join(step.source.name for step in plan.steps))
+    if kernel is None:
+        return None, ""
+    src, params = kernel
+    art = artifact(src, arch)
+    present = [x for x in inputs if x is not None]
+    return (lambda sync=False: launch(art, params, present, [out], stream(), sync=sync)), src.name
 
 
 def forced_decode_plan(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, decode=None,
