@@ -27,6 +27,10 @@ bias (``.bias``) or the residual (``.res``) alone, and LLaMA-7B's without its re
   ``ours``.
 * ``ours[plan|device maps]`` (``--device-maps``): the same plan with its tensor maps built by each CTA (the
   kernel QDP runs) instead of encoded by the launcher, right after ``ours[plan]`` in each round.
+* ``ours[<schedule>|plan]`` (``--schedules``, 16-bit points on sm_90): every sm_90 schedule that takes the
+  point, each as an unsplit run-time plan with host-encoded maps (``launch_plan(schedule=...)``), right after
+  ``ours[plan]``: the measurements behind the plan rules (launch_sm90.small_m_schedule, wave_schedule,
+  large_m_schedule) -- is the plan's pick the fastest?
 * ``ours[impl|baseline]`` (``--baseline DIR``: a checkout of an earlier source tree, e.g. ``git worktree add
   DIR COMMIT``): the same CUDA config compiled from DIR's kernel source, launched and checked like ours, right
   after it in each round: a kernel change A/B in one run. The Triton kernel has no baseline row.
@@ -163,10 +167,10 @@ def ours_configs(case, arch, variants: str | None) -> list:
     return out
 
 
-def needed_sources(pts, arch, variants, with_tests=True, baseline=None, device_maps=False) -> list:
+def needed_sources(pts, arch, variants, with_tests=True, baseline=None, device_maps=False, schedules=False) -> list:
     """Every KernelSource a device run needs: each point's configs (and their ``baseline`` versions,
-    16-bit points), its plan (and with ``device_maps`` the plan with device-built maps), and the GPU
-    tests' sources."""
+    16-bit points), its plan (and with ``device_maps`` the plan with device-built maps, with
+    ``schedules`` the plan of every schedule), and the GPU tests' sources."""
     srcs = {}
     for name, m, dt in pts:
         case = case_of(name, m, dt)
@@ -177,6 +181,7 @@ def needed_sources(pts, arch, variants, with_tests=True, baseline=None, device_m
                 b = baseline_source(s, baseline)
                 srcs[b.name] = b
         plans = [T.case_plan(case, arch, host_maps=h) for h in ((True, False) if device_maps else (True,))]
+        plans += list(T.schedule_plans(case, arch).values()) if schedules else []
         for plan in plans:
             for step in plan.steps if plan is not None else ():
                 srcs[step.source.name] = step.source
@@ -326,7 +331,8 @@ def baseline_source(src, root: str):
     return dataclasses.replace(src, path=str(path), name=src.name + "_baseline")
 
 
-def contenders(case, ins, compiler, artifacts, arch, variants, check, baseline=None, device_maps=False):
+def contenders(case, ins, compiler, artifacts, arch, variants, check, baseline=None, device_maps=False,
+               schedules=False):
     """{name: callable} for one point, and notes (compile, artifact origin, accuracy)."""
     import torch
 
@@ -361,6 +367,9 @@ def contenders(case, ins, compiler, artifacts, arch, variants, check, baseline=N
         if device_maps:
             fns["ours[plan|device maps]"], notes["ours[plan|device maps]"] = plan_contender(
                 case, T.case_plan(case, arch, host_maps=False), by_spec, artifacts, arch, ref, x.dtype)
+        for impl, splan in (T.schedule_plans(case, arch) if schedules else {}).items():
+            label = f"ours[{impl}|plan]"
+            fns[label], notes[label] = plan_contender(case, splan, by_spec, artifacts, arch, ref, x.dtype)
     for label, cfg in ours_configs(case, arch, variants):
         src, params = T.case_sources(case, config=cfg, arch=arch)
         labelled = [(label, src)]
@@ -515,7 +524,7 @@ def run_point(name, m, dtype, args, compiler, artifacts, arch) -> dict:
     else:
         ins = _cuda_inputs(case, gen)
         fns, notes = contenders(case, ins, compiler, artifacts, arch, args.variants, not args.no_check, args.baseline,
-                                args.device_maps)
+                                args.device_maps, args.schedules)
     times = interleaved(fns, args.rounds, notes)
     flops = 2.0 * case.m * case.n * case.k * (2 if case.op == "GatedGemm" else 1)
     row = {"shape": name, "op": case.op, "M": case.m, "N": case.n, "K": case.k, "dtype": dtype,
@@ -691,6 +700,9 @@ def parse_args(argv=None):
                     help="also time each CUDA config compiled from this checkout's kernel source (ours[impl|baseline])")
     ap.add_argument("--device-maps", action="store_true",
                     help="also time the run-time plan with its tensor maps built on the device (ours[plan|device maps])")
+    ap.add_argument("--schedules", action="store_true",
+                    help="16-bit points on sm_90: also time every schedule that takes the point as an unsplit "
+                         "run-time plan (host-encoded maps), beside the plan's pick")
     ap.add_argument("--arch", type=int, default=None, help="target arch of the kernel choice (default: the GPU's)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--compile-limit", type=float, default=30.0, help="seconds per point for torch.compile")
@@ -737,7 +749,7 @@ def main(argv=None) -> int:
 
         arch = args.arch or 90
         srcs = needed_sources(pts, arch, args.variants, with_tests=not args.no_test_sources, baseline=args.baseline,
-                              device_maps=args.device_maps)
+                              device_maps=args.device_maps, schedules=args.schedules)
         t0 = time.time()
         KernelCache(args.build).build_many(srcs, arch, jobs=args.jobs)
         print(f"built {len(srcs)} artifacts for sm_{arch} in {time.time() - t0:.0f}s into {args.build}")

@@ -611,7 +611,8 @@ def _plan_of(op: str, dtype: str, n: int, k: int, m: Any, epi: Epilogue, cfg: Ge
 
 
 def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict | None,
-                cdiv=_cdiv, *, static_shape: dict | None = None, host_maps: bool = True) -> LaunchPlan | None:
+                cdiv=_cdiv, *, static_shape: dict | None = None, host_maps: bool = True,
+                schedule: str | None = None) -> LaunchPlan | None:
     """At concrete shapes, wherever the sm_90 kernel was chosen: plan_choice's schedule for this M
     (narrow tiles or the pingpong kernel alone, or split-K -- the pingpong kernel writing fp32 partial
     planes to the workspace, then gemm_sm90_splitk_reduce (op inputs A, W[, bias][, residual] ->
@@ -620,7 +621,9 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     that each CTA spends building them in the kernel of kernel_config, H100). None: the one kernel of
     kernel_config / launch_params runs (another arch or the Triton kernel; QDP's AOT path always runs
     that kernel). ``host_maps=False``: the same plan with the maps built on the device (an A/B of the two;
-    the schedule rules still assume the host's)."""
+    the schedule rules still assume the host's). ``schedule``: that sm_90 schedule (SM90_SCHEDULES) instead
+    of plan_choice's, unsplit, with its first ring-stage option (a benchmark's A/B of the schedules; 16-bit
+    instances); ValueError where it does not take the instance."""
     op = _check_op(op)
     dtype = norm_dtype(dtypes[0])
     static = static_shape if static_shape is not None else _static_shape_of(op, shapes, dtypes)
@@ -630,7 +633,15 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     if cfg.impl not in SM90_SCHEDULES:
         return None
     m = int(rows_of([int(d) for d in shapes[0]]))
-    choice = plan_choice(op, dtype, m, n, k, cfg, static, epi.activation)
+    if schedule is None:
+        choice = plan_choice(op, dtype, m, n, k, cfg, static, epi.activation)
+    else:
+        why = ("an FP8 instance runs its static schedule" if dtype in FP8_DTYPES else
+               f"not one of {', '.join(SM90_SCHEDULES)}" if schedule not in SM90_SCHEDULES else
+               launch_sm90.takes(op, dtype, n, static, 90, schedule, k, host_maps=host_maps))
+        if why is not None:
+            raise ValueError(f"{op}: the {schedule} schedule does not take this instance: {why}")
+        choice = schedule, launch_sm90.stage_options(schedule)[0], 1
     return _plan_of(op, dtype, n, k, m, epi, cfg, static, choice, [i for i, s in enumerate(shapes) if s is not None],
                     host_maps)
 

@@ -91,6 +91,34 @@ def test_device_maps_sources():
     assert bench.parse_args(["--device-maps"]).device_maps
 
 
+def test_schedule_plans_and_sources():
+    """--schedules: every sm_90 schedule that takes a 16-bit point, as an unsplit host-maps plan of that
+    schedule (launch_plan(schedule=...)); one that does not take the point is left out; FP8 has none."""
+    L = bench.L
+    case = bench.case_of("bert-base.ffn_up", 2048, "float16")
+    plans = bench.T.schedule_plans(case, 90)
+    assert set(plans) == set(L.SM90_SCHEDULES)  # N = 3072, K = 768: every schedule takes it
+    for impl, plan in plans.items():
+        (step,) = plan.steps
+        meta = step.source.meta
+        assert (meta["kernel"], meta["split_k"], meta["host_maps"]) == (impl, 1, True) and step.source.tensor_maps
+    # the plan's own pick is one of them, with the same source
+    (pick,) = bench.T.case_plan(case, 90).steps
+    assert pick.source.name in {p.steps[0].source.name for p in plans.values()}
+    # N = 1184 (a 32-column last tile of 128): neither 128 x 128 schedule takes it
+    odd = bench.T.Case("GemmEpilogue", (512,), 1184, 768, "float16", "gelu_erf", "vector", "none")
+    assert set(bench.T.schedule_plans(odd, 90)) == {"cuda_sm90", L.launch_sm90.EPILOGUE_WG, L.launch_sm90.TILE_192}
+    for refused in (L.launch_sm90.PINGPONG, "cuda_sm90_no_such"):
+        with pytest.raises(ValueError, match="does not take"):
+            bench.T.case_plan(odd, 90, schedule=refused)
+    assert bench.T.schedule_plans(bench.case_of("bert-base.qkv", 512, bench.FP8), 90) == {}
+    pts = bench.points(["bert-base.ffn_up"], [2048], ["float16"])
+    plain = {s.name for s in bench.needed_sources(pts, 90, None, with_tests=False)}
+    more = {s.name for s in bench.needed_sources(pts, 90, None, with_tests=False, schedules=True)}
+    assert more > plain and {p.steps[0].source.name for p in plans.values()} <= more
+    assert bench.parse_args(["--schedules"]).schedules
+
+
 def test_baseline_without_the_kernel_exits(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--baseline", str(tmp_path)])

@@ -178,11 +178,27 @@ def case_sources(case: Case, config=None, arch: int | None = None) -> tuple[Kern
     return src, params
 
 
-def case_plan(case: Case, arch: int | None = 90, host_maps: bool = True):
+def case_plan(case: Case, arch: int | None = 90, host_maps: bool = True, schedule: str | None = None):
     """launch.py's run-time LaunchPlan of a case (sources, no artifacts), or None where the one
-    kernel of case_sources runs (no sm_90 kernel); ``host_maps=False``: its maps built on the device."""
+    kernel of case_sources runs (no sm_90 kernel); ``host_maps=False``: its maps built on the device;
+    ``schedule``: that sm_90 schedule, unsplit (ValueError where it does not take the case)."""
     return launch_mod().launch_plan(case.op, case.shapes(), case.dtypes(), case.attrs,
-                                    static_shape=case_static(case, arch), host_maps=host_maps)
+                                    static_shape=case_static(case, arch), host_maps=host_maps, schedule=schedule)
+
+
+def schedule_plans(case: Case, arch: int | None = 90) -> dict:
+    """{schedule: plan} of every sm_90 schedule that takes a 16-bit case, each as an unsplit plan
+    with host-encoded maps ({} where no sm_90 plan runs, and for FP8)."""
+    L = launch_mod()
+    if case.fp8 or case_plan(case, arch) is None:
+        return {}
+    out = {}
+    for impl in L.SM90_SCHEDULES:
+        try:
+            out[impl] = case_plan(case, arch, schedule=impl)
+        except ValueError:
+            continue
+    return out
 
 
 def build_plan(plan, arch: int | None = None):
