@@ -680,6 +680,28 @@ def losses(rows) -> list[str]:
     return out
 
 
+#: --schedules: a pick within this fraction of the fastest schedule's time is within a run's spread (the same
+#: kernel timed twice in one run differs by up to 3 %, README "Schedules at small M")
+SCHEDULE_SPREAD = 0.03
+
+
+def schedule_misses(rows) -> list[str]:
+    """--schedules rows where the plan's pick (``ours[plan]``) takes more than SCHEDULE_SPREAD over the
+    fastest schedule's unsplit plan (``ours[<schedule>|plan]``): where a plan rule may pick wrong."""
+    out = []
+    for r in rows:
+        ms = r.get("ms", {})
+        scheds = {k[len("ours["):-len("|plan]")]: t for k, t in ms.items() if k.endswith("|plan]")}
+        if "ours[plan]" not in ms or not scheds:
+            continue
+        best = min(scheds, key=scheds.get)
+        ratio = ms["ours[plan]"] / scheds[best]
+        if ratio > 1 + SCHEDULE_SPREAD:
+            pick = r.get("notes", {}).get("ours[plan]", "").split(" ")[0]
+            out.append(f"{r['shape']} M={r['M']} {r['dtype']}: the plan ({pick}) {ratio:.3f}x {best}")
+    return out
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", metavar="DIR", help="compile every artifact a run needs into DIR and exit (CPU or GPU)")
@@ -783,8 +805,14 @@ def main(argv=None) -> int:
     print(f"\npoints where ours is slower than cuBLAS (packed for gated) or cuBLASLt: {len(lost)}")
     for line in lost:
         print("  " + line)
+    missed = schedule_misses(rows) if args.schedules else []
+    if args.schedules:
+        print(f"\npoints where another schedule beats the plan's pick by more than {SCHEDULE_SPREAD:.0%}: {len(missed)}")
+        for line in missed:
+            print("  " + line)
     if args.out:
-        Path(args.out).write_text(json.dumps({"info": info, "rows": rows, "losses": lost}, indent=1))
+        Path(args.out).write_text(json.dumps({"info": info, "rows": rows, "losses": lost, "schedule_misses": missed},
+                                             indent=1))
     return 0
 
 

@@ -119,6 +119,20 @@ def test_schedule_plans_and_sources():
     assert bench.parse_args(["--schedules"]).schedules
 
 
+def test_schedule_misses():
+    """A point is listed where the plan's pick is more than 3 % slower than the fastest schedule."""
+    def row(plan, **scheds):
+        ms = {"mm": 1.0, "ours[plan]": plan, **{f"ours[{k}|plan]": v for k, v in scheds.items()}}
+        return {"shape": "s", "M": 2048, "dtype": "float16", "ms": ms,
+                "notes": {"ours[plan]": "cuda_sm90_narrow_128x128x64_hostmaps (prebuilt)"}}
+    rows = [row(20.9, cuda_sm90_pingpong=18.4, cuda_sm90_narrow=21.0),  # 1.136x ping-pong
+            row(22.5, cuda_sm90_pingpong=21.9),  # 1.027x: within the spread
+            row(10.0),  # no --schedules contenders
+            {"shape": "e", "M": 1, "dtype": "float16", "error": "x"}]
+    (line,) = bench.schedule_misses(rows)
+    assert line == "s M=2048 float16: the plan (cuda_sm90_narrow_128x128x64_hostmaps) 1.136x cuda_sm90_pingpong"
+
+
 def test_baseline_without_the_kernel_exits(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--baseline", str(tmp_path)])
