@@ -241,7 +241,8 @@ def shape_of(case):
 def test_small_m_plan_choice():
     """At run time, in 128 x 128 tiles: at most half a tile per CTA, pingpong with K split into the
     largest divisor of the k-blocks that keeps units <= 132 and >= 8 k-blocks each; otherwise, with
-    an activation, narrow tiles up to a tile per CTA (three with K <= 1024); without one, pingpong
+    an activation, narrow tiles up to a tile per CTA (three with K <= 1024, where an fp16 GELU runs
+    pingpong past one tile a CTA); without one, pingpong
     up to a tile per CTA and at 2-3 waves of tiles; larger M, GatedGemm, FP8 and other archs keep
     the one kernel (None) or take 128 x 192 tiles (test_wave_plan_choice)."""
     C = T.Case
@@ -257,9 +258,16 @@ def test_small_m_plan_choice():
     # K = 256 is shorter than pingpong's ring
     assert shape_of(C("GemmEpilogue", (512,), 2048, 256, "float16", "none", "vector", "full")) == ("cuda_sm90_narrow", 1, 1)
     # with an activation and K <= 1024, up to 3 tiles a CTA: 2048 rows (384 tiles; at 1024 rows 128 x
-    # 192 tiles fill the waves better: test_wave_plan_choice), not 4096 (768) nor K = 3072
-    assert shape_of(C("GemmEpilogue", (2048,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == \
+    # 192 tiles fill the waves better: test_wave_plan_choice), not 4096 (768) nor K = 3072; past one
+    # tile a CTA an fp16 GELU (f16x2 epilogue) runs pingpong, bf16 and other activations narrow tiles
+    assert shape_of(C("GemmEpilogue", (2048,), 3072, 768, "bfloat16", "gelu_erf", "vector", "none")) == \
         ("cuda_sm90_narrow", 1, 1)
+    assert shape_of(C("GemmEpilogue", (2048,), 3072, 768, "float16", "silu", "vector", "none")) == \
+        ("cuda_sm90_narrow", 1, 1)
+    assert shape_of(C("GemmEpilogue", (2048,), 3072, 768, "float16", "gelu_erf", "vector", "none")) == \
+        ("cuda_sm90_pingpong", 1, 1)
+    assert shape_of(C("GemmEpilogue", (1024,), 4096, 1024, "float16", "gelu_tanh", "vector", "none")) == \
+        ("cuda_sm90_pingpong", 1, 1)  # BERT-large FFN up: 256 tiles; 128 x 192 tiles' waves weigh more
     assert shape_of(C("GemmEpilogue", (4096,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
     # K = 3072: no narrow tiles; 96 tiles of 128 x 256 take 128 x 192 tiles (test_wave_plan_choice)
     assert shape_of(C("GemmEpilogue", (1024,), 3072, 3072, "float16", "gelu_erf", "vector", "none")) == \

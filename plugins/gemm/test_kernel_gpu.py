@@ -121,6 +121,8 @@ PLAN_CASES = [
     (C("GemmEpilogue", (300,), 12288, 520, "bfloat16", "none", "vector", "full"), "pingpong"),   # 2-3 waves
     (C("GemmEpilogue", (2, 100), 2304, 768, "bfloat16", "gelu_tanh", "vector", "full", "before_activation"), "narrow"),
     (C("GemmEpilogue", (2, 700), 3072, 768, "float16", "silu", "scalar", "none"), "narrow"),    # 2 tiles a CTA
+    # an fp16 GELU past one tile a CTA: pingpong unsplit (a residual after it; 288 tiles)
+    (C("GemmEpilogue", (2, 520), 4096, 1024, "float16", "gelu_tanh", "vector", "full"), "pingpong"),
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "relu2", "vector", "none"), "pingpong split-K x6"),  # relu2 in the reduce
     # the reduce's epilogue in fp16: GELU erf in f16x2 with a residual after it, SiLU (fp32) with one before
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "gelu_erf", "vector", "full"), "pingpong split-K x6"),
