@@ -675,12 +675,18 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     return host_maps_plan(name, shapes, dtypes, attrs, st, cdiv)
 
 
+def _loads_with_tma(src: KernelSource) -> bool:
+    """Whether ``src`` is the CUDA kernel loading with TMA: the configs that have a HOST_MAPS build."""
+    return src.lang == "cuda" and "TMA" in src.defines
+
+
 def host_maps_plan(op: str, shapes: Sequence[Sequence[Any] | None], dtypes: Sequence[Any], attrs: dict,
-                   static_shape: dict, cdiv=_cdiv) -> LaunchPlan | None:
+                   static_shape: dict, cdiv=_cdiv, config: FAConfig | None = None) -> LaunchPlan | None:
     """The one kernel of kernel_config (q's dims from ``shapes`` where ``static_shape`` has none:
-    the choice is the one-kernel path's at these shapes) as its HOST_MAPS build, with B appended to
-    its extra args; None where that kernel is not the CUDA kernel with TMA loads, or a dim is 0
-    (no tensor map has an empty extent) or not known (symbolic shapes: the plan is made at run time)."""
+    the choice is the one-kernel path's at these shapes; ``config``: that config instead) as its
+    HOST_MAPS build, with B appended to its extra args; None where that kernel is not the CUDA
+    kernel with TMA loads, or a dim is 0 (no tensor map has an empty extent) or not known (symbolic
+    shapes: the plan is made at run time)."""
     try:
         q, k = [static_int(d) for d in shapes[0]], [static_int(d) for d in shapes[1]]
     except ValueError:
@@ -691,11 +697,10 @@ def host_maps_plan(op: str, shapes: Sequence[Sequence[Any] | None], dtypes: Sequ
     st.setdefault("head_dim", q[3])
     if _known_q_dims(st) is None:
         st["q_shape"] = q
-    src = kernel_config(op, dtypes[0], attrs, st)
-    if src.lang != "cuda" or "TMA" not in src.defines:
+    if not _loads_with_tma(kernel_config(op, dtypes[0], attrs, st, config)):
         return None
-    src = kernel_config(op, dtypes[0], attrs, st, host_maps=True)
-    params = launch_params(op, shapes, dtypes, attrs, cdiv, static_shape=st)
+    src = kernel_config(op, dtypes[0], attrs, st, config, host_maps=True)
+    params = launch_params(op, shapes, dtypes, attrs, cdiv, config=config, static_shape=st)
     params.extra_args.append(q[0])
     present = [i for i, s in enumerate(shapes) if s is not None]
     return LaunchPlan([PlanStep(src, params, [Buffer("input", i) for i in present], [Buffer("output", 0)])])
@@ -760,8 +765,7 @@ def plan_sources(op: str, dtype: str, attrs: dict, static_shape: dict) -> list[K
     out: dict[str, KernelSource] = {}
     for q in PLAN_Q_PROBES:
         st = {**static_shape, **({"q_shape": list(q)} if q else {})}
-        src = kernel_config(op, dtype, attrs, st)
-        if src.lang == "cuda" and "TMA" in src.defines:
+        if _loads_with_tma(kernel_config(op, dtype, attrs, st)):
             twin = kernel_config(op, dtype, attrs, st, host_maps=True)
             out.setdefault(twin.name, twin)
     return list(out.values())

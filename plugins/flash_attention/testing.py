@@ -90,12 +90,8 @@ def run_triton(src: KernelSource, params: LaunchParams, inputs: Sequence[Any],
                                                 num_stages=src.num_stages)
 
 
-def case_plan(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, arch: int | None = None,
-              bias_dtype: str | None = None, decode=None, host_maps: bool = True, layout=None):
-    """launch.py's LaunchPlan (sources, no artifacts) for concrete shapes [q, k, v, bias-or-None];
-    None where the one-kernel path runs. ``decode`` = a DecodeConfig to use instead of the default;
-    ``host_maps=False``: no HOST_MAPS plan (the one kernel with device-built maps runs); ``layout`` =
-    (block_offsets, block_indices) arrays: the case is BlockSparseAttention (as in case_sources)."""
+def _plan_args(dtype: str, shapes, attrs: dict, arch, bias_dtype, layout) -> tuple[str, list, dict]:
+    """(op, shapes in spec order, static shape) of a case, as launch_plan takes them."""
     L = launch_mod()
     op = OP if layout is None else L.BLOCK_SPARSE
     q = list(shapes[0])
@@ -109,21 +105,33 @@ def case_plan(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, a
         shp += [[1], [1], [1]]
     if layout is not None:
         shp += [list(layout[0].shape), list(layout[1].shape)]
-    return L.launch_plan(op, shp, [dtype], attrs, static_shape=static, decode=decode, host_maps=host_maps)
+    return op, shp, static
+
+
+def case_plan(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, arch: int | None = None,
+              bias_dtype: str | None = None, decode=None, host_maps: bool = True, layout=None):
+    """launch.py's LaunchPlan (sources, no artifacts) for concrete shapes [q, k, v, bias-or-None];
+    None where the one-kernel path runs. ``decode`` = a DecodeConfig to use instead of the default;
+    ``host_maps=False``: no HOST_MAPS plan (the one kernel with device-built maps runs); ``layout`` =
+    (block_offsets, block_indices) arrays: the case is BlockSparseAttention (as in case_sources)."""
+    op, shp, static = _plan_args(dtype, shapes, attrs, arch, bias_dtype, layout)
+    return launch_mod().launch_plan(op, shp, [dtype], attrs, static_shape=static, decode=decode,
+                                    host_maps=host_maps)
 
 
 def _launched(dtype, shapes, attrs, arch, bias_dtype, decode, host_maps, layout, config):
-    """(plan, None) or (None, (src, params)): what launch_fn launches (its docstring)."""
+    """(plan, None) or (None, (src, params)): what launch_fn launches (its docstring). A given
+    config takes launch.host_maps_plan's form where the default config would."""
     if config is None:
         plan = case_plan(dtype, shapes, attrs, arch, bias_dtype, decode, host_maps, layout)
         if plan is not None or decode is not None:
             return plan, None
-    kw = dict(config=config, bias_dtype=bias_dtype, arch=arch, layout=layout)
-    src, params = case_sources(dtype, shapes, attrs, **kw)
-    if (config is not None and host_maps and arch == 90 and src.lang == "cuda" and "TMA" in src.defines
-            and min(shapes[0][:3]) > 0 and shapes[1][2] > 0):  # as host_maps_plan builds the default config
-        src, params = case_sources(dtype, shapes, attrs, host_maps=True, **kw)
-    return None, (src, params)
+    elif host_maps and arch == 90:
+        op, shp, static = _plan_args(dtype, shapes, attrs, arch, bias_dtype, layout)
+        plan = launch_mod().host_maps_plan(op, shp, [dtype], attrs, static, config=config)
+        if plan is not None:
+            return plan, None
+    return None, case_sources(dtype, shapes, attrs, config=config, bias_dtype=bias_dtype, arch=arch, layout=layout)
 
 
 def launch_sources(dtype: str, shapes: Sequence[Sequence[int] | None], attrs: dict, *, arch: int | None = 90,
