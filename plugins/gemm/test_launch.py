@@ -115,60 +115,109 @@ def test_sm90_gelu_erf_form_within_its_stated_bound():
     assert y[-1] == x[-1] and y[-2] == x[-2] and y[-3] == 0 and y[-4] == 0
 
 
-def test_sm90_half2_gelu_within_its_stated_bound():
-    """sm90/epilogue.cuh's fp16 GELUs (0.5 x (1 + tanh(z)) in f16x2, HALF2_EPILOGUE), emulated
-    with the header's own fp16 constants (each operation rounded to fp16, tanh correctly rounded: the
-    emulation's assumption about tanh.approx.f16x2) against the float64 functions: within the ulps
-    its comment states, the limits at +-65504 and -inf exact (0 below, x above), NaN kept."""
-    import math
+def _sm90_gelu_h2_emulation():
+    """sm90/epilogue.cuh's header text and an emulation of its f16x2 GELU pieces with the header's own
+    fp16 constants (each operation rounded to fp16, tanh correctly rounded: the emulation's assumption
+    about tanh.approx.f16x2): ``(header, r, z_of, floor, half)``, r rounding to fp16, z_of(x, activation)
+    gelu_z_h2, floor / half activate_h2's constants."""
     import re
     from pathlib import Path
 
     import numpy as np
 
     header = (Path(L.__file__).parent / "sm90" / "epilogue.cuh").read_text()
-    assert "at most 0.76 of fp16's ulp of max(|y|, 1); below x = -2" in " ".join(
-        line.removeprefix("// ") for line in header.splitlines())
     body = header[header.index("u32 activate_h2(u32 x)"):header.index("u32 epilogue_h2(")]
+    z_body = header[header.index("u32 gelu_z_h2(u32 x)"):header.index("u32 activate_h2(u32 x)")]
 
     def consts(text):
         return [np.array([int(b, 16)], np.uint16).view(np.float16).astype(np.float64)[0]
                 for b in re.findall(r"H2\(0x([0-9A-F]{4})u\)", text)]
 
     def block(a):
-        rest = body[body.index(f"ACTIVATION == {a}\n"):]
+        rest = z_body[z_body.index(f"ACTIVATION == {a}\n"):]
         return consts(rest[:rest.index("#e", 1)])
 
     def r(v):  # rounded to fp16 (past 65504: inf, as the hardware rounds)
         with np.errstate(over="ignore"):
             return np.asarray(v, np.float64).astype(np.float16).astype(np.float64)
-    floor, half = consts(body[:body.index("#if ACTIVATION")])
+
+    def z_of(x, a):
+        if a == 2:
+            clamp, z4, z2, z0 = block(2)
+            x2 = np.minimum(r(x * x), clamp)
+            return r(x * r(r(z4 * x2 + z2) * x2 + z0))
+        k1, k0 = block(3)
+        return r(x * r(k1 * r(x * x) + k0))
+
+    assert "h2_max_nan(x, H2(0xFBFFu))" in body and "max.NaN.f16x2" in header  # a NaN stays NaN, as np.maximum keeps it
+    floor, half = consts(body)
+    return header, r, z_of, floor, half
+
+
+def _gelu64(a):
+    import math
+
+    import numpy as np
+
+    if a == 2:
+        erf = np.vectorize(math.erf)
+        return lambda x: 0.5 * x * (1 + erf(x / math.sqrt(2)))
+    return lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def test_sm90_half2_gelu_within_its_stated_bound():
+    """sm90/epilogue.cuh's fp16 GELUs (0.5 x (1 + tanh(z)) in f16x2, HALF2_EPILOGUE), emulated
+    (_sm90_gelu_h2_emulation) against the float64 functions: within the ulps its comment states, the
+    limits at +-65504 and -inf exact (0 below, x above), NaN kept."""
+    import numpy as np
+
+    header, r, z_of, floor, half = _sm90_gelu_h2_emulation()
+    assert "at most 0.76 of fp16's ulp of max(|y|, 1); below x = -2" in " ".join(
+        line.removeprefix("// ") for line in header.splitlines())
 
     def activate_h2(x, a):
         x = np.maximum(r(x), floor)
         hx = r(x * half)
-        if a == 2:
-            clamp, z4, z2, z0 = block(2)
-            x2 = np.minimum(r(x * x), clamp)
-            z = r(x * r(r(z4 * x2 + z2) * x2 + z0))
-        else:
-            k1, k0 = block(3)
-            z = r(x * r(k1 * r(x * x) + k0))
-        return r(hx * r(np.tanh(z)) + hx)
+        return r(hx * r(np.tanh(z_of(x, a))) + hx)
 
-    erf = np.vectorize(math.erf)
-    refs = {2: (lambda x: 0.5 * x * (1 + erf(x / math.sqrt(2))), 0.76),
-            3: (lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))), 0.76)}
     x = r(np.linspace(-16, 16, 400001))
     limits = np.array([-65504.0, 65504.0, -np.inf])
-    assert "h2_max_nan(x, H2(0xFBFFu))" in body and "max.NaN.f16x2" in header  # a NaN stays NaN, as np.maximum keeps it
-    for a, (ref_fn, ulps) in refs.items():
+    for a in (2, 3):
         with np.errstate(over="ignore"):
-            ref = ref_fn(x)
+            ref = _gelu64(a)(x)
         ulp = np.spacing(r(np.maximum(np.abs(ref), 1)).astype(np.float16)).astype(np.float64)
-        assert (np.abs(activate_h2(x, a) - ref) / ulp).max() <= ulps, a
+        assert (np.abs(activate_h2(x, a) - ref) / ulp).max() <= 0.76, a
         assert activate_h2(limits, a).tolist() == [0.0, 65504.0, 0.0], a
         assert np.isnan(activate_h2(np.array([np.nan]), a)).all(), a
+
+
+def test_sm90_bf16_gelu_gate_within_its_stated_bound():
+    """The bf16 GELUs (GATE_F16X2_EPILOGUE: the gate 0.5 (1 + tanh(z)) on f16x2 pairs, y = x g in fp32),
+    emulated: before y's rounding within the fraction of bf16's ulp of max(|y|, 1) the header states;
+    past fp16's range x saturates for the gate (y = x above, 0 below), and a NaN stays NaN."""
+    import re
+
+    import numpy as np
+
+    header, r, z_of, _, half = _sm90_gelu_h2_emulation()
+    text = " ".join(line.removeprefix("// ") for line in header.splitlines())
+    bound = float(re.search(r"at most ([\d.]+) of bf16's ulp of max\(\|y\|, 1\)", text).group(1))
+    body = header[header.index("void activate_pair(float& v0"):]
+    assert "cvt.rn.satfinite.f16x2.f32" in body and "h2_fma(H2(0x3800u), h2_tanh(gelu_z_h2(x)), H2(0x3800u))" in body
+
+    def activate_pair(x, a):  # x: float32 values
+        xs = r(np.clip(x, -65504, 65504))  # satfinite (a NaN stays NaN)
+        g = r(half * r(np.tanh(z_of(xs, a))) + half)
+        return (x * g).astype(np.float32).astype(np.float64)
+
+    x = np.linspace(-16, 16, 800001).astype(np.float32).astype(np.float64)
+    for a in (2, 3):
+        ref = _gelu64(a)(x)
+        ulp = 2.0 ** -7 * 2.0 ** np.floor(np.log2(np.maximum(np.abs(ref), 1)))  # bf16's spacing at max(|y|, 1)
+        assert (np.abs(activate_pair(x, a) - ref) / ulp).max() <= bound, a
+        big = activate_pair(np.array([-1e6, 1e6, 3e38]), a)
+        assert big[0] == 0 and big[1] == 1e6 and big[2] == np.float32(3e38), a
+        assert np.isnan(activate_pair(np.array([np.nan]), a)).all(), a
 
 
 def test_argument_order_is_qdp():

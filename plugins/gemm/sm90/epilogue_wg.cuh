@@ -159,20 +159,24 @@ __device__ __forceinline__ void epilogue_tile(u32 stage, u16* Y, const u16* bias
             }
 #endif
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
+            for (int e = 0; e < 8; e += 2) {
                 // (no `+ 0` for an absent bias or residual: x + 0 is not x at -0, so it would cost an add)
-                float y = x[e];
+                float y0 = x[e], y1 = x[e + 1];
 #if BIAS_MODE != 0
-                y += b[e];
+                y0 += b[e];
+                y1 += b[e + 1];
 #endif
 #if RESIDUAL_MODE != 0 && RESIDUAL_BEFORE
-                y += r[e];
+                y0 += r[e];
+                y1 += r[e + 1];
 #endif
-                y = activate<true>(y);
+                activate_pair<true>(y0, y1);
 #if RESIDUAL_MODE != 0 && !RESIDUAL_BEFORE
-                y += r[e];
+                y0 += r[e];
+                y1 += r[e + 1];
 #endif
-                x[e] = y;
+                x[e] = y0;
+                x[e + 1] = y1;
             }
 #endif
             const uint4 o = make_uint4(pack2(x[0], x[1]), pack2(x[2], x[3]), pack2(x[4], x[5]), pack2(x[6], x[7]));
