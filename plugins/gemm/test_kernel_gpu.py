@@ -191,7 +191,7 @@ def gpu_test_sources(arch=None) -> list:
     """Every KernelSource these tests launch on ``arch`` (what bench_gemm.py --build prebuilds)."""
     out = {}
     for impl in KERNEL_SOURCES:
-        for case in CASES:
+        for case in CASES + NAN_CASES:
             cfgs = configs_of(impl, case, arch)
             if cfgs:
                 src = T.case_sources(case, config=cfgs[0], arch=arch)[0]
@@ -256,37 +256,41 @@ def test_every_candidate_config(case, impl, seed, cuda_torch):
     assert not failures, "\n".join(failures)
 
 
-#: fp16 GELU (the f16x2 epilogue) with more tiles than CTAs: both epilogue warps and consumers write tiles
-NAN_CASE = C("GemmEpilogue", (2, 1050), 3072, 768, "float16", "gelu_erf", "vector", "none")
+#: fp16 GELU (the f16x2 epilogue) and bf16 GELU (the f16x2 gate) with more tiles than CTAs: both epilogue
+#: warps and consumers write tiles
+NAN_CASES = [C("GemmEpilogue", (2, 1050), 3072, 768, dtype, "gelu_erf", "vector", "none")
+             for dtype in ("float16", "bfloat16")]
 
 
+@pytest.mark.parametrize("case", NAN_CASES, ids=lambda c: c.dtype)
 @pytest.mark.parametrize("impl", ["cuda_sm90_epilogue_wg", "cuda_sm90", "cuda_sm90_narrow", "triton"])
-def test_nan_rows_stay_nan(impl, seed, cuda_torch):
+def test_nan_rows_stay_nan(impl, case, seed, cuda_torch):
     """A NaN in a row of A makes that row of y all NaN (no epilogue turns it into a number: the f16x2 GELU's
-    -65504 floor is a max that keeps NaN), and the other rows match the reference."""
+    -65504 floor is a max that keeps NaN, and the bf16 gate's saturating conversion keeps it), and the other
+    rows match the reference."""
     import numpy as np
 
     from optfuse.kernels import launch
 
     arch = _device_arch()
-    cfgs = configs_of(impl, NAN_CASE, arch)
+    cfgs = configs_of(impl, case, arch)
     if not cfgs:
         pytest.skip(f"kernel source {impl!r} does not take this case on sm_{arch}")
-    gen = torch.Generator().manual_seed((seed + zlib.crc32(NAN_CASE.id().encode())) % (2 ** 31))
-    ins = T.case_inputs(NAN_CASE, generator=gen)
+    gen = torch.Generator().manual_seed((seed + zlib.crc32(case.id().encode())) % (2 ** 31))
+    ins = T.case_inputs(case, generator=gen)
     rows = [0, 1000, 2 * 1050 - 1]  # flattened rows: the first, a middle and the last row tile
-    a = ins[0].reshape(-1, NAN_CASE.k)
+    a = ins[0].reshape(-1, case.k)
     a[rows, 7] = float("nan")
-    ref = T.reference_of(NAN_CASE, ins).reshape(-1, NAN_CASE.n)
-    src, params = T.case_sources(NAN_CASE, config=cfgs[0], arch=arch)
+    ref = T.reference_of(case, ins).reshape(-1, case.n)
+    src, params = T.case_sources(case, config=cfgs[0], arch=arch)
     art = T.get_artifact(src, arch)
-    out = torch.full((*NAN_CASE.lead, NAN_CASE.n), 0.0, dtype=torch.float16, device="cuda")
+    out = torch.full((*case.lead, case.n), 0.0, dtype=getattr(torch, case.dtype), device="cuda")
     launch(art, params, [t.cuda() for t in ins if t is not None], [out], torch.cuda.current_stream().cuda_stream,
            sync=True)
-    y = out.reshape(-1, NAN_CASE.n).double().cpu().numpy()
+    y = out.reshape(-1, case.n).double().cpu().numpy()
     assert np.isnan(y[rows]).all(), f"{src.name}: {int((~np.isnan(y[rows])).sum())} outputs of the NaN rows are numbers"
     keep = np.setdiff1d(np.arange(y.shape[0]), rows)
-    T.check_close(y[keep], ref[keep], T.tolerance_key(NAN_CASE), src.name)
+    T.check_close(y[keep], ref[keep], T.tolerance_key(case), src.name)
 
 
 def test_default_choice_is_tested(cuda_torch):
