@@ -217,14 +217,14 @@ def launch(impl: str, m: Any, stages: int, static: dict) -> LaunchParams:
 SPLIT_K_MIN_BLOCKS = 8
 #: Narrow tiles with an activation and K <= NARROW_ACTIVATION_MAX_K: up to this many 128 x 128 tiles
 #: per CTA (H100, fp16: BERT-base FFN up at M = 2048, 2.9 a CTA, 23.3 vs 26.9 us with the epilogue
-#: warps; BERT-large's at 3.9 a CTA, 37.4 vs 35.2). Longer K was not measured. Past one tile a CTA an
-#: fp16 GELU (HALF2_ACTIVATIONS) runs ping-pong instead (README "Schedules at small M").
+#: warps; BERT-large's at 3.9 a CTA, 37.4 vs 35.2). Longer K was not measured. Past one tile a CTA a
+#: 16-bit GELU (HALF2_ACTIVATIONS) runs ping-pong instead (README "Schedules at small M").
 NARROW_ACTIVATION_WAVES = 3
-#: The activations whose fp16 epilogue computes on packed f16x2 pairs (sm90/epilogue.cuh, HALF2_EPILOGUE:
-#: GemmEpilogue, fp16, GELU erf or tanh). Ping-pong's epilogue runs on one warpgroup while the other's
-#: MMAs go on; with the short f16x2 GELU that overlap beats narrow tiles past one tile a CTA (H100, two
-#: runs, host maps: BERT-base FFN up at M = 2048 0.88x / 0.91x the narrow time, BERT-large's at M = 1024
-#: 0.93x). bf16 keeps the fp32 GELU, where ping-pong is 1.03x slower than narrow tiles.
+#: The activations whose 16-bit epilogue computes on f16x2 pairs (sm90/epilogue.cuh, GemmEpilogue, GELU
+#: erf or tanh: fp16 wholly, HALF2_EPILOGUE; bf16 the gate, GATE_F16X2_EPILOGUE). Ping-pong's epilogue runs
+#: on one warpgroup while the other's MMAs go on; with the short f16x2 GELU that overlap beats narrow tiles
+#: past one tile a CTA (H100, host maps: BERT-base FFN up at M = 2048 0.88x / 0.91x the narrow time in fp16,
+#: 0.90x / 0.88x in bf16; BERT-large's at M = 1024 0.93x fp16, 0.92x bf16).
 HALF2_ACTIVATIONS = ("gelu_erf", "gelu_tanh")
 NARROW_ACTIVATION_MAX_K = 1024
 #: The workspace a split-K plan can need: one 128 x 128 fp32 partial tile per unit.
@@ -248,7 +248,7 @@ def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, sta
     * otherwise, with an activation: narrow tiles up to one tile per CTA, and up to
       NARROW_ACTIVATION_WAVES per CTA where K <= NARROW_ACTIVATION_MAX_K (both consumer warpgroups on
       each tile, the activation in its short form: a pingpong CTA with one tile runs it, epilogue
-      included, on one warpgroup) -- except an fp16 GELU past one tile a CTA, which runs pingpong
+      included, on one warpgroup) -- except a 16-bit GELU past one tile a CTA, which runs pingpong
       unsplit (HALF2_ACTIVATIONS);
     * without one, up to a tile per CTA: pingpong unsplit (0.93-1.05x the time of narrow tiles in
       three runs: one warpgroup's epilogue overlaps the other's MMAs), or narrow tiles where K is
@@ -275,7 +275,7 @@ def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, sta
         if tiles <= grid:
             return narrow
         if k <= NARROW_ACTIVATION_MAX_K and tiles <= NARROW_ACTIVATION_WAVES * grid:
-            if dtype == "float16" and activation in HALF2_ACTIVATIONS and pingpong_takes:
+            if dtype in ("float16", "bfloat16") and activation in HALF2_ACTIVATIONS and pingpong_takes:
                 return PINGPONG, stages, 1  # its one-warpgroup epilogue is short on f16x2 pairs
             return narrow
         return None

@@ -259,8 +259,13 @@ def test_small_m_plan_choice():
     assert shape_of(C("GemmEpilogue", (512,), 2048, 256, "float16", "none", "vector", "full")) == ("cuda_sm90_narrow", 1, 1)
     # with an activation and K <= 1024, up to 3 tiles a CTA: 2048 rows (384 tiles; at 1024 rows 128 x
     # 192 tiles fill the waves better: test_wave_plan_choice), not 4096 (768) nor K = 3072; past one
-    # tile a CTA an fp16 GELU (f16x2 epilogue) runs pingpong, bf16 and other activations narrow tiles
+    # tile a CTA a 16-bit GELU (fp16's f16x2 epilogue, bf16's f16x2 gate) runs pingpong, other activations
+    # narrow tiles
     assert shape_of(C("GemmEpilogue", (2048,), 3072, 768, "bfloat16", "gelu_erf", "vector", "none")) == \
+        ("cuda_sm90_pingpong", 1, 1)
+    assert shape_of(C("GemmEpilogue", (1024,), 4096, 1024, "bfloat16", "gelu_tanh", "vector", "none")) == \
+        ("cuda_sm90_pingpong", 1, 1)
+    assert shape_of(C("GemmEpilogue", (2048,), 3072, 768, "bfloat16", "silu", "vector", "none")) == \
         ("cuda_sm90_narrow", 1, 1)
     assert shape_of(C("GemmEpilogue", (2048,), 3072, 768, "float16", "silu", "vector", "none")) == \
         ("cuda_sm90_narrow", 1, 1)
