@@ -158,8 +158,8 @@ __device__ __forceinline__ float2 scale_pair(const Scales& sc, const float* w, i
 // bound; GatedGemm's up value multiplies the absolute error (H100, GELU tanh: -2.4e-3 for y = -1.1e-4).
 #define HALF2_EPILOGUE (OPTFUSE_DTYPE == 1 && !IN_FP8 && !GATED && (ACTIVATION == 2 || ACTIVATION == 3))
 // bf16 GemmEpilogue with GELU: bias, alpha and residual stay fp32, and only the GELU's gate
-// g = 0.5 (1 + tanh(z)) is computed on f16x2 pairs (x rounded to fp16 with saturation, z as below,
-// one tanh.approx.f16x2 for two elements: a quarter of the fp32 GELU erf's SFU operations), y = x g
+// g = 0.5 (1 + tanh(z)) is computed on f16x2 pairs (x rounded to fp16 with saturation, z as below;
+// tanh.approx.f16x2 compiles to one MUFU.TANH.F16 an element, half the fp32 forms' ex2 + rcp), y = x g
 // in fp32. The error before y's rounding, emulated on the CPU (test_launch.py) over x in [-16, 16]:
 // at most 0.12 of bf16's ulp of max(|y|, 1) (1.3e-3 at x = 3.4, where g's fp16 rounding near 1 is it).
 #define GATE_F16X2_EPILOGUE (OPTFUSE_DTYPE == 2 && !IN_FP8 && !GATED && (ACTIVATION == 2 || ACTIVATION == 3))
