@@ -241,7 +241,7 @@ def shape_of(case):
 def test_small_m_plan_choice():
     """At run time, in 128 x 128 tiles: at most half a tile per CTA, pingpong with K split into the
     largest divisor of the k-blocks that keeps units <= 132 and >= 8 k-blocks each; otherwise, with
-    an activation, narrow tiles up to a tile per CTA (three with K <= 1024, where an fp16 GELU runs
+    an activation, narrow tiles up to a tile per CTA (three with K <= 1024, where a 16-bit GELU runs
     pingpong past one tile a CTA); without one, pingpong
     up to a tile per CTA and at 2-3 waves of tiles; larger M, GatedGemm, FP8 and other archs keep
     the one kernel (None) or take 128 x 192 tiles (test_wave_plan_choice)."""
