@@ -576,8 +576,8 @@ def plan_choice(op: str, dtype: str, m: int, n: int, k: int, cfg: GemmConfig, st
     """(schedule, ring stages, splits) of the run-time plan at M = ``m`` rows, where the static choice
     is the sm_90 config ``cfg``. launch_sm90.small_m_schedule first; where it leaves one kernel (the
     static choice or an unsplit plan), 128 x 192 tiles instead if they fill the grid's waves much better
-    (launch_sm90.wave_schedule); where both keep the static choice, the epilogue-warp schedule's wide
-    tiles for a plain projection at large M (launch_sm90.large_m_schedule); else the static choice's
+    (launch_sm90.wave_schedule); where both keep the static choice, the epilogue-warp schedule for a
+    plain projection or a GatedGemm at large M (launch_sm90.large_m_schedule); else the static choice's
     own schedule (``cfg``'s, one split)."""
     impl = cfg.impl
     choice = launch_sm90.small_m_schedule(op, dtype, m, n, k, impl, static, activation)
@@ -616,9 +616,10 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     """At concrete shapes, wherever the sm_90 kernel was chosen: plan_choice's schedule for this M
     (narrow tiles or the pingpong kernel alone, or split-K -- the pingpong kernel writing fp32 partial
     planes to the workspace, then gemm_sm90_splitk_reduce (op inputs A, W[, bias][, residual] ->
-    workspace -> y); 128 x 192 tiles; the epilogue-warp schedule for large-M plain projections), else the
-    static choice's schedule; either with its tensor maps encoded by the launcher (about 1 us a launch
-    that each CTA spends building them in the kernel of kernel_config, H100). None: the one kernel of
+    workspace -> y); 128 x 192 tiles; the epilogue-warp schedule for large-M plain projections and
+    GatedGemm), else the static choice's schedule; either with its tensor maps encoded by the launcher
+    (about 1 us a launch that each CTA spends building them in the kernel of kernel_config, H100). None:
+    the one kernel of
     kernel_config / launch_params runs (another arch or the Triton kernel; QDP's AOT path always runs
     that kernel). ``host_maps=False``: the same plan with the maps built on the device (an A/B of the two;
     the schedule rules still assume the host's). ``schedule``: that sm_90 schedule (SM90_SCHEDULES) instead

@@ -331,18 +331,25 @@ def wave_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
 PLAIN_WIDE_MIN_WAVES = 5
 
 
+#: GatedGemm takes the cooperative schedule statically; from this many rows on, the epilogue-warp schedule
+#: (the gate product in the producer's warpgroup, behind the next tile's MMAs) is faster on both LLaMA shapes
+#: (H100, fp16, README "GatedGemm at large M": 0.944-0.992x at M = 24576 / 32768). Below it they split:
+#: LLaMA-7B 1.016-1.021x at M = 8192 / 16384, LLaMA-13B 0.956x at 16384.
+GATED_EPILOGUE_WG_MIN_ROWS = 24576
+
+
 def large_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str,
                      static: dict) -> tuple[str, int, int] | None:
     """(EPILOGUE_WG, ring stages, 1) where the static choice is ping-pong (a plain projection) and M
-    gives at least PLAIN_WIDE_MIN_WAVES waves of 128 x 256 tiles, or None."""
-    if op != "GemmEpilogue" or impl != PINGPONG:
-        return None
+    gives at least PLAIN_WIDE_MIN_WAVES waves of 128 x 256 tiles, or where a GatedGemm has at least
+    GATED_EPILOGUE_WG_MIN_ROWS rows (16-bit: an FP8 instance runs its static schedule); else None."""
     if takes(op, dtype, n, static, static.get("arch"), EPILOGUE_WG, k, host_maps=True) is not None:
         return None
-    grid = grid_size(static)
-    if tile_count(m, n, 256) < PLAIN_WIDE_MIN_WAVES * grid:
-        return None
-    return EPILOGUE_WG, stage_options(EPILOGUE_WG)[0], 1
+    if op == "GatedGemm":
+        wide = m >= GATED_EPILOGUE_WG_MIN_ROWS
+    else:
+        wide = impl == PINGPONG and tile_count(m, n, 256) >= PLAIN_WIDE_MIN_WAVES * grid_size(static)
+    return (EPILOGUE_WG, stage_options(EPILOGUE_WG)[0], 1) if wide else None
 
 
 def reduce_source(op: str, dtype: str, n: int, k: int, epi: Any, stages: int, group_m: int, split_k: int,

@@ -299,7 +299,8 @@ def test_small_m_plan_choice():
 
 def test_large_m_plan_choice():
     """Plain projections (ping-pong statically) take the epilogue-warp schedule from PLAIN_WIDE_MIN_WAVES
-    waves of 128 x 256 tiles on; other static choices, GatedGemm and smaller M keep theirs."""
+    waves of 128 x 256 tiles on, 16-bit GatedGemm from GATED_EPILOGUE_WG_MIN_ROWS rows; other static
+    choices, FP8 and smaller M keep theirs."""
     C = T.Case
     wide = ("cuda_sm90_epilogue_wg", 1, 1)
     waves = L9.PLAIN_WIDE_MIN_WAVES
@@ -312,11 +313,19 @@ def test_large_m_plan_choice():
     # BERT-base QKV at M = 32768: 2304 tiles (17.5 waves); at 4096 ping-pong stays
     assert shape_of(C("GemmEpilogue", (32768,), 2304, 768, "float16", "none", "vector", "none")) == wide
     assert shape_of(C("GemmEpilogue", (4096,), 2304, 768, "float16", "none", "vector", "none")) is None
-    # not plain: an activation (epilogue warps statically), a residual, K > 2048, GatedGemm
+    # not plain: an activation (epilogue warps statically), a residual, K > 2048
     assert shape_of(C("GemmEpilogue", (65536,), 3072, 768, "float16", "gelu_erf", "vector", "none")) is None
     assert shape_of(C("GemmEpilogue", (65536,), 1024, 1024, "float16", "none", "vector", "full")) is None
     assert shape_of(C("GemmEpilogue", (65536,), 12288, 4096, "float16", "none", "none", "none")) is None
-    assert shape_of(C("GatedGemm", (65536,), 11008, 4096, "float16", "silu")) is None
+    # GatedGemm: by rows (LLaMA-7B / 13B gate / up), in any batch layout; FP8 keeps the cooperative schedule
+    rows = L9.GATED_EPILOGUE_WG_MIN_ROWS
+    gated_wide = ("cuda_sm90_epilogue_wg", 1, 1)
+    assert shape_of(C("GatedGemm", (rows,), 11008, 4096, "float16", "silu")) == gated_wide
+    assert shape_of(C("GatedGemm", (4, rows // 4), 13824, 5120, "bfloat16", "silu")) == gated_wide
+    assert shape_of(C("GatedGemm", (2, rows), 2816, 1024, "bfloat16", "gelu_tanh")) == gated_wide
+    assert shape_of(C("GatedGemm", (rows - 1,), 11008, 4096, "float16", "silu")) is None
+    assert shape_of(C("GatedGemm", (4096,), 13824, 5120, "bfloat16", "silu")) is None
+    assert shape_of(C("GatedGemm", (rows,), 11008, 4096, "float8e4m3fn", "silu", output_dtype="bfloat16")) is None
     # the plan's kernel and launch are the epilogue-warp config's (which test_kernel_gpu runs at every M),
     # with host-encoded tensor maps
     case = C("GemmEpilogue", (9472,), 2304, 520, "bfloat16", "none", "vector", "none")
