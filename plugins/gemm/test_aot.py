@@ -297,6 +297,14 @@ def test_small_m_plan_choice():
     assert L.launch_plan(case.op, case.shapes(), case.dtypes(), case.attrs, static_shape=T.case_static(case, 89)) is None
 
 
+def test_gpu_plan_cases_name_their_plans():
+    """Each of test_kernel_gpu's PLAN_CASES names the plan kind the rules give it at 132 SMs, so that a rule
+    change which moves a case to another schedule shows on CPU, not first on the device."""
+    gpu = plugin_module("gemm", "test_kernel_gpu")
+    kinds = {case.id(): T.plan_kind(T.case_plan(case, 90)) for case, _ in gpu.PLAN_CASES}
+    assert kinds == {case.id(): kind for case, kind in gpu.PLAN_CASES}
+
+
 def test_large_m_plan_choice():
     """Plain projections (ping-pong statically) take the epilogue-warp schedule from PLAIN_WIDE_MIN_WAVES
     waves of 128 x 256 tiles on, 16-bit GatedGemm from GATED_EPILOGUE_WG_MIN_ROWS rows; other static

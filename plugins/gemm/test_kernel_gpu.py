@@ -123,6 +123,9 @@ PLAN_CASES = [
     (C("GemmEpilogue", (2, 700), 3072, 768, "float16", "silu", "scalar", "none"), "narrow"),    # 2 tiles a CTA
     # an fp16 GELU past one tile a CTA: pingpong unsplit (a residual after it; 288 tiles)
     (C("GemmEpilogue", (2, 520), 4096, 1024, "float16", "gelu_tanh", "vector", "full"), "pingpong"),
+    # ... and a bf16 one (its gate on f16x2 pairs), a residual before it (384 tiles)
+    (C("GemmEpilogue", (2, 1000), 3072, 768, "bfloat16", "gelu_erf", "vector", "full", "before_activation"),
+     "pingpong"),
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "relu2", "vector", "none"), "pingpong split-K x6"),  # relu2 in the reduce
     # the reduce's epilogue in fp16: GELU erf in f16x2 with a residual after it, SiLU (fp32) with one before
     (C("GemmEpilogue", (300,), 768, 3072, "float16", "gelu_erf", "vector", "full"), "pingpong split-K x6"),
