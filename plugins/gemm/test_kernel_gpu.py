@@ -136,8 +136,8 @@ PLAN_CASES = [
     (C("GemmEpilogue", (1000,), 2304, 768, "float16", "none", "vector", "none"), "n192"),
     # plain projections at large M: the epilogue-warp schedule's wide tiles (PLAIN_WIDE_MIN_WAVES)
     (C("GemmEpilogue", (9472,), 2304, 520, "bfloat16", "none", "vector", "none"), "epilogue_wg"),
-    # GatedGemm at large M (GATED_EPILOGUE_WG_MIN_ROWS): the epilogue-warp schedule, the weights' pair map
-    (C("GatedGemm", (2, 12300), 2816, 1024, "bfloat16", "silu"), "epilogue_wg"),
+    # GatedGemm at large M (GATED_EPILOGUE_WG_MIN_ROWS): the epilogue-warp schedule, the weights' pair map, a K tail
+    (C("GatedGemm", (2, 12300), 1152, 776, "bfloat16", "silu"), "epilogue_wg"),
     # the static choice's schedule
     (C("GemmEpilogue", (4096,), 1024, 1024, "float16", "none", "vector", "full"), "cooperative"),
     # 128 x 192 tiles with a TMA residual and a partial last column tile (64 / 128 of 192 columns)
