@@ -620,10 +620,10 @@ def launch_plan(op: Any, shapes: Sequence[Sequence[Any] | None], dtypes: Sequenc
     GatedGemm), else the static choice's schedule; either with its tensor maps encoded by the launcher
     (about 1 us a launch that each CTA spends building them in the kernel of kernel_config, H100). None:
     the one kernel of kernel_config / launch_params runs (another arch or the Triton kernel; QDP's AOT
-    path always runs that kernel). ``host_maps=False``: the same plan with the maps built on the device (an A/B of the two;
-    the schedule rules still assume the host's). ``schedule``: that sm_90 schedule (SM90_SCHEDULES) instead
-    of plan_choice's, unsplit, with its first ring-stage option (a benchmark's A/B of the schedules; 16-bit
-    instances); ValueError where it does not take the instance."""
+    path always runs that kernel). ``host_maps=False``: the same plan with the maps built on the device
+    (an A/B of the two; the schedule rules still assume the host's). ``schedule``: that sm_90 schedule
+    (SM90_SCHEDULES) instead of plan_choice's, unsplit, with its first ring-stage option (a benchmark's A/B
+    of the schedules; 16-bit instances); ValueError where it does not take the instance."""
     op = _check_op(op)
     dtype = norm_dtype(dtypes[0])
     static = static_shape if static_shape is not None else _static_shape_of(op, shapes, dtypes)

@@ -275,7 +275,7 @@ def small_m_schedule(op: str, dtype: str, m: int, n: int, k: int, impl: str, sta
         if tiles <= grid:
             return narrow
         if k <= NARROW_ACTIVATION_MAX_K and tiles <= NARROW_ACTIVATION_WAVES * grid:
-            if dtype in ("float16", "bfloat16") and activation in HALF2_ACTIVATIONS and pingpong_takes:
+            if activation in HALF2_ACTIVATIONS and pingpong_takes:  # 16-bit: takes(NARROW) refused the others
                 return PINGPONG, stages, 1  # its one-warpgroup epilogue is short on f16x2 pairs
             return narrow
         return None

@@ -327,10 +327,9 @@ def test_large_m_plan_choice():
     assert shape_of(C("GemmEpilogue", (65536,), 12288, 4096, "float16", "none", "none", "none")) is None
     # GatedGemm: by rows (LLaMA-7B / 13B gate / up), in any batch layout; FP8 keeps the cooperative schedule
     rows = L9.GATED_EPILOGUE_WG_MIN_ROWS
-    gated_wide = ("cuda_sm90_epilogue_wg", 1, 1)
-    assert shape_of(C("GatedGemm", (rows,), 11008, 4096, "float16", "silu")) == gated_wide
-    assert shape_of(C("GatedGemm", (4, rows // 4), 13824, 5120, "bfloat16", "silu")) == gated_wide
-    assert shape_of(C("GatedGemm", (2, rows), 2816, 1024, "bfloat16", "gelu_tanh")) == gated_wide
+    assert shape_of(C("GatedGemm", (rows,), 11008, 4096, "float16", "silu")) == wide
+    assert shape_of(C("GatedGemm", (4, rows // 4), 13824, 5120, "bfloat16", "silu")) == wide
+    assert shape_of(C("GatedGemm", (2, rows), 2816, 1024, "bfloat16", "gelu_tanh")) == wide
     assert shape_of(C("GatedGemm", (rows - 1,), 11008, 4096, "float16", "silu")) is None
     assert shape_of(C("GatedGemm", (4096,), 13824, 5120, "bfloat16", "silu")) is None
     assert shape_of(C("GatedGemm", (rows,), 11008, 4096, "float8e4m3fn", "silu", output_dtype="bfloat16")) is None
