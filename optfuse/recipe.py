@@ -174,6 +174,16 @@ class Tolerances(_Strict):
     outputs: dict[str, OutputTolerance] = {}
 
 
+class PrecisionTolerances(Tolerances):
+    """Tolerances of the reduced-precision candidates: the atol / rtol / outputs here hold for every
+    mode; a mode's own table (``fp16``, ``bf16``, ``fp8``) goes over them for that mode, so a recipe
+    written for FP16 does not hold a ``--bf16`` or ``--fp8`` run to FP16's bar."""
+
+    fp16: Optional[Tolerances] = None
+    bf16: Optional[Tolerances] = None
+    fp8: Optional[Tolerances] = None
+
+
 class Calibration(_Strict):
     """FP8 calibration: how many batches, from where, and how each activation's amax is chosen."""
 
@@ -202,9 +212,10 @@ class Precision(_Strict):
     # pays on target.arch), on (every node), off (none)
     fp8_attention: Literal["auto", "on", "off"] = "auto"
     calibration: Calibration = Calibration()
-    # how close the reduced-precision model must stay to the FP32 original (defaults by mode);
-    # the top-level `tolerances` are for FP32 candidates (the fused model)
-    tolerances: Tolerances = Tolerances()
+    # how close the reduced-precision model must stay to the FP32 original: for every mode, with a
+    # table per mode over it (`fp16: {atol: ...}`); what neither sets is the mode's default. The
+    # top-level `tolerances` are for FP32 candidates (the fused model)
+    tolerances: PrecisionTolerances = PrecisionTolerances()
 
     @field_validator("fp8_attention", mode="before")
     @classmethod
@@ -301,18 +312,26 @@ class Recipe(_Strict):
         spec = self.inputs[input_name]
         return [d if isinstance(d, int) else self.dims[d].opt for d in spec.shape]
 
+    def tolerance_tables(self, mode: str = "fp32") -> list[Tolerances]:
+        """The recipe's tables for a candidate computed in `mode`, general first: `tolerances` for
+        fp32; `precision.tolerances`, then its table for the mode (if any), otherwise."""
+        if mode == "fp32":
+            return [self.tolerances]
+        mine = getattr(self.precision.tolerances, mode)
+        return [self.precision.tolerances] + ([mine] if mine is not None else [])
+
     def tolerance(self, output: str | None, mode: str = "fp32") -> tuple[float, float]:
-        """(atol, rtol) for one output of a candidate computed in `mode`: its override, else the
-        recipe default (`tolerances` for fp32, `precision.tolerances` otherwise), else the mode's
-        default. ``output=None``: the default of every output without an override."""
+        """(atol, rtol) for one output of a candidate computed in `mode`: each of tolerance_tables
+        in turn (its default, then its override for the output) over the mode's default, so the
+        mode's own table wins. ``output=None``: the default of every output without an override."""
         atol, rtol = DEFAULT_TOLERANCES[mode]
-        t = self.tolerances if mode == "fp32" else self.precision.tolerances
-        atol = t.atol if t.atol is not None else atol
-        rtol = t.rtol if t.rtol is not None else rtol
-        o = t.outputs.get(output) if output is not None else None
-        if o is not None:
-            atol = o.atol if o.atol is not None else atol
-            rtol = o.rtol if o.rtol is not None else rtol
+        for t in self.tolerance_tables(mode):
+            atol = t.atol if t.atol is not None else atol
+            rtol = t.rtol if t.rtol is not None else rtol
+            o = t.outputs.get(output) if output is not None else None
+            if o is not None:
+                atol = o.atol if o.atol is not None else atol
+                rtol = o.rtol if o.rtol is not None else rtol
         return atol, rtol
 
 

@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from optfuse.defaults import DEFAULT_TOLERANCES
 from optfuse.errors import InputError
+from optfuse.pipeline.options import verify_options
 from optfuse.recipe import Recipe, load_recipe, recipe_from_dict
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
@@ -68,6 +70,10 @@ def test_shipped_recipes_validate(path):
     assert r.name
     for name in r.inputs:
         assert all(v >= 1 for v in r.opt_shape(name))
+    # their reduced-precision tolerances are FP16's: `convert --bf16` / `--fp8` holds the candidate to that
+    # mode's own default, not to FP16's bar (a bf16 tiny LLaMA is ~0.03 off, an fp8 one ~0.3)
+    for mode in ("bf16", "fp8"):
+        assert r.tolerance(None, mode) == DEFAULT_TOLERANCES[mode], mode
 
 
 def test_good_recipe_and_derived_values(tmp_path):
@@ -85,6 +91,30 @@ def test_good_recipe_and_derived_values(tmp_path):
     assert r.fusions.enabled() == ["layer_norm", "rms_norm", "gemm", "skip_norm"]
     assert r.resolve_path(r.model.path) == tmp_path / "model.onnx"  # relative to the recipe file
     assert r.target.arch == "sm_89"
+
+
+def test_precision_tolerances_per_mode(tmp_path):
+    """precision.tolerances: the flat atol / rtol / outputs hold for every reduced mode, a mode's own table
+    goes over them (its outputs too), and what neither sets is the mode's default; fp32 candidates keep the
+    top-level table."""
+    r = load_recipe(_write(tmp_path, _with(precision__tolerances={
+        "rtol": 0.03, "outputs": {"logits": {"atol": 0.2}},
+        "fp8": {"atol": 0.4, "outputs": {"hidden": {"rtol": 0.5}}},
+        "bf16": {"rtol": 0.07}})))
+    assert r.tolerance("other", "fp16") == (1e-2, 0.03)
+    assert r.tolerance("logits", "fp16") == (0.2, 0.03)
+    assert r.tolerance("other", "bf16") == (5e-2, 0.07)
+    assert r.tolerance("other", "fp8") == (0.4, 0.03)
+    assert r.tolerance("logits", "fp8") == (0.4, 0.03)  # the mode's atol goes over the flat output's
+    assert r.tolerance("hidden", "fp8") == (0.4, 0.5)
+    assert r.tolerance("hidden", "fp16") == (1e-2, 0.03)
+    assert r.tolerance("logits") == (1e-3, 0.05)
+    opts = verify_options(r)
+    assert opts.tolerances["fp8"].outputs == {"logits": (0.4, 0.03), "hidden": (0.4, 0.5)}
+    assert opts.tolerances["fp16"].outputs == {"logits": (0.2, 0.03)}
+    lines = _errors(tmp_path, _with(precision__tolerances={"fp8": {"atoll": 1}}))
+    assert lines == [f"recipe {tmp_path / 'r.yaml'}: field 'precision.tolerances.fp8.atoll': unknown key; "
+                     "expected one of: atol, rtol, outputs"], lines
 
 
 def test_export_config_overrides():

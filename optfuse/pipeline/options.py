@@ -420,9 +420,8 @@ def verify_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES,
         if recipe is None:
             table = Tolerances(*DEFAULT_TOLERANCES[mode])
         else:
-            section = recipe.tolerances if mode == "fp32" else recipe.precision.tolerances
-            table = Tolerances(*recipe.tolerance(None, mode),
-                               outputs={o: recipe.tolerance(o, mode) for o in section.outputs})
+            named = {o for t in recipe.tolerance_tables(mode) for o in t.outputs}
+            table = Tolerances(*recipe.tolerance(None, mode), outputs={o: recipe.tolerance(o, mode) for o in named})
         tolerances[mode] = _override_tolerances(table, overrides)
     if recipe is None:
         return VerifyOptions(inputs=inputs, dims=opt, tolerances=tolerances)
