@@ -303,6 +303,46 @@ def test_sliding_window_families_fuse_with_their_windows(fused_export, family, e
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family,exporter", [(f, e) for f in LAYERS for e in ("torchscript", "dynamo")])
+def test_verify_leaves_out_the_padded_queries_that_see_no_real_key(fused_export, family, exporter):
+    """Every fused node of a padded causal / window mask names its mask in its metadata, so verify compares
+    the fused model everywhere but at the padded queries whose view holds no real key: every position that
+    differs is left out, only padded positions are, and verify passes; without the metadata it fails where a
+    position differs (every export but Mistral's and Qwen2's TorchScript SDPA graphs, whose padded rows already
+    come out as the fused node's)."""
+    from optfuse.models import make_inputs
+    from optfuse.verify import padded_query_inputs, verify
+    from optfuse.verify.compare import PADDED_QUERIES_KEY, padded_positions
+
+    em, model, fused, _ = fused_export(family, exporter, "eager" if family == "gemma2" else "sdpa")
+    views = padded_query_inputs(fused)
+    assert list(views) == ["attention_mask"]
+    assert sorted(views["attention_mask"]) == sorted({(1, w - 1 if w else -1) for _, w in LAYERS[family]})
+    out = model.graph.output[0].name
+    differing = []
+    for name, mask in _padded_masks(DIMS["sequence"]).items():
+        feeds = make_inputs(em.inputs, {"batch": mask.shape[0], "sequence": mask.shape[1]}, seed=0)
+        feeds["attention_mask"] = mask
+        ref, got = _run(model, feeds)[0], _run(fused, feeds)[0]
+        (keep,), masks = padded_positions(model, out, views, [feeds], [ref], [got])
+        differs = np.abs(ref - got).max(axis=-1) > 1e-4
+        assert masks == ["attention_mask"], name
+        assert not (differs & keep).any() and not (~keep & mask.astype(bool)).any(), name
+        result = verify(model, fused, feeds=[feeds])
+        assert result.passed and result.left_out.startswith(f"not compared: {out} at {int((~keep).sum())} of "), name
+        differing += [feeds] if differs.any() else []
+    assert differing or (exporter == "torchscript" and family != "gemma2")
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(fused)
+    for n in stripped.graph.node:
+        kept = [p for p in n.metadata_props if p.key != PADDED_QUERIES_KEY]
+        del n.metadata_props[:]
+        n.metadata_props.extend(kept)
+    for feeds in differing:
+        assert not verify(model, stripped, feeds=[feeds]).passed
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("exporter,attn", [(e, a) for e in ("torchscript", "dynamo") for a in ("sdpa", "eager")])
 def test_bert_padded_batches_exact(fused_export, exporter, attn):
     """Key padding only: every row keeps its real keys, so left and right padding are exact everywhere."""

@@ -215,3 +215,37 @@ def test_verify_options_carry_the_recipe_tolerances():
             assert tolerance(opts, out, mode) == r.tolerance(out, mode), (mode, out)
     assert tolerance(opts, "y", "fp32", atol=7.0) == (7.0, 0.5)  # an explicit atol wins, the rtol stays
     assert tolerance(None, "y", "bf16") == (5e-2, 5e-2)
+
+
+def test_padded_queries_left_out_where_no_real_key_is_seen():
+    """The positions verify leaves out of an output [batch, sequence, ...]: a padded query whose causal / window
+    view of the mask holds no real key (one per key view of the mask's fused nodes); nothing where the output's
+    leading dims are not the mask's named dims, or the mask is not fed."""
+    from optfuse.verify.compare import padded_positions
+
+    def vi(name, dims):
+        return onnx.helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
+
+    graph = onnx.helper.make_graph([], "g", [vi("attention_mask", ["batch", "sequence"])],
+                                   [vi("y", ["batch", "sequence", 4]), vi("pooled", ["batch", 4])])
+    model = onnx.helper.make_model(graph)
+    mask = np.array([[1, 1, 1, 0, 0, 0, 0, 0],    # right padding
+                     [0, 0, 0, 0, 0, 1, 1, 1],    # left padding
+                     [0, 0, 0, 0, 0, 0, 0, 0]])   # no real key at all
+    feed = {"attention_mask": mask}
+    y = np.zeros((3, 8, 4))
+
+    def left_out(views, output="y", arr=y):
+        keep, masks = padded_positions(model, output, {"attention_mask": views}, [feed], [arr], [arr])
+        return None if keep is None else (~keep[0]).astype(int).tolist()
+
+    # causal: right padding keeps key 0 in view; left-padded queries before the first real key see none
+    assert left_out([(1, -1)]) == [[0] * 8, [1] * 5 + [0] * 3, [1] * 8]
+    # window_left 2 (keys i-2..i): right-padded queries from 3 + 2 on lose the real keys too
+    assert left_out([(1, 2)]) == [[0] * 5 + [1] * 3, [1] * 5 + [0] * 3, [1] * 8]
+    # both views (a global and a local layer): the union
+    assert left_out([(1, -1), (1, 2)]) == left_out([(1, 2)])
+    # a non-causal left window sees every later key: left padding keeps a real key in every view
+    assert left_out([(0, 2)]) == [[0] * 5 + [1] * 3, [0] * 8, [1] * 8]
+    assert left_out([(1, -1)], "pooled", np.zeros((3, 4))) is None  # not indexed by the mask's dims
+    assert padded_positions(model, "y", {"attention_mask": [(1, -1)]}, [{}], [y], [y]) == (None, [])

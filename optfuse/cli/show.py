@@ -104,4 +104,6 @@ def verification(out: Console, result: VerifyResult, show_inputs: bool = False) 
         t.add_row(o.name, f"{o.max_abs:.3g}", f"{o.max_rel:.3g}", f"{o.mean_abs:.3g}", *extra, f"{o.atol:g}",
                   f"{o.rtol:g}", res)
     out.print(t)
+    if result.left_out:
+        out.print(f"{result.left_out[:1].upper()}{result.left_out[1:]}.", markup=False, highlight=False)
     out.print("[green]verification passed[/]" if result.passed else "[red]verification failed[/]")

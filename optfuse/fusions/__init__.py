@@ -121,7 +121,9 @@ def fuse_model(model, dims: dict[str, int] | None = None, families: Iterable[str
 
 def _stamp_fused_nodes(model, result: FusionResult) -> None:
     """Each fused node's rule id and the original nodes it replaced, as node metadata
-    (``optfuse.rule``, ``optfuse.replaced``: a JSON list), for per-node verification."""
+    (``optfuse.rule``, ``optfuse.replaced``: a JSON list), for per-node verification; and where an
+    attention node is not exact at padded queries, the mask input that marks them
+    (``optfuse.padded_queries_inexact``), for verify to leave those positions out."""
     import json
 
     by_name = {a.node_name: a for a in result.accepted}
@@ -129,6 +131,9 @@ def _stamp_fused_nodes(model, result: FusionResult) -> None:
         acc = by_name.get(node.name)
         if acc is None:
             continue
-        for key, value in (("optfuse.rule", acc.rule), ("optfuse.replaced", json.dumps(acc.nodes))):
+        stamps = [("optfuse.rule", acc.rule), ("optfuse.replaced", json.dumps(acc.nodes))]
+        if "padded_queries_inexact" in acc.rewrite.info:
+            stamps.append(("optfuse.padded_queries_inexact", acc.rewrite.info["padded_queries_inexact"]))
+        for key, value in stamps:
             entry = node.metadata_props.add()
             entry.key, entry.value = key, value

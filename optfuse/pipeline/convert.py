@@ -242,7 +242,7 @@ def _convert_into(outdir: Path, model: str | os.PathLike | None, recipe: Recipe 
         build_error = _build_step(res, prec_path, engine_path, recipe, plan, skip_build, progress, overrides)
         step.detail = f"{res.steps[-1].state}: {res.steps[-1].detail.splitlines()[0] if res.steps[-1].detail else ''}"
     with progress.step("verify engine") as step:
-        _engine_step(res, path, engine_path, recipe, resolved, iterations, seed, progress, overrides)
+        _engine_step(res, path, prec_path, engine_path, recipe, resolved, iterations, seed, progress, overrides)
         step.detail = f"{res.steps[-1].state}: {res.steps[-1].detail.splitlines()[0] if res.steps[-1].detail else ''}"
 
     write_accuracy_report(res.accuracy, outdir)
@@ -419,12 +419,13 @@ def _build_step(res: ConvertOutcome, prec_path: Path, engine_path: Path, recipe:
     return None
 
 
-def _engine_step(res: ConvertOutcome, path: Path, engine_path: Path, recipe: Recipe | None, resolved: str | None,
-                 iterations: int | None, seed: int, status: Status, overrides: Overrides) -> None:
-    """The engine check: the FP32 original in onnxruntime vs the engine, at the recipe's precision."""
+def _engine_step(res: ConvertOutcome, path: Path, prec_path: Path, engine_path: Path, recipe: Recipe | None,
+                 resolved: str | None, iterations: int | None, seed: int, status: Status, overrides: Overrides) -> None:
+    """The engine check: the FP32 original in onnxruntime vs the engine (built from ``prec_path``), at the
+    recipe's precision."""
     from ..report import verify_line
     from ..trt.run import run_engine
-    from ..verify import verify_against
+    from ..verify import padded_query_inputs, verify_against
 
     rep = res.build_report
     if rep is None:
@@ -439,7 +440,7 @@ def _engine_step(res: ConvertOutcome, path: Path, engine_path: Path, recipe: Rec
         ve = verify_against(path, functools.partial(run_engine, engine_path, backend=resolved),
                             verify_options(recipe, overrides, model_header(path)),
                             mode=precision_options(recipe, overrides).mode, iterations=iterations or 3, seed=seed,
-                            candidate_label=str(engine_path))
+                            candidate_label=str(engine_path), padded_queries=padded_query_inputs(model_header(prec_path)))
     except Exception as exc:  # a runtime failure of the engine is a failed check, reported
         res.accuracy["engine"] = NotExecuted(error=f"{type(exc).__name__}: {exc}")
         res.steps.append(Step("verify (engine)", "failed", f"{type(exc).__name__}: {exc}"))

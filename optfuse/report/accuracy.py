@@ -48,6 +48,8 @@ def accuracy_markdown(checks: Mapping[str, Check], title: str = "# Accuracy") ->
         lines += [f"{d['iterations']} iteration(s), seed {d['seed']}: **{'pass' if d['passed'] else 'FAIL'}**", ""]
         if d.get("method"):
             lines += [f"Candidate run as: {d['method']}.", ""]
+        if d.get("left_out"):
+            lines += [f"{d['left_out'][:1].upper()}{d['left_out'][1:]}.", ""]
         lines += ["| output | max abs | max rel | mean abs | p99 abs | cosine | top-1 | atol | rtol | result |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for o in d["outputs"]:

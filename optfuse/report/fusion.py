@@ -161,6 +161,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Verification", "",
                   f"{'PASSED' if ver.get('passed') else 'FAILED'} over {ver.get('iterations')} iteration(s) "
                   f"(seed {ver.get('seed')}).", "",
+                  *([f"{ver['left_out'][:1].upper()}{ver['left_out'][1:]}.", ""] if ver.get("left_out") else []),
                   "| output | max abs | max rel | mean abs | atol | rtol | result |", "|---|---:|---:|---:|---:|---:|---|"]
         for o in ver.get("outputs", []):
             res = "pass" if o["passed"] else ("FAIL" + (f": {o['note']}" if o.get("note") else ""))

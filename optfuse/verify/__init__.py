@@ -30,7 +30,8 @@ planning and feeds), :mod:`.compare` (running and comparing), :mod:`.per_node` (
 tensor compared, per-node error growth and its attribution).
 """
 
-from .compare import CandidateRunner, Feeds, compare_arrays, head_outputs, precision_of, verify, verify_against
+from .compare import (CandidateRunner, Feeds, compare_arrays, head_outputs, padded_query_inputs, precision_of, verify,
+                      verify_against)
 from .inputs import DEFAULT_INT_HIGH, InputPlan, gather_table_rows, make_feed, plan_inputs, right_padded_mask
 from .options import (DEFAULT_ITERATIONS, Agreement, CheckError, FeedSpec, InputInfo, NotExecuted, OutputResult, Tolerances,
                       VerifyOptions, VerifyResult, default_tolerances, tolerance)
@@ -38,6 +39,7 @@ from .options import (DEFAULT_ITERATIONS, Agreement, CheckError, FeedSpec, Input
 __all__ = [
     "DEFAULT_INT_HIGH", "DEFAULT_ITERATIONS", "Agreement", "CandidateRunner", "CheckError", "FeedSpec", "Feeds", "InputInfo",
     "InputPlan", "NotExecuted", "OutputResult", "Tolerances", "VerifyOptions", "VerifyResult", "compare_arrays",
-    "default_tolerances", "head_outputs", "gather_table_rows", "make_feed", "plan_inputs", "precision_of", "right_padded_mask",
+    "default_tolerances", "head_outputs", "gather_table_rows", "make_feed", "padded_query_inputs", "plan_inputs", "precision_of",
+    "right_padded_mask",
     "tolerance", "verify", "verify_against",
 ]

@@ -191,7 +191,7 @@ def verify(original: ModelSource, candidate: ModelSource,
     if on_outputs is not None:
         on_outputs({"original": [dict(it) for it in ref], "candidate": [dict(it) for it in got]})
     result = _result(ref_model, plans, ref, got, options, precision_of(cand_model),
-                     seed, _label(original), _label(candidate), atol, rtol)
+                     seed, _label(original), _label(candidate), atol, rtol, feeds, padded_query_inputs(cand_model))
     result.method = method
     return result
 
@@ -239,9 +239,10 @@ def _run_all(label: str, src: ModelSource, load_error: type[Exception], feeds: F
 
 def verify_against(original: str | os.PathLike, run_candidate: CandidateRunner, options: VerifyOptions | None = None,
                    *, mode: str = "fp32", iterations: int = DEFAULT_ITERATIONS, seed: int = 0,
-                   candidate_label: str = "") -> VerifyResult:
+                   candidate_label: str = "", padded_queries: Mapping[str, Sequence[KeyView]] | None = None) -> VerifyResult:
     """The original in onnxruntime vs `run_candidate` (e.g. a TensorRT engine) on the same seeded
-    inputs; the candidate is held to the tolerances of precision `mode`."""
+    inputs; the candidate is held to the tolerances of precision `mode`. `padded_queries`: the
+    padded_query_inputs of the ONNX model the candidate was built from."""
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
     from ..ir import load_model
@@ -254,7 +255,8 @@ def verify_against(original: str | os.PathLike, run_candidate: CandidateRunner, 
         for f in feeds:
             ref.append(runner.infer(f))
     got = run_candidate(feeds)
-    return _result(ref_model, plans, ref, got, options, mode, seed, str(original), candidate_label)
+    return _result(ref_model, plans, ref, got, options, mode, seed, str(original), candidate_label,
+                   feeds=feeds, padded=padded_queries)
 
 
 def _plans_and_feeds(ref_model: onnx.ModelProto, options: VerifyOptions | None, iterations: int, seed: int,
@@ -279,21 +281,96 @@ def _session(label: str, src: ModelSource, err: type[Exception]):
 
 def _result(ref_model: onnx.ModelProto, plans: list[InputPlan], ref_iters: Sequence[Mapping[str, Any]],
             cand_iters: Sequence[Mapping[str, Any]], options: VerifyOptions | None, mode: str, seed: int,
-            original: str, candidate: str, atol: float | None = None, rtol: float | None = None) -> VerifyResult:
-    """Compare every output of the original over all iterations (a missing one fails with a note)."""
+            original: str, candidate: str, atol: float | None = None, rtol: float | None = None,
+            feeds: Feeds | None = None, padded: Mapping[str, Sequence[KeyView]] | None = None) -> VerifyResult:
+    """Compare every output of the original over all iterations (a missing one fails with a note),
+    each at the positions padded_positions keeps."""
     outputs = []
     agreement = (options.agreement if options is not None else default_agreement()).get(mode)
     heads = head_outputs(ref_model)
+    left_out = []
     for o in ref_model.graph.output:
         a, r = tolerance(options, o.name, mode, atol, rtol)
         if any(o.name not in it for it in cand_iters):
             outputs.append(OutputResult(o.name, False, float("inf"), float("inf"), float("inf"), a, r, None,
                                         "missing from the candidate"))
             continue
-        outputs.append(compare_arrays(o.name, [it[o.name] for it in ref_iters], [it[o.name] for it in cand_iters], a, r,
-                                      agreement, o.name in heads))
+        ref, got = [it[o.name] for it in ref_iters], [it[o.name] for it in cand_iters]
+        keep, masks = padded_positions(ref_model, o.name, padded or {}, feeds, ref, got)
+        if keep is not None:
+            dropped, total = sum(int((~k).sum()) for k in keep), sum(k.size for k in keep)
+            if dropped:
+                left_out.append(f"{o.name} at {dropped} of {total} positions")
+            ref, got = [np.asarray(x)[k] for x, k in zip(ref, keep)], [np.asarray(x)[k] for x, k in zip(got, keep)]
+        result = compare_arrays(o.name, ref, got, a, r, agreement, o.name in heads)
+        if keep is not None:
+            result.shape = list(np.shape(ref_iters[-1][o.name]))
+        outputs.append(result)
     infos = [InputInfo(p.name, np.dtype(p.dtype).name, list(p.shape), p.source) for p in plans]
-    return VerifyResult(outputs, infos, len(ref_iters), seed, original, candidate)
+    note = ""
+    if left_out:
+        note = ("not compared: " + "; ".join(left_out) + f" (over {len(ref_iters)} iteration(s)): padded queries that see no "
+                f"real key of {' or '.join(sorted(padded or {}))} through a fused causal or sliding-window attention, where "
+                "the fused node averages the keys it sees and the original all keys (fusions.attention_full_mask makes "
+                "them exact)")
+    return VerifyResult(outputs, infos, len(ref_iters), seed, original, candidate, left_out=note)
+
+
+#: Fused-node metadata (the fuse stage's, optfuse.fusions): the graph input whose zeros mark padded
+#: query positions; the node (causal, window_left attributes) is not exact at a padded query that sees
+#: no real key (a causal or window limit next to a key-padding row: optfuse.fusions.attention).
+PADDED_QUERIES_KEY = "optfuse.padded_queries_inexact"
+#: A node's view of the keys: (causal, window_left), the FlashAttention attributes (window_left -1: none).
+KeyView = tuple[int, int]
+
+
+def padded_query_inputs(model: onnx.ModelProto) -> dict[str, list[KeyView]]:
+    """Mask input -> the key views of the fused nodes of `model` (PADDED_QUERIES_KEY metadata) that
+    may not be exact at a query whose visible keys are all padding in that mask."""
+    out: dict[str, list[KeyView]] = {}
+    for n in model.graph.node:
+        for p in n.metadata_props:
+            if p.key == PADDED_QUERIES_KEY:
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+                view = (int(attrs.get("causal", 0)), int(attrs.get("window_left", -1)))
+                if view not in out.setdefault(p.value, []):
+                    out[p.value].append(view)
+    return out
+
+
+def padded_positions(model: onnx.ModelProto, output: str, masks: Mapping[str, Sequence[KeyView]], feeds: Feeds | None,
+                     ref: Sequence[Any], got: Sequence[Any]) -> tuple[list[np.ndarray] | None, list[str]]:
+    """Per iteration, the leading positions of `output` to compare, and the masks that decide them;
+    (None, []) to compare every element. A mask [B, S] indexes an output's positions when its dims are
+    named and the output's leading dims have the same names (``[batch, sequence]`` of ``[batch, sequence,
+    hidden]``) and sizes; position (b, i) is left out where some key view of the mask sees no nonzero
+    mask entry from query i (keys j <= i when causal, j >= i - window_left with a window)."""
+    from ..defaults import value_shape
+
+    if not masks or feeds is None:
+        return None, []
+    shapes = {v.name: value_shape(v) for v in (*model.graph.input, *model.graph.output)}
+    out = shapes.get(output) or []
+    named = [m for m, dims in ((m, shapes.get(m) or []) for m in masks)
+             if len(dims) == 2 and all(isinstance(d, str) for d in dims) and list(out[:2]) == list(dims)]
+    keep = []
+    for feed, r, g in zip(feeds, ref, got):
+        r, g = np.asarray(r), np.asarray(g)
+        if not named or r.shape != g.shape or any(m not in feed or feed[m].shape != r.shape[:2] for m in named):
+            return None, []
+        keep.append(np.logical_and.reduce([_sees_a_key(np.asarray(feed[m]) != 0, v) for m in named for v in masks[m]]))
+    return keep, named
+
+
+def _sees_a_key(real: np.ndarray, view: KeyView) -> np.ndarray:
+    """[B, S] bool: query i of batch b sees at least one real key (``real`` [B, S]) under ``view``."""
+    causal, window_left = view
+    s = real.shape[1]
+    seen = np.concatenate([np.zeros((real.shape[0], 1), np.int64), np.cumsum(real, axis=1)], axis=1)  # keys < j
+    i = np.arange(s)
+    hi = i + 1 if causal else np.full(s, s)
+    lo = np.maximum(i - window_left, 0) if window_left >= 0 else np.zeros(s, np.int64)
+    return seen[:, hi] - seen[:, lo] > 0
 
 
 def precision_of(model: onnx.ModelProto) -> str:

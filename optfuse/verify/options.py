@@ -126,6 +126,9 @@ class VerifyResult:
     original: str = ""
     candidate: str = ""
     method: str = ""  # how the candidate ran when not as it is (e.g. BF16 emulated in FP32); "" otherwise
+    #: what the comparison left out and why (padded query positions of a fused attention; compare.padded_positions);
+    #: "" when every element was compared
+    left_out: str = ""
 
     @property
     def passed(self) -> bool:
@@ -137,8 +140,9 @@ class VerifyResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if not self.method:
-            del d["method"]
+        for key in ("method", "left_out"):
+            if not d[key]:
+                del d[key]
         d["passed"] = self.passed
         return d
 

@@ -11,7 +11,9 @@ Exactness. A mask passed whole is exact. A key-padding row next to ``causal = 1`
 padding: the unfused graph averages such a row over all keys (every score is absorbed by the same
 finfo.min), the fused node over its causal / window keys. Such rows are padding positions
 themselves (left padding or an all-zero mask row; with a window also right-padded queries more than
-w - 1 positions past the last real key), so every real token is exact.
+w - 1 positions past the last real key), so every real token is exact. Such a node's report facts
+name the mask input (``padded_queries_inexact``), the fuse stage writes it into the node's metadata,
+and verify leaves those positions out of its comparison (``optfuse.verify.compare``).
 ``FusionOptions.attention_full_mask`` passes such masks whole with causal = 0 and no window
 (exact everywhere; the kernel then reads an Sq x Sk mask and visits every block).
 """
@@ -101,6 +103,7 @@ def plan_mask(m: Match, ctx: Context, q: gs.Tensor, H: int,
     if layout is not None:
         return _layout_plan(ctx, expr, layout, st, info)
     params = mask_mode(cls, ctx.options.attention_full_mask)
+    info.update(padded_queries_inexact(cls, params, bool(params.causal)))
     if params.mode == "none":
         bias = np.zeros((), dtype=np_dtype(dt))
     else:
@@ -118,6 +121,19 @@ def class_info(cls: MaskClass) -> dict[str, Any]:
     if cls.detail:
         info["mask_detail"] = dict(cls.detail)
     return info
+
+
+#: The report fact (and fused-node metadata ``optfuse.padded_queries_inexact``, which verify reads) naming
+#: the graph input whose zeros mark the query positions a fused node may not compute exactly.
+PADDED_QUERIES_INEXACT = "padded_queries_inexact"
+
+
+def padded_queries_inexact(cls: MaskClass, params: MaskParams, causal: bool) -> dict[str, str]:
+    """``{PADDED_QUERIES_INEXACT: mask input}`` where a key-padding row goes next to a causal or window
+    limit (module doc, "Exactness": a padded query whose visible keys are all padding), else {}."""
+    if cls.source and params.mode in ("row", "key_max") and (causal or params.window_left >= 0):
+        return {PADDED_QUERIES_INEXACT: cls.source}
+    return {}
 
 
 def mask_attrs(params: MaskParams) -> dict[str, int]:

@@ -10,7 +10,7 @@ import numpy as np
 from ...ir.query import dtype_name, rank
 from ...pattern import Context, Match
 from .common import AttentionFacts, AttentionPlan, check_dtypes, check_head_dim, need, np_dtype
-from .mask_bias import MaskExpr, check_bias_shape, mask_mode, shared_bias
+from .mask_bias import MaskExpr, check_bias_shape, mask_mode, padded_queries_inexact, shared_bias
 
 
 def plan_onnx(m: Match, ctx: Context) -> AttentionPlan:
@@ -61,6 +61,7 @@ def plan_onnx(m: Match, ctx: Context) -> AttentionPlan:
         if cls.window:
             info["window"] = cls.window
         causal = int(causal or params.causal)
+        info.update(padded_queries_inexact(cls, params, bool(causal)))
         if params.window_left >= 0:
             window_left = params.window_left
         if params.mode != "none":
