@@ -1,5 +1,6 @@
 """Recipe schema: the shipped recipes load, and every kind of mistake is one line naming the field."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,20 @@ def test_recipe_init_takes_the_profile_from_the_command_line(tmp_path):
     assert made["recipe"] == str(tmp_path / "m.recipe.yaml")
     assert made["dims"]["seq"] == {"min": 1, "opt": 64, "max": 256}
     assert load_recipe(tmp_path / "m.recipe.yaml").dims["batch"].opt == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_shipped_recipes_convert(path, exported_model, tmp_path):
+    """`optfuse convert -r recipes/<model>.yaml` as shipped (its precision, its verify inputs and tolerances)
+    fuses every attention block and passes the onnxruntime check (the engine build left out)."""
+    from optfuse.pipeline import convert
+
+    recipe = load_recipe(path)
+    spec = recipe.model.export
+    em = exported_model(spec.family, spec.exporter, spec.attn, spec.opset, **spec.config)
+    res = convert(em.path, recipe, tmp_path / "out", skip_build=True)
+    assert res.passed, [(s.name, s.state, s.detail) for s in res.steps]
+    report = json.loads(next((tmp_path / "out").glob("*.fusion_report.json")).read_text())
+    attention = sum(n for op, n in report["counts"].items() if op in ("FlashAttention", "BlockSparseAttention"))
+    assert attention == em.counts["attention"] and not [r for r in report["rejected"] if "Attention" in r["op"]]
