@@ -298,16 +298,17 @@ def test_recipe_init_takes_the_profile_from_the_command_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", [None, "bf16", "fp8"])
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
-def test_shipped_recipes_convert(path, exported_model, tmp_path):
-    """`optfuse convert -r recipes/<model>.yaml` as shipped (its precision, its verify inputs and tolerances)
+def test_shipped_recipes_convert(path, mode, exported_model, tmp_path):
+    """`optfuse convert -r recipes/<model>.yaml [--bf16 | --fp8]` as shipped (its verify inputs and tolerances)
     fuses every attention block and passes the onnxruntime check (the engine build left out)."""
-    from optfuse.pipeline import convert
+    from optfuse.pipeline import Overrides, convert
 
     recipe = load_recipe(path)
     spec = recipe.model.export
     em = exported_model(spec.family, spec.exporter, spec.attn, spec.opset, **spec.config)
-    res = convert(em.path, recipe, tmp_path / "out", skip_build=True)
+    res = convert(em.path, recipe, tmp_path / "out", skip_build=True, overrides=Overrides(precision=mode))
     assert res.passed, [(s.name, s.state, s.detail) for s in res.steps]
     report = json.loads(next((tmp_path / "out").glob("*.fusion_report.json")).read_text())
     attention = sum(n for op, n in report["counts"].items() if op in ("FlashAttention", "BlockSparseAttention"))
