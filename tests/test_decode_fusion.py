@@ -313,6 +313,27 @@ def test_decode_export_matches(fused_decode, family, exporter, attn):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fp16", "fp8"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_decode_export_converts(exported_model, tmp_path, family, mode):
+    """convert of a decode export (no recipe; the shapes of a decode step: 1 new token over a past of 16): the
+    present KV cache is a graph output that the fused attention also reads, and stays FP32 at the output while
+    the attention reads the reduced-precision value; the candidate passes the onnxruntime check."""
+    from optfuse.pipeline import Overrides, convert
+
+    em = exported_model(family, "dynamo", "sdpa", past=True)
+    cache = next(i for i in em.inputs if i.name == "past_key_values.0.key")
+    shapes = {"input_ids": (2, 1), "attention_mask": (2, 17), cache.name: (2, cache.shape[1], 16, cache.shape[3])}
+    res = convert(em.path, None, tmp_path / "out", skip_build=True,
+                  overrides=Overrides(shapes={k: (v, v, v) for k, v in shapes.items()}, precision=mode))
+    assert res.passed, [(s.name, s.state, s.detail) for s in res.steps]
+    cand = onnx.load(str(next((tmp_path / "out").glob(f"*.{mode}.onnx"))), load_external_data=False)
+    outs = {o.name: o.type.tensor_type.elem_type for o in cand.graph.output}
+    assert all(t == TensorProto.FLOAT for t in outs.values())
+    assert not [i for n in cand.graph.node if n.op_type == OP for i in n.input if i in outs]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family,exporter", [("llama", "torchscript"), ("gpt2", "dynamo")])
 def test_decode_export_torch_reference(fused_decode, family, exporter):
     """The record's torch_outputs rebuilds the decode model (the fused graph against torch)."""

@@ -93,6 +93,42 @@ def test_io_dtype_fp16():
     assert _run(half, {"x": x})[0].dtype == np.float16
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_graph_output_read_inside_the_graph(fused):
+    """A value that is a graph output and read again inside the graph (a decoder's present KV cache, which its
+    attention reads): with the graph's I/O kept FP32 the output gets a Cast back to FP32 and the graph's own
+    readers take the FP16 value before it (onnxconverter-common alone leaves them on the FP32 copy, which
+    onnxruntime refuses); a reader kept in FP32 keeps the FP32 copy."""
+    b = graphs.Builder()
+    w = b.const(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32) * 0.1)
+    present = b.node("MatMul", "x", w, out="present")
+    y = b.node("MatMul", b.node("Unsqueeze", present, b.const(np.array([0], np.int64), dtype=np.int64)), w)
+    b.node("Identity", b.node("Pow", present, b.const(2.0)), out="squares")
+    b.node("Identity", y, out="y")
+    model = b.model([graphs.io("x", [2, 8, 64])], [graphs.io("present", [2, 8, 64]), graphs.io("y", [1, 2, 8, 64]),
+                                                   graphs.io("squares", [2, 8, 64])])
+    if fused:
+        model = graphs.residual_block(hidden=64, norm="layer_norm", n_layers=1)
+        model.graph.output.append(graphs.io(model.graph.node[-1].input[0], None))  # the last add: also an output
+        model, _ = fuse_model(model)
+    half, res = convert_precision(model, "fp16")
+    check_optfuse_io(half)
+    assert any("rewired to the fp16 value" in n for n in res.notes)
+    types = _types(half)
+    outs = {o.name for o in half.graph.output}
+    for n in half.graph.node:
+        if n.op_type != "Cast" and n.op_type not in DEFAULT_KEEP_FP32:
+            assert not [i for i in n.input if i in outs], n.name  # the graph's own readers: the FP16 value
+    if not fused:
+        pow_node = next(n for n in half.graph.node if n.op_type == "Pow")
+        assert pow_node.input[0] == "present" and types["present"] == TensorProto.FLOAT  # kept FP32: the FP32 copy
+    x = np.random.default_rng(1).standard_normal((2, 8, 64)).astype(np.float32)
+    feeds = {half.graph.input[0].name: x}
+    want, got = _run(model, feeds), _run(half, feeds)
+    for a, g in zip(want, got):
+        assert g.dtype == np.float32 and np.abs(a - g).max() <= 1e-2 + 1e-2 * np.abs(a).max()
+
+
 def test_bf16_retypes_everything_half():
     _, fused = _pair("layer_norm")
     bf, res = convert_precision(fused, "bf16")

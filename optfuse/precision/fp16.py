@@ -194,6 +194,10 @@ def convert_precision(
     fixed = _fix_float_casts(out, {n.name for n in model.graph.node if n.op_type == "Cast"}, set(block), set(names))
     if fixed:
         result.notes.append(f"{fixed} exported Cast-to-FP32 node(s) retargeted to {mode} (their consumers run in {mode})")
+    rewired = _read_outputs_before_their_cast(out, set(block), set(names))
+    if rewired:
+        result.notes.append(f"{rewired} input(s) of graph outputs also read inside the graph (e.g. a KV cache's present "
+                            f"keys) rewired to the {mode} value the output Cast reads")
     if mode == "bf16":
         out = fp16_to_bf16(out, model)
         result.notes.append("BF16 = the FP16 conversion re-typed to BF16; onnxruntime CPU has almost no BF16 kernels, "
@@ -228,6 +232,31 @@ def _fix_float_casts(model: onnx.ModelProto, original_casts: set[str], blocked_o
             vi[n.output[0]].type.tensor_type.elem_type = TensorProto.FLOAT16
         fixed += 1
     return fixed
+
+
+def _read_outputs_before_their_cast(model: onnx.ModelProto, blocked_ops: set[str], blocked_names: set[str]) -> int:
+    """With ``keep_io_types`` onnxconverter-common makes a graph output FP32 again with a Cast from the
+    FP16 value, under the output's name, but leaves the graph's own readers of that name on the FP32
+    copy: a decoder's ``present.N.key`` (the KV cache, which the attention reads too) then feeds FP32
+    into FP16 nodes, which onnxruntime and the plugins refuse (the unfused export breaks the same way).
+    Those readers now take the Cast's FP16 input, except the nodes kept in FP32. Returns the inputs rewired."""
+    types = _tensor_types(model)
+    outs = {o.name for o in model.graph.output}
+    low = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    before = {}  # graph output -> the low-precision value its Cast reads
+    for n in model.graph.node:
+        to = next((a.i for a in n.attribute if a.name == "to"), None) if n.op_type == "Cast" else None
+        if to == TensorProto.FLOAT and n.output[0] in outs and types.get(n.input[0]) in low:
+            before[n.output[0]] = n.input[0]
+    rewired = 0
+    for n in model.graph.node:
+        if n.op_type in blocked_ops or n.name in blocked_names or (n.op_type == "Cast" and n.output[0] in before):
+            continue
+        for k, name in enumerate(n.input):
+            if name in before:
+                n.input[k] = before[name]
+                rewired += 1
+    return rewired
 
 
 def check_optfuse_io(model: onnx.ModelProto) -> None:
