@@ -131,6 +131,23 @@ def test_missing_output_and_bad_candidate(tmp_path):
         verify(broken, a)
 
 
+def test_a_run_that_fails_names_the_side_and_the_shapes():
+    """The original failing on its inputs is bad input (exit 2: the shapes it got, what to change); the
+    candidate failing where the original ran is a failed verification (exit 1)."""
+    b = graphs.Builder()
+    b.node("Add", "x", b.node("Reshape", "y", b.const(np.array([4, 8], np.int64), dtype=np.int64)), out="z")
+    model = b.model([graphs.io("x", ["n", 8]), graphs.io("y", [32])], [graphs.io("z", ["n", 8])])
+    bad_rows = [{"x": np.zeros((3, 8), np.float32), "y": np.zeros(32, np.float32)}]  # [3, 8] + [4, 8]
+    with pytest.raises(InputError, match=r"could not run the original model on its inputs \(x:3x8, y:32\): .*--shapes"):
+        verify(model, model, feeds=bad_rows)
+    c = graphs.Builder()
+    c.node("Add", "x", c.node("Reshape", "y", c.const(np.array([2, 8], np.int64), dtype=np.int64)), out="z")
+    candidate = c.model([graphs.io("x", ["n", 8]), graphs.io("y", [32])], [graphs.io("z", ["n", 8])])
+    good = [{"x": np.zeros((4, 8), np.float32), "y": np.zeros(32, np.float32)}]
+    with pytest.raises(VerificationError, match="could not run the models"):
+        verify(model, candidate, feeds=good)
+
+
 def test_compare_arrays_edge_cases():
     ref = [np.array([1.0, 0.0, np.inf], np.float32)]
     assert compare_arrays("o", ref, [np.array([1.0, 0.0, np.inf], np.float32)], 0, 0).passed

@@ -18,17 +18,21 @@ from .options import (DEFAULT_ITERATIONS, QUANTILE_LEVELS, QUANTILE_SAMPLE, Agre
 # Running and comparing
 # ------------------------------------------------------------------------------------------------
 def _prepare_polygraphy() -> None:
-    """Quiet polygraphy's logger, and keep it from importing torch on every inference.
+    """Quiet polygraphy's and onnxruntime's loggers, and keep polygraphy from importing torch on every inference.
 
     polygraphy's ``util.array.is_torch`` imports torch (seconds) just to ask whether a NumPy feed is a
     torch tensor; an object can only be one if torch is already imported, so ask sys.modules instead.
     """
     import sys
 
+    import onnxruntime
     from polygraphy.logger import G_LOGGER
     from polygraphy.util import array as parray
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
+    # onnxruntime's own log lines (graph-optimizer warnings; a failed run's error, which the exception
+    # raised here carries and the CLI prints as its one line) stay off the console
+    onnxruntime.set_default_logger_severity(4)
     if not getattr(parray.is_torch, "_optfuse", False):
         def is_torch(obj) -> bool:
             torch = sys.modules.get("torch")
@@ -224,6 +228,7 @@ def _run_all(label: str, src: ModelSource, load_error: type[Exception], feeds: F
 
     session = _session(label, src, load_error)
     outputs: Feeds = []
+    i = 0
     try:
         with OnnxrtRunner(session, name=label) as runner:
             for i, feed in enumerate(feeds):
@@ -231,6 +236,10 @@ def _run_all(label: str, src: ModelSource, load_error: type[Exception], feeds: F
                     on_iteration(i)
                 outputs.append(dict(runner.infer(feed)))
     except Exception as exc:
+        if label == "original":  # the model or its inputs are wrong, not the candidate
+            shapes = ", ".join(f"{k}:{'x'.join(map(str, np.shape(v)))}" for k, v in feeds[i].items())
+            raise InputError(f"onnxruntime could not run the original model on its inputs ({shapes}): "
+                             f"{_first_line(exc)}; give shapes the model accepts (--shapes, or a recipe's dims)") from None
         raise VerificationError(f"onnxruntime could not run the models: {_first_line(exc)}") from None
     finally:
         del session
