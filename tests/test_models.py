@@ -263,3 +263,26 @@ def test_sidecar_round_trip(tmp_path):
     m.json_path.write_text(m.to_json())
     back = models.load_exported(m.json_path)
     assert back == m
+
+
+@pytest.mark.slow
+def test_recipe_exports_come_from_the_cache(tmp_path, monkeypatch):
+    """A recipe's export (pipeline.export_model) exports once into the cache and copies it to each run's
+    folder; OPTFUSE_MODEL_CACHE=off exports into place and leaves the cache alone."""
+    for mod in ("torch", "transformers"):
+        pytest.importorskip(mod)
+    from optfuse.models import cache
+    from optfuse.pipeline import export_model
+
+    calls = []
+    real = cache.export_model
+    monkeypatch.setattr(cache, "export_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setenv("OPTFUSE_MODEL_CACHE", str(tmp_path / "cache"))
+    first = export_model("bert", tmp_path / "a" / "bert.onnx", exporter="torchscript", config={"num_hidden_layers": 1})
+    second = export_model("bert", tmp_path / "b" / "bert.onnx", exporter="torchscript", config={"num_hidden_layers": 1})
+    assert len(calls) == 1 and first.read_bytes() == second.read_bytes()
+    key = cache.cache_key("bert", "torchscript", "sdpa", num_hidden_layers=1)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"bert-torchscript-sdpa-{key}"]
+    monkeypatch.setenv("OPTFUSE_MODEL_CACHE", "off")
+    third = export_model("bert", tmp_path / "c" / "bert.onnx", exporter="torchscript", config={"num_hidden_layers": 1})
+    assert len(calls) == 1 and third.is_file() and len(list((tmp_path / "cache").iterdir())) == 1

@@ -51,7 +51,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 from .build import build_model, torch_outputs, wrapper_class  # noqa: E402
-from .cache import cache_key, cached_export, default_cache_dir  # noqa: E402
+from .cache import cache_disabled, cache_key, cached_export, default_cache_dir  # noqa: E402
 from .decode import (  # noqa: E402
     DECODE_FAMILIES,
     build_decode_model,
@@ -85,7 +85,8 @@ _export_torchscript, _export_dynamo = export_torchscript, export_dynamo
 __all__ = [
     "ATTNS", "COUNT_KEYS", "DECODE_FAMILIES", "DEFAULT_DIMS", "DEFAULT_MAX_SEQ", "DEFAULT_TORCHSCRIPT_OPSET",
     "EXPORTERS", "FAMILIES", "KNOWN_FAILURES", "MAX_BATCH", "Attn", "ExportError", "ExportedModel", "Exporter",
-    "Family", "InputInfo", "OutputInfo", "build_decode_model", "build_model", "cache_key", "cached_export",
+    "Family", "InputInfo", "OutputInfo", "build_decode_model", "build_model", "cache_disabled", "cache_key",
+    "cached_export",
     "decode_dim_ranges", "decode_dims", "decode_input_infos", "decode_output_infos", "decode_torch_outputs",
     "default_cache_dir", "default_stem", "dim_ranges", "expected_counts", "export", "export_dynamo",
     "export_model", "export_torchscript", "input_infos", "left_padded_mask", "load_exported", "make_inputs",

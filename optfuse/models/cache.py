@@ -29,6 +29,12 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "optfuse" / "models"
 
 
+def cache_disabled() -> bool:
+    """``$OPTFUSE_MODEL_CACHE`` set to tmp / 0 / off / no: export afresh, keep nothing (the tests read
+    tmp as a cache of their own session)."""
+    return os.environ.get("OPTFUSE_MODEL_CACHE", "").lower() in ("tmp", "0", "off", "no")
+
+
 def cache_key(family: str, exporter: str, attn: str, opset: int | None = None, seed: int = 0,
               past: bool = False, **overrides: Any) -> str:
     """Stable key over the request, the family's definition (what the export reads of it: a family a

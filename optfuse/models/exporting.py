@@ -38,12 +38,14 @@ from .record import ExportedModel, ExportError, json_default, sidecar_path
 
 def versions() -> dict[str, str]:
     """Versions that change what an export produces (also part of the cache key)."""
+    import importlib.metadata
+
     out = {}
-    for mod in ("torch", "transformers", "onnx", "onnxscript"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - missing or broken: not part of the key
-            out[mod] = "none"
+    for dist in ("torch", "transformers", "onnx", "onnxscript"):
+        try:  # the installed distribution's version (its __version__), without importing it
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:  # missing: not part of the key
+            out[dist] = "none"
     return out
 
 

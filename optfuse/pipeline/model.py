@@ -36,7 +36,10 @@ def resolve_model(model: str | os.PathLike | None, recipe: Recipe | None, workdi
 
 def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = "sdpa", opset: int | None = None,
                  config: dict | None = None) -> Path:
-    """Export a tiny model of `family` through optfuse.models (needs torch + transformers)."""
+    """A tiny model of `family` exported through optfuse.models (needs torch + transformers) at `dest`: a
+    copy of its entry in the export cache (``$OPTFUSE_MODEL_CACHE``, else ``~/.cache/optfuse/models``;
+    keyed by the request, the library versions and the exporter's source), made on the first request;
+    exported into place where the cache is off (``models.cache_disabled``) or cannot be written."""
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -52,11 +55,18 @@ def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = 
         raise InputError(f"unknown model family {family!r}; known: {', '.join(models.FAMILIES)}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return Path(models.export(family, dest, exporter=exporter, attn=attn, opset=opset, **(config or {})))
+        try:  # the export cache (models.default_cache_dir): the same request exports once
+            if models.cache_disabled():
+                raise OSError("the export cache is off")
+            cached = models.cached_export(family, exporter, attn, opset, **(config or {})).path
+        except OSError:  # off, or a folder that cannot be written: export into place
+            return Path(models.export(family, dest, exporter=exporter, attn=attn, opset=opset, **(config or {})))
     except models.ExportError as exc:
         raise OptfuseError(str(exc)) from None
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    shutil.copyfile(cached, dest)  # one file: the exporter writes no external data
+    return dest
 
 
 def load_checked(path: Path, weights: str = "memory") -> onnx.ModelProto:
