@@ -196,8 +196,8 @@ def convert_precision(
         result.notes.append(f"{fixed} exported Cast-to-FP32 node(s) retargeted to {mode} (their consumers run in {mode})")
     rewired = _read_outputs_before_their_cast(out, set(block), set(names))
     if rewired:
-        result.notes.append(f"{rewired} input(s) of graph outputs also read inside the graph (e.g. a KV cache's present "
-                            f"keys) rewired to the {mode} value the output Cast reads")
+        result.notes.append(f"{rewired} input(s) of graph outputs also read inside the graph (e.g. a KV cache's "
+                            f"present keys) rewired to the {mode} value the output Cast reads")
     if mode == "bf16":
         out = fp16_to_bf16(out, model)
         result.notes.append("BF16 = the FP16 conversion re-typed to BF16; onnxruntime CPU has almost no BF16 kernels, "

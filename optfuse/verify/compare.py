@@ -239,7 +239,8 @@ def _run_all(label: str, src: ModelSource, load_error: type[Exception], feeds: F
         if label == "original":  # the model or its inputs are wrong, not the candidate
             shapes = ", ".join(f"{k}:{'x'.join(map(str, np.shape(v)))}" for k, v in feeds[i].items())
             raise InputError(f"onnxruntime could not run the original model on its inputs ({shapes}): "
-                             f"{_first_line(exc)}; give shapes the model accepts (--shapes, or a recipe's dims)") from None
+                             f"{_first_line(exc)}; give shapes the model accepts (--shapes, or a recipe's dims)"
+                             ) from None
         raise VerificationError(f"onnxruntime could not run the models: {_first_line(exc)}") from None
     finally:
         del session
@@ -248,7 +249,8 @@ def _run_all(label: str, src: ModelSource, load_error: type[Exception], feeds: F
 
 def verify_against(original: str | os.PathLike, run_candidate: CandidateRunner, options: VerifyOptions | None = None,
                    *, mode: str = "fp32", iterations: int = DEFAULT_ITERATIONS, seed: int = 0,
-                   candidate_label: str = "", padded_queries: Mapping[str, Sequence[KeyView]] | None = None) -> VerifyResult:
+                   candidate_label: str = "",
+                   padded_queries: Mapping[str, Sequence[KeyView]] | None = None) -> VerifyResult:
     """The original in onnxruntime vs `run_candidate` (e.g. a TensorRT engine) on the same seeded
     inputs; the candidate is held to the tolerances of precision `mode`. `padded_queries`: the
     padded_query_inputs of the ONNX model the candidate was built from."""
@@ -318,10 +320,10 @@ def _result(ref_model: onnx.ModelProto, plans: list[InputPlan], ref_iters: Seque
     infos = [InputInfo(p.name, np.dtype(p.dtype).name, list(p.shape), p.source) for p in plans]
     note = ""
     if left_out:
-        note = ("not compared: " + "; ".join(left_out) + f" (over {len(ref_iters)} iteration(s)): padded queries that see no "
-                f"real key of {' or '.join(sorted(padded or {}))} through a fused causal or sliding-window attention, where "
-                "the fused node averages the keys it sees and the original all keys (fusions.attention_full_mask makes "
-                "them exact)")
+        note = ("not compared: " + "; ".join(left_out) + f" (over {len(ref_iters)} iteration(s)): padded queries "
+                f"that see no real key of {' or '.join(sorted(padded or {}))} through a fused causal or sliding-window "
+                "attention, where the fused node averages the keys it sees and the original all keys "
+                "(fusions.attention_full_mask makes them exact)")
     return VerifyResult(outputs, infos, len(ref_iters), seed, original, candidate, left_out=note)
 
 
