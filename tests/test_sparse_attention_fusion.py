@@ -307,12 +307,13 @@ def test_sliding_window_families_fuse_with_their_windows(fused_export, family, e
 def test_verify_leaves_out_the_padded_queries_that_see_no_real_key(fused_export, family, exporter):
     """Every fused node of a padded causal / window mask names its mask in its metadata, so verify compares
     the fused model everywhere but at the padded queries whose view holds no real key: every position that
-    differs is left out, only padded positions are, and verify passes; without the metadata it fails where a
-    position differs (every export but Mistral's and Qwen2's TorchScript SDPA graphs, whose padded rows already
-    come out as the fused node's)."""
+    differs is left out, only padded positions are, and verify passes (per node too: every intermediate exact
+    at the kept positions); without the metadata it fails where a position differs (every export but Mistral's
+    and Qwen2's TorchScript SDPA graphs, whose padded rows already come out as the fused node's)."""
     from optfuse.models import make_inputs
     from optfuse.verify import padded_query_inputs, verify
-    from optfuse.verify.compare import PADDED_QUERIES_KEY, padded_positions
+    from optfuse.verify.compare import PADDED_QUERIES_KEY, named_shapes, padded_positions
+    from optfuse.verify.per_node import compare_per_node
 
     em, model, fused, _ = fused_export(family, exporter, "eager" if family == "gemma2" else "sdpa")
     views = padded_query_inputs(fused)
@@ -324,7 +325,8 @@ def test_verify_leaves_out_the_padded_queries_that_see_no_real_key(fused_export,
         feeds = make_inputs(em.inputs, {"batch": mask.shape[0], "sequence": mask.shape[1]}, seed=0)
         feeds["attention_mask"] = mask
         ref, got = _run(model, feeds)[0], _run(fused, feeds)[0]
-        (keep,), masks = padded_positions(model, out, views, [feeds], [ref], [got])
+        (keep,), masks, axis = padded_positions(named_shapes(model), out, views, [feeds], [ref], [got])
+        assert axis == 1
         differs = np.abs(ref - got).max(axis=-1) > 1e-4
         assert masks == ["attention_mask"], name
         assert not (differs & keep).any() and not (~keep & mask.astype(bool)).any(), name
@@ -332,6 +334,9 @@ def test_verify_leaves_out_the_padded_queries_that_see_no_real_key(fused_export,
         assert result.passed and result.left_out.startswith(f"not compared: {out} at {int((~keep).sum())} of "), name
         differing += [feeds] if differs.any() else []
     assert differing or (exporter == "torchscript" and family != "gemma2")
+    for feeds in differing[:1]:  # per node too: every compared tensor exact at the positions kept
+        per_node = compare_per_node(model, fused, feeds=[feeds])
+        assert per_node.left_out and max(t.max_abs for t in per_node.tensors.values()) <= 1e-4
     stripped = onnx.ModelProto()
     stripped.CopyFrom(fused)
     for n in stripped.graph.node:

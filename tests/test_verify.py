@@ -238,7 +238,7 @@ def test_padded_queries_left_out_where_no_real_key_is_seen():
     """The positions verify leaves out of an output [batch, sequence, ...]: a padded query whose causal / window
     view of the mask holds no real key (one per key view of the mask's fused nodes); nothing where the output's
     leading dims are not the mask's named dims, or the mask is not fed."""
-    from optfuse.verify.compare import padded_positions
+    from optfuse.verify.compare import named_shapes, padded_positions
 
     def vi(name, dims):
         return onnx.helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
@@ -253,7 +253,7 @@ def test_padded_queries_left_out_where_no_real_key_is_seen():
     y = np.zeros((3, 8, 4))
 
     def left_out(views, output="y", arr=y):
-        keep, masks = padded_positions(model, output, {"attention_mask": views}, [feed], [arr], [arr])
+        keep, masks, axis = padded_positions(named_shapes(model), output, {"attention_mask": views}, [feed], [arr], [arr])
         return None if keep is None else (~keep[0]).astype(int).tolist()
 
     # causal: right padding keeps key 0 in view; left-padded queries before the first real key see none
@@ -265,4 +265,12 @@ def test_padded_queries_left_out_where_no_real_key_is_seen():
     # a non-causal left window sees every later key: left padding keeps a real key in every view
     assert left_out([(0, 2)]) == [[0] * 5 + [1] * 3, [0] * 8, [1] * 8]
     assert left_out([(1, -1)], "pooled", np.zeros((3, 4))) is None  # not indexed by the mask's dims
-    assert padded_positions(model, "y", {"attention_mask": [(1, -1)]}, [{}], [y], [y]) == (None, [])
+    assert padded_positions(named_shapes(model), "y", {"attention_mask": [(1, -1)]}, [{}], [y], [y]) == (None, [], 0)
+    # per node, by size: an intermediate whose dims shape inference left unnamed, [B, 4, S]: its one S-long axis
+    shapes = {"attention_mask": ["batch", "sequence"], "t": ["unk__1", 4, None], "square": [None, None, None]}
+    t, square = np.zeros((3, 4, 8)), np.zeros((3, 8, 8))
+    views = {"attention_mask": [(1, -1)]}
+    keep, _, axis = padded_positions(shapes, "t", views, [feed], [t], [t], by_size=True)
+    assert axis == 2 and (~keep[0]).astype(int).tolist() == left_out([(1, -1)])
+    assert padded_positions(shapes, "t", views, [feed], [t], [t])[0] is None  # verify: named dims only
+    assert padded_positions(shapes, "square", views, [feed], [square], [square], by_size=True)[0] is None  # 2 S axes

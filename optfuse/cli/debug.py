@@ -30,6 +30,8 @@ def offenders_table(out: Console, facts: dict[str, Any], top: int) -> None:
     if not facts["attribution"]:
         t.add_row("-", "-", "(no fused node or precision decision compared)", "-", "-")
     out.print(t)
+    if facts.get("left_out"):
+        out.print(f"Not compared: {facts['left_out']}.", markup=False, highlight=False)
     for line in facts["overflow"][:top]:
         out.print(f"[bold red]FP16 overflow[/]: {line}")
 

@@ -60,6 +60,7 @@ def per_node_markdown(per_node: Sequence[Mapping[str, Any]] | None, attribution:
     if run:
         lines += [f"{run['compared_tensors']} tensors compared ({run['mode']} candidate, {run['iterations']} "
                   f"iteration(s), seed {run['seed']}; {run['chunks']} chunk(s) of up to {run['chunk_size']}).", ""]
+        lines += [f"Not compared: {md_cell(run['left_out'])}.", ""] if run.get("left_out") else []
         lines += [f"- FP16 overflow: {md_cell(t)}" for t in run.get("overflow") or ()]
         lines += [""] if run.get("overflow") else []
     if attribution:

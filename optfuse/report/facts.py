@@ -72,7 +72,7 @@ def fusion_facts(fusion: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: the keys of ``per_node_run`` (besides ``overflow``)
-PER_NODE_RUN_KEYS = ("mode", "iterations", "seed", "compared_tensors", "chunks", "chunk_size")
+PER_NODE_RUN_KEYS = ("mode", "iterations", "seed", "compared_tensors", "chunks", "chunk_size", "left_out")
 
 
 def _growth_key(e: Mapping[str, Any]) -> float:

@@ -48,6 +48,7 @@ def per_node_facts(result: PerNodeResult, offenders: list[Offender]) -> dict[str
         "per_node": [node_entry(n) for n in result.fused],
         "attribution": [offender_entry(o) for o in offenders],
         "overflow": overflow,
+        "left_out": result.left_out,
     }
 
 
@@ -55,6 +56,8 @@ def per_node_markdown(facts: dict[str, Any], top: int = TOP_OFFENDERS, title: st
     lines = [title, "",
              f"{facts['compared_tensors']} tensors compared ({facts['mode']} candidate, {facts['iterations']} "
              f"iteration(s), seed {facts['seed']}; {facts['chunks']} chunk(s) of up to {facts['chunk_size']}).", ""]
+    if facts.get("left_out"):
+        lines += [f"Not compared: {facts['left_out']}.", ""]
     if facts["overflow"]:
         lines += ["FP16 overflow:", ""] + [f"- {t}" for t in facts["overflow"][:top]] + [""]
     lines += [f"### Top {min(top, len(facts['attribution']))} offenders (error added)", "",

@@ -300,6 +300,7 @@ def _result(ref_model: onnx.ModelProto, plans: list[InputPlan], ref_iters: Seque
     agreement = (options.agreement if options is not None else default_agreement()).get(mode)
     heads = head_outputs(ref_model)
     left_out = []
+    shapes = named_shapes(ref_model) if padded else {}
     for o in ref_model.graph.output:
         a, r = tolerance(options, o.name, mode, atol, rtol)
         if any(o.name not in it for it in cand_iters):
@@ -307,12 +308,13 @@ def _result(ref_model: onnx.ModelProto, plans: list[InputPlan], ref_iters: Seque
                                         "missing from the candidate"))
             continue
         ref, got = [it[o.name] for it in ref_iters], [it[o.name] for it in cand_iters]
-        keep, masks = padded_positions(ref_model, o.name, padded or {}, feeds, ref, got)
+        keep, masks, axis = padded_positions(shapes, o.name, padded or {}, feeds, ref, got)
         if keep is not None:
             dropped, total = sum(int((~k).sum()) for k in keep), sum(k.size for k in keep)
             if dropped:
                 left_out.append(f"{o.name} at {dropped} of {total} positions")
-            ref, got = [np.asarray(x)[k] for x, k in zip(ref, keep)], [np.asarray(x)[k] for x, k in zip(got, keep)]
+            ref = [at_positions(x, k, axis) for x, k in zip(ref, keep)]
+            got = [at_positions(x, k, axis) for x, k in zip(got, keep)]
         result = compare_arrays(o.name, ref, got, a, r, agreement, o.name in heads)
         if keep is not None:
             result.shape = list(np.shape(ref_iters[-1][o.name]))
@@ -349,28 +351,55 @@ def padded_query_inputs(model: onnx.ModelProto) -> dict[str, list[KeyView]]:
     return out
 
 
-def padded_positions(model: onnx.ModelProto, output: str, masks: Mapping[str, Sequence[KeyView]], feeds: Feeds | None,
-                     ref: Sequence[Any], got: Sequence[Any]) -> tuple[list[np.ndarray] | None, list[str]]:
-    """Per iteration, the leading positions of `output` to compare, and the masks that decide them;
-    (None, []) to compare every element. A mask [B, S] indexes an output's positions when its dims are
-    named and the output's leading dims have the same names (``[batch, sequence]`` of ``[batch, sequence,
-    hidden]``) and sizes; position (b, i) is left out where some key view of the mask sees no nonzero
-    mask entry from query i (keys j <= i when causal, j >= i - window_left with a window)."""
+def named_shapes(model: onnx.ModelProto) -> dict[str, list]:
+    """The dims of each graph input, output and value_info of `model` (names for symbolic dims)."""
     from ..defaults import value_shape
 
-    if not masks or feeds is None:
-        return None, []
-    shapes = {v.name: value_shape(v) for v in (*model.graph.input, *model.graph.output)}
-    out = shapes.get(output) or []
-    named = [m for m, dims in ((m, shapes.get(m) or []) for m in masks)
-             if len(dims) == 2 and all(isinstance(d, str) for d in dims) and list(out[:2]) == list(dims)]
+    return {v.name: value_shape(v) or [] for v in (*model.graph.input, *model.graph.value_info, *model.graph.output)}
+
+
+def padded_positions(shapes: Mapping[str, Sequence[Any]], tensor: str, masks: Mapping[str, Sequence[KeyView]],
+                     feeds: Feeds | None, ref: Sequence[Any], got: Sequence[Any],
+                     by_size: bool = False) -> tuple[list[np.ndarray] | None, list[str], int]:
+    """Per iteration, the positions (b, i) of `tensor` to compare, the masks that decide them and the
+    tensor's axis of i; (None, [], 0) to compare every element. A mask [B, S] indexes a tensor's positions
+    when its dims are named and, in `shapes` (named_shapes), the tensor's first dim has the mask's first
+    name and a later one its second (``[batch, sequence, hidden]``, ``[batch, heads, sequence, head_dim]``),
+    with the same sizes; with `by_size` (per-node: intermediates whose dims shape inference left unnamed)
+    also where, among the dims not named otherwise, the first is B long and exactly one later one S long.
+    Position (b, i) is left out where some key view of the mask sees no nonzero mask entry from query i
+    (keys j <= i when causal, j >= i - window_left with a window). at_positions takes the kept elements."""
+    if not masks or feeds is None or not ref:
+        return None, [], 0
+    dims = list(shapes.get(tensor) or [])
+    named = [m for m in masks if len(shapes.get(m) or []) == 2 and all(isinstance(d, str) for d in shapes[m])]
+    if len({tuple(shapes[m]) for m in named}) != 1:  # none, or masks over different dims: no one set of positions
+        return None, [], 0
+    batch, seq = shapes[named[0]]
+    shape = np.shape(ref[0])
+    if dims[:1] == [batch] and seq in dims[1:]:
+        axis = dims.index(seq, 1)
+    elif by_size and len(dims) == len(shape) >= 2 and feeds[0].get(named[0]) is not None:
+        b, s = np.shape(feeds[0][named[0]])
+        free = [d is None or (isinstance(d, str) and (d.startswith("unk__") or d in (batch, seq))) for d in dims]
+        hits = [a for a in range(1, len(shape)) if free[a] and shape[a] == s]
+        if not (free[0] and shape[0] == b and len(hits) == 1):
+            return None, [], 0
+        axis = hits[0]
+    else:
+        return None, [], 0
     keep = []
     for feed, r, g in zip(feeds, ref, got):
         r, g = np.asarray(r), np.asarray(g)
-        if not named or r.shape != g.shape or any(m not in feed or feed[m].shape != r.shape[:2] for m in named):
-            return None, []
+        if r.shape != g.shape or any(m not in feed or feed[m].shape != (r.shape[0], r.shape[axis]) for m in named):
+            return None, [], 0
         keep.append(np.logical_and.reduce([_sees_a_key(np.asarray(feed[m]) != 0, v) for m in named for v in masks[m]]))
-    return keep, named
+    return keep, named, axis
+
+
+def at_positions(x: Any, keep: np.ndarray, axis: int) -> np.ndarray:
+    """The elements of `x` at the kept positions (b, i) of padded_positions: [kept, other dims...]."""
+    return np.moveaxis(np.asarray(x), axis, 1)[keep]
 
 
 def _sees_a_key(real: np.ndarray, view: KeyView) -> np.ndarray:
