@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from .defaults import DEFAULT_FP8_MIN_COSINE, DEFAULT_FP8_MIN_TOP1, DEFAULT_TOLERANCES
 from .errors import InputError
-from .model_families import EXPORT_FAMILIES
+from .model_families import DECODE_FAMILIES, EXPORT_FAMILIES
 from .target import arch_name, parse_arch
 
 DType = Literal["float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool"]
@@ -50,6 +50,8 @@ class ExportSpec(_Strict):
     opset: Optional[int] = Field(None, ge=7, le=23)
     # transformers config fields over the family's tiny defaults, e.g. {num_attention_heads: 2}
     config: dict[str, Union[bool, int, float, str]] = {}
+    # the decode step over a KV cache (past_key_values.* inputs, present.* outputs; DECODE_FAMILIES)
+    past: bool = False
 
     @field_validator("family")
     @classmethod
@@ -57,6 +59,12 @@ class ExportSpec(_Strict):
         if v not in EXPORT_FAMILIES:
             raise ValueError(f"expected one of the model families {', '.join(EXPORT_FAMILIES)}, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _decode_family(self) -> ExportSpec:
+        if self.past and self.family not in DECODE_FAMILIES:
+            raise ValueError(f"past: true needs a decode family ({', '.join(DECODE_FAMILIES)}), got {self.family!r}")
+        return self
 
 
 class ModelSource(_Strict):

@@ -161,6 +161,8 @@ def test_defaults_fp32():
         ({"model__export": {"family": "bert"}}, "field 'model': expected exactly one of 'path' or 'export'"),
         ({"model": {"export": {"family": "bert", "exporter": "onnx"}}},
          "field 'model.export.exporter': expected 'torchscript' or 'dynamo' (got 'onnx')"),
+        ({"model": {"export": {"family": "bert", "past": True}}},
+         "field 'model.export': past: true needs a decode family (gpt2, llama), got 'bert'"),
         ({"name": _DELETE}, "field 'name': missing (required)"),
         ({"extra": 1}, "field 'extra': unknown key; expected one of: name, model, inputs"),
     ],
@@ -203,6 +205,11 @@ def test_recipe_from_dict_in_code():
         recipe_from_dict({"name": "x"}, label="recipe x")
 
 
+def _past(spec) -> dict:
+    """exported_model's keyword for a decode export (absent otherwise: the other exports' cache keys)."""
+    return {"past": True} if spec.past else {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_shipped_recipes_match_their_exported_models(path, exported_model):
@@ -216,7 +223,7 @@ def test_shipped_recipes_match_their_exported_models(path, exported_model):
     spec = recipe.model.export
     if spec is None:
         pytest.skip("recipe names a model file")
-    m = exported_model(spec.family, spec.exporter, spec.attn, spec.opset, **spec.config)
+    m = exported_model(spec.family, spec.exporter, spec.attn, spec.opset, **spec.config, **_past(spec))
     assert set(recipe.inputs) == {i.name for i in m.inputs}
     for info in m.inputs:
         ours = recipe.inputs[info.name]
@@ -307,7 +314,7 @@ def test_shipped_recipes_convert(path, mode, exported_model, tmp_path):
 
     recipe = load_recipe(path)
     spec = recipe.model.export
-    em = exported_model(spec.family, spec.exporter, spec.attn, spec.opset, **spec.config)
+    em = exported_model(spec.family, spec.exporter, spec.attn, spec.opset, **spec.config, **_past(spec))
     res = convert(em.path, recipe, tmp_path / "out", skip_build=True, overrides=Overrides(precision=mode))
     assert res.passed, [(s.name, s.state, s.detail) for s in res.steps]
     report = json.loads(next((tmp_path / "out").glob("*.fusion_report.json")).read_text())

@@ -24,12 +24,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..model_families import DECODE_FAMILIES as _SCHEMA_DECODE_FAMILIES
 from .facts import MAX_BATCH, dim_ranges, model_meta
 from .families import ATTNS, check_choice, config_value, get_family
 from .inputs import InputInfo, OutputInfo, input_infos
 
 #: The families with a decode export (causal decoders whose model takes ``past_key_values``).
 DECODE_FAMILIES: tuple[str, ...] = ("gpt2", "llama")
+if DECODE_FAMILIES != _SCHEMA_DECODE_FAMILIES:  # the recipe schema validates model.export.past against that list
+    raise RuntimeError(f"optfuse.models.decode defines {DECODE_FAMILIES} but optfuse.model_families lists "
+                       f"{_SCHEMA_DECODE_FAMILIES}: keep the two in step")
 #: The example inputs' sizes: two sequences, three new tokens over a past of five.
 SAMPLE_SEQUENCE, SAMPLE_PAST = 3, 5
 

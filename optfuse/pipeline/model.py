@@ -31,15 +31,17 @@ def resolve_model(model: str | os.PathLike | None, recipe: Recipe | None, workdi
     out_dir = Path(workdir) if workdir is not None else Path.cwd()
     dest = out_dir / f"{recipe.name}.onnx"
     status(f"exporting {spec.family} ({spec.exporter}, attn={spec.attn})")
-    return export_model(spec.family, dest, exporter=spec.exporter, attn=spec.attn, opset=spec.opset, config=spec.config)
+    return export_model(spec.family, dest, exporter=spec.exporter, attn=spec.attn, opset=spec.opset, config=spec.config,
+                        past=spec.past)
 
 
 def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = "sdpa", opset: int | None = None,
-                 config: dict | None = None) -> Path:
-    """A tiny model of `family` exported through optfuse.models (needs torch + transformers) at `dest`: a
-    copy of its entry in the export cache (``$OPTFUSE_MODEL_CACHE``, else ``~/.cache/optfuse/models``;
-    keyed by the request, the library versions and the exporter's source), made on the first request;
-    exported into place where the cache is off (``models.cache_disabled``) or cannot be written."""
+                 config: dict | None = None, past: bool = False) -> Path:
+    """A tiny model of `family` (`past`: its decode step over a KV cache) exported through optfuse.models
+    (needs torch + transformers) at `dest`: a copy of its entry in the export cache
+    (``$OPTFUSE_MODEL_CACHE``, else ``~/.cache/optfuse/models``; keyed by the request, the library
+    versions and the exporter's source), made on the first request; exported into place where the
+    cache is off (``models.cache_disabled``) or cannot be written."""
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -58,9 +60,10 @@ def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = 
         try:  # the export cache (models.default_cache_dir): the same request exports once
             if models.cache_disabled():
                 raise OSError("the export cache is off")
-            cached = models.cached_export(family, exporter, attn, opset, **(config or {})).path
+            cached = models.cached_export(family, exporter, attn, opset, past=past, **(config or {})).path
         except OSError:  # off, or a folder that cannot be written: export into place
-            return Path(models.export(family, dest, exporter=exporter, attn=attn, opset=opset, **(config or {})))
+            return Path(models.export(family, dest, exporter=exporter, attn=attn, opset=opset, past=past,
+                                      **(config or {})))
     except models.ExportError as exc:
         raise OptfuseError(str(exc)) from None
     except ValueError as exc:
