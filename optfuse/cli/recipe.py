@@ -32,7 +32,8 @@ def check(files: list[Path] = typer.Argument(..., help="Recipe YAML files."), js
             problems.append(f"recipe {f}: field 'model.path': {r.model.path} not found"
                             + (f" (looked for {where})" if str(where) != str(r.model.path) else ""))
             continue
-        src = r.model.path if r.model.path is not None else f"export {r.model.export.family}/{r.model.export.exporter}"
+        e = r.model.export
+        src = r.model.path if e is None else f"export {e.family}/{e.exporter}" + (" (decode, past)" if e.past else "")
         checked.append({"file": str(f), "name": r.name, "model": str(src), "inputs": len(r.inputs),
                         "dims": len(r.dims)})
         if not json_out:

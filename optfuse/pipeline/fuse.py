@@ -66,7 +66,7 @@ def inspect(model: str | os.PathLike | None, recipe: Recipe | None = None, statu
         run = _fuse_and_estimate(proto, recipe, progress, overrides, weights_dir=path.parent)  # (its weights may be in tmp)
         if model is None and recipe is not None and recipe.model.export is not None:
             e = recipe.model.export
-            path = Path(f"<export {e.family} {e.exporter} attn={e.attn}>")
+            path = Path(f"<export {e.family} {e.exporter} attn={e.attn}{' past' if e.past else ''}>")
     report = build_report(run.result, estimate=run.estimate, model=str(path), recipe=recipe_label(recipe),
                           dims=run.dims, dims_source=run.dims_source, families=run.families,
                           options=options_record(recipe, overrides))

@@ -30,7 +30,7 @@ def resolve_model(model: str | os.PathLike | None, recipe: Recipe | None, workdi
     spec = recipe.model.export
     out_dir = Path(workdir) if workdir is not None else Path.cwd()
     dest = out_dir / f"{recipe.name}.onnx"
-    status(f"exporting {spec.family} ({spec.exporter}, attn={spec.attn})")
+    status(f"exporting {spec.family} ({spec.exporter}, attn={spec.attn}{', past' if spec.past else ''})")
     return export_model(spec.family, dest, exporter=spec.exporter, attn=spec.attn, opset=spec.opset, config=spec.config,
                         past=spec.past)
 
