@@ -312,7 +312,7 @@ def test_verify_leaves_out_the_padded_queries_that_see_no_real_key(fused_export,
     and Qwen2's TorchScript SDPA graphs, whose padded rows already come out as the fused node's)."""
     from optfuse.models import make_inputs
     from optfuse.verify import padded_query_inputs, verify
-    from optfuse.verify.compare import PADDED_QUERIES_KEY, named_shapes, padded_positions
+    from optfuse.verify.padding import PADDED_QUERIES_KEY, named_shapes, padded_positions
     from optfuse.verify.per_node import compare_per_node
 
     em, model, fused, _ = fused_export(family, exporter, "eager" if family == "gemma2" else "sdpa")

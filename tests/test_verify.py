@@ -238,7 +238,7 @@ def test_padded_queries_left_out_where_no_real_key_is_seen():
     """The positions verify leaves out of an output [batch, sequence, ...]: a padded query whose causal / window
     view of the mask holds no real key (one per key view of the mask's fused nodes); nothing where the output's
     leading dims are not the mask's named dims, or the mask is not fed."""
-    from optfuse.verify.compare import named_shapes, padded_positions
+    from optfuse.verify.padding import named_shapes, padded_positions
 
     def vi(name, dims):
         return onnx.helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)

@@ -26,15 +26,16 @@ outputs out). The TensorRT engine check is the second: the pipeline passes
 backend and the backend never imports verify.
 
 Modules: :mod:`.options` (VerifyOptions, tolerances, the result types), :mod:`.inputs` (input
-planning and feeds), :mod:`.compare` (running and comparing), :mod:`.per_node` (every shared
-tensor compared, per-node error growth and its attribution).
+planning and feeds), :mod:`.compare` (running and comparing), :mod:`.padding` (the padded query
+positions a fused attention is not exact at, which the comparisons leave out), :mod:`.per_node` (every
+shared tensor compared, per-node error growth and its attribution).
 """
 
-from .compare import (CandidateRunner, Feeds, compare_arrays, head_outputs, padded_query_inputs, precision_of, verify,
-                      verify_against)
+from .compare import CandidateRunner, Feeds, compare_arrays, head_outputs, precision_of, verify, verify_against
 from .inputs import DEFAULT_INT_HIGH, InputPlan, gather_table_rows, make_feed, plan_inputs, right_padded_mask
 from .options import (DEFAULT_ITERATIONS, Agreement, CheckError, FeedSpec, InputInfo, NotExecuted, OutputResult, Tolerances,
                       VerifyOptions, VerifyResult, default_tolerances, tolerance)
+from .padding import padded_query_inputs
 
 __all__ = [
     "DEFAULT_INT_HIGH", "DEFAULT_ITERATIONS", "Agreement", "CandidateRunner", "CheckError", "FeedSpec", "Feeds", "InputInfo",

@@ -126,7 +126,7 @@ class VerifyResult:
     original: str = ""
     candidate: str = ""
     method: str = ""  # how the candidate ran when not as it is (e.g. BF16 emulated in FP32); "" otherwise
-    #: what the comparison left out and why (padded query positions of a fused attention; compare.padded_positions);
+    #: what the comparison left out and why (padded query positions of a fused attention; padding.padded_positions);
     #: "" when every element was compared
     left_out: str = ""
 

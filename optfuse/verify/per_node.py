@@ -48,8 +48,8 @@ from .. import DOMAIN
 from ..errors import InputError, VerificationError
 from ..ir.shapes import infer_shapes
 from .compare import (Feeds, ModelSource, _check_candidate_inputs, _first_line, _load_graph, _plans_and_feeds,
-                      _prepare_polygraphy, _runnable, at_positions, named_shapes, padded_positions, padded_query_inputs,
-                      precision_of)
+                      _prepare_polygraphy, _runnable, precision_of)
+from .padding import at_positions, named_shapes, padded_positions, padded_query_inputs
 from .options import DEFAULT_ITERATIONS, VerifyOptions
 
 #: Extra graph outputs per run (both models run once per chunk).
@@ -127,7 +127,7 @@ class PerNodeResult:
     chunk_size: int
     original: str = ""
     candidate: str = ""
-    #: what the comparison left out (verify's padded queries, compare.padded_positions); "" when nothing
+    #: what the comparison left out (verify's padded queries, padding.padded_positions); "" when nothing
     left_out: str = ""
 
     @property

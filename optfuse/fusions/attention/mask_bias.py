@@ -13,7 +13,7 @@ finfo.min), the fused node over its causal / window keys. Such rows are padding 
 themselves (left padding or an all-zero mask row; with a window also right-padded queries more than
 w - 1 positions past the last real key), so every real token is exact. Such a node's report facts
 name the mask input (``padded_queries_inexact``), the fuse stage writes it into the node's metadata,
-and verify leaves those positions out of its comparison (``optfuse.verify.compare``).
+and verify leaves those positions out of its comparison (``optfuse.verify.padding``).
 ``FusionOptions.attention_full_mask`` passes such masks whole with causal = 0 and no window
 (exact everywhere; the kernel then reads an Sq x Sk mask and visits every block).
 """
