@@ -85,7 +85,16 @@ class InputSpec(_Strict):
     shape: list[Union[int, str]]
     range: Optional[list[float]] = None
     kind: Optional[Literal["tokens", "mask", "float"]] = None
+    # a mask's padding in the verify inputs: right (encoders, a prefill's default) or left (batched
+    # generation pads the prompts on the left)
+    padding: Optional[Literal["right", "left"]] = None
     npz: Optional[Path] = None
+
+    @model_validator(mode="after")
+    def _padding_of_a_mask(self) -> InputSpec:
+        if self.padding is not None and self.kind not in (None, "mask"):
+            raise ValueError(f"padding applies to kind: mask, not kind: {self.kind}")
+        return self
 
     @field_validator("shape", mode="before")
     @classmethod

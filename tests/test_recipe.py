@@ -147,6 +147,8 @@ def test_defaults_fp32():
         ({"inputs__input_ids__colour": "red"}, "field 'inputs.input_ids.colour': unknown key; expected one of: dtype"),
         ({"inputs__input_ids__range": [5, 1]}, "field 'inputs.input_ids.range': expected [low, high) with low < high"),
         ({"inputs__input_ids__kind": "ids"}, "field 'inputs.input_ids.kind': expected 'tokens', 'mask' or 'float'"),
+        ({"inputs__input_ids__padding": "left"}, "field 'inputs.input_ids': padding applies to kind: mask, not kind: tokens"),
+        ({"inputs__attention_mask__padding": "both"}, "field 'inputs.attention_mask.padding': expected 'right' or 'left'"),
         ({"dims__seq__opt": 500}, "field 'dims.seq': expected min <= opt <= max, got 1, 500, 128"),
         ({"dims__seq__opt": "x"}, "field 'dims.seq.opt': expected a valid integer"),
         ({"dims__seq__max": _DELETE}, "field 'dims.seq.max': missing (required)"),

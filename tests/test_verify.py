@@ -9,7 +9,7 @@ from optfuse.errors import InputError, VerificationError
 from optfuse.fusions import fuse_model
 from optfuse.pipeline import verify_options
 from optfuse.recipe import recipe_from_dict
-from optfuse.verify import compare_arrays, gather_table_rows, plan_inputs, right_padded_mask, verify
+from optfuse.verify import compare_arrays, gather_table_rows, make_feed, plan_inputs, right_padded_mask, verify
 
 import graphs
 
@@ -86,6 +86,28 @@ def test_masks_are_right_padded(shape):
     if shape[-1] > 1:
         assert (rows.sum(axis=1) < shape[-1]).any(), "at least one row is padded"
         assert rows[0].all() or rows.shape[0] == 1
+
+
+def test_a_recipe_mask_padded_on_the_left():
+    """A recipe's `padding: left` mask: zeros then ones per row (never empty, one row padded), said in the
+    input table; the default stays right."""
+    from optfuse.verify.inputs import left_padded_mask
+
+    m = left_padded_mask((3, 9), np.random.default_rng(0))
+    for r in m:
+        n = int(r.sum())
+        assert n >= 1 and (r[9 - n:] == 1).all() and (r[:9 - n] == 0).all()
+    assert (m.sum(axis=1) < 9).any()
+    model = bert_like()
+    spec = {"dtype": "int64", "shape": ["batch", "seq"], "kind": "mask"}
+    for padding, real_end in (("left", -1), (None, 0)):
+        r = recipe_from_dict({"name": "t", "model": {"path": "m.onnx"}, "dims": {"batch": {"min": 1, "opt": 3, "max": 4},
+                              "seq": {"min": 1, "opt": 9, "max": 9}},
+                              "inputs": {"attention_mask": {**spec, **({"padding": padding} if padding else {})}}})
+        plan = {p.name: p for p in plan_inputs(model, verify_options(r))}["attention_mask"]
+        assert plan.source == f"{padding or 'right'}-padded 0/1 mask"
+        mask = make_feed(list(plan_inputs(model, verify_options(r))), np.random.default_rng(1))["attention_mask"]
+        assert (mask[:, real_end] == 1).all() and (mask[:, -1 - real_end] == 0).any()  # the real end, a padded row
 
 
 def test_fused_model_passes():

@@ -410,6 +410,7 @@ def verify_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES,
         inputs[name] = FeedSpec(
             dtype=spec.dtype, shape=tuple(d if isinstance(d, int) else opt[d] for d in spec.shape), kind=spec.kind,
             range=(spec.range[0], spec.range[1]) if spec.range is not None else None,
+            padding=spec.padding or "right",
             npz=recipe.resolve_path(spec.npz) if spec.npz is not None else None,
             npz_label=str(spec.npz) if spec.npz is not None else "",
         )

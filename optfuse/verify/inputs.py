@@ -45,6 +45,7 @@ class InputPlan:
     npz: np.ndarray | None = None
     source: str = ""
     uniform: bool = False  # floats: uniform in [low, high) instead of N(0, 1)
+    left: bool = False  # masks: padded on the left (left_padded_mask) instead of the right
 
 
 def gather_table_rows(model: onnx.ModelProto) -> dict[str, int]:
@@ -186,7 +187,8 @@ def _plan_one(name: str, dtype: np.dtype, shape: list[int], spec: FeedSpec | Non
             kind = "float"
     p.kind = kind
     if kind == "mask":
-        p.source = "right-padded 0/1 mask"
+        p.left = spec is not None and spec.padding == "left"
+        p.source = f"{'left' if p.left else 'right'}-padded 0/1 mask"
     elif kind in ("tokens", "int"):
         if rng is not None:
             p.low, p.high = int(np.ceil(rng[0])), int(np.ceil(rng[1]))
@@ -235,7 +237,7 @@ def make_feed(plans: Sequence[InputPlan], rng: np.random.Generator) -> dict[str,
         if p.kind == "npz":
             feed[p.name] = p.npz
         elif p.kind == "mask":
-            feed[p.name] = right_padded_mask(p.shape, rng).astype(p.dtype)
+            feed[p.name] = (left_padded_mask if p.left else right_padded_mask)(p.shape, rng).astype(p.dtype)
         elif p.kind in ("tokens", "int"):
             feed[p.name] = rng.integers(int(p.low), int(p.high), size=p.shape).astype(p.dtype)
         elif p.kind == "bool":
@@ -245,6 +247,12 @@ def make_feed(plans: Sequence[InputPlan], rng: np.random.Generator) -> dict[str,
         else:
             feed[p.name] = rng.standard_normal(p.shape).astype(p.dtype)
     return feed
+
+
+def left_padded_mask(shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    """right_padded_mask's rows reversed: zeros then ones (the padding batched generation puts before
+    each prompt)."""
+    return np.ascontiguousarray(right_padded_mask(shape, rng)[..., ::-1])
 
 
 def right_padded_mask(shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:

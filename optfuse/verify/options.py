@@ -23,6 +23,7 @@ class FeedSpec:
     shape: tuple[int, ...]  # concrete: every named dim at its opt value
     kind: str | None = None  # tokens | mask | float (None: inferred from the graph)
     range: tuple[float, float] | None = None  # [low, high)
+    padding: str = "right"  # a mask's padding: right | left
     npz: Path | None = None  # values from this file (resolved path)
     npz_label: str = ""  # the file as the recipe spells it (for the inputs table)
 
