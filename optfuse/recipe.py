@@ -27,7 +27,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .defaults import DEFAULT_FP8_MIN_COSINE, DEFAULT_FP8_MIN_TOP1, DEFAULT_TOLERANCES
+from .defaults import DEFAULT_FP8_MIN_COSINE, DEFAULT_FP8_MIN_TOP1, DEFAULT_TOLERANCES, dim_expression
 from .errors import InputError
 from .model_families import DECODE_FAMILIES, EXPORT_FAMILIES
 from .target import arch_name, parse_arch
@@ -106,8 +106,9 @@ class InputSpec(_Strict):
                 raise ValueError(f"expected a positive int or a dim name at position {i}, got {_show(d)}")
             if isinstance(d, int) and d < 1:
                 raise ValueError(f"expected a positive int at position {i}, got {d}")
-            if isinstance(d, str) and not _DIM_NAME.match(d):
-                raise ValueError(f"expected a dim name (letters, digits, _) at position {i}, got {d!r}")
+            if isinstance(d, str) and not _DIM_NAME.match(d) and dim_expression(d) is None:
+                raise ValueError(f"expected a dim name (letters, digits, _) or an expression over dim names "
+                                 f"(past_sequence + sequence) at position {i}, got {d!r}")
         return v
 
     @field_validator("range")
@@ -304,9 +305,15 @@ class Recipe(_Strict):
         errors = []
         for name, spec in self.inputs.items():
             for d in spec.shape:
-                if isinstance(d, str) and d not in self.dims:
+                if not isinstance(d, str) or d in self.dims:
+                    continue
+                expr = dim_expression(d)
+                if expr is not None and expr[1] <= set(self.dims):
+                    continue  # an expression over declared dims (past_sequence + sequence)
+                missing = sorted(expr[1] - set(self.dims)) if expr is not None and not _DIM_NAME.match(d) else [d]
+                for n in missing:
                     declared = ", ".join(self.dims) or "none"
-                    errors.append((f"inputs.{name}.shape", f"dim {d!r} is not declared in 'dims' (declared: {declared})"))
+                    errors.append((f"inputs.{name}.shape", f"dim {n!r} is not declared in 'dims' (declared: {declared})"))
         if errors:
             raise DimsNotDeclared(errors)
         return self
@@ -326,8 +333,15 @@ class Recipe(_Strict):
         return {k: v.opt for k, v in self.dims.items()}
 
     def opt_shape(self, input_name: str) -> list[int]:
-        spec = self.inputs[input_name]
-        return [d if isinstance(d, int) else self.dims[d].opt for d in spec.shape]
+        """An input's shape at the opt dims (an expression over dim names evaluated at theirs)."""
+        opt = self.opt_dims()
+        out = []
+        for d in self.inputs[input_name].shape:
+            if isinstance(d, int) or d in opt:
+                out.append(opt[d] if isinstance(d, str) else d)
+            else:  # the schema admits only declared names and expressions over them
+                out.append(max(1, dim_expression(d)[0](opt)))
+        return out
 
     def tolerance_tables(self, mode: str = "fp32") -> list[Tolerances]:
         """The recipe's tables for a candidate computed in `mode`, general first: `tolerances` for

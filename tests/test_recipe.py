@@ -322,3 +322,67 @@ def test_shipped_recipes_convert(path, mode, exported_model, tmp_path):
     report = json.loads(next((tmp_path / "out").glob("*.fusion_report.json")).read_text())
     attention = sum(n for op, n in report["counts"].items() if op in ("FlashAttention", "BlockSparseAttention"))
     assert attention == em.counts["attention"] and not [r for r in report["rejected"] if "Attention" in r["op"]]
+
+
+# -------------------------------------------------------------------------------------------------
+# dims named by an expression over other dims (HF optimum's past_sequence_length + 1, torch.onnx's s0 + s1)
+# -------------------------------------------------------------------------------------------------
+def test_dim_expressions():
+    from optfuse.defaults import derived_dims, dim_expression
+
+    values = {"past_sequence_length": 5, "sequence": 3, "s0": 4}
+    for text, names, value in (("past_sequence_length + 1", {"past_sequence_length"}, 6),
+                               ("past_sequence_length + sequence", {"past_sequence_length", "sequence"}, 8),
+                               ("2*s0 - 1", {"s0"}, 7), ("s0 // 2", {"s0"}, 2)):
+        evaluate, got = dim_expression(text)
+        assert got == names and evaluate(values) == value, text
+    for plain in ("batch", "seq.len", "x ** 2", "s0 + 1.5", "3", "f(x)", ""):
+        assert dim_expression(plain) is None, plain
+    # derived only over names that are dims themselves: a hyphenated name stays a name
+    assert set(derived_dims(["batch", "seq-len", "past", "seq", "past + seq"])) == {"past + seq"}
+
+
+def _cache_model(path):
+    """A decode-like graph: the cache [batch, past, 8] and the new rows [batch, sequence, 8] concatenated, times
+    a mask over both ([batch, past + sequence]), which onnxruntime refuses unless the dims agree."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto
+
+    import graphs
+
+    b = graphs.Builder()
+    both = b.node("Concat", "cache", "x", axis=1)
+    m = b.node("Cast", b.node("Unsqueeze", "mask", b.const(np.array([2], np.int64), dtype=np.int64)), to=TensorProto.FLOAT)
+    b.node("Mul", both, m, out="y")
+    model = b.model([graphs.io("x", ["batch", "sequence", 8]), graphs.io("cache", ["batch", "past", 8]),
+                     graphs.io("mask", ["batch", "past + sequence"], TensorProto.INT64)],
+                    [graphs.io("y", ["batch", "past + sequence", 8])])
+    onnx.save(model, path)
+    return path
+
+
+def test_a_dim_named_by_an_expression_follows_its_dims(tmp_path):
+    """Verify feeds the mask past + sequence wide without a recipe; the engine profile derives its range from
+    the dims it reads; recipe init spells it as the expression (declaring the dims it reads), the schema
+    takes it and names an undeclared one, and the recipe verifies."""
+    import onnx
+
+    from cli_checks import invoke
+    from optfuse.defaults import concrete_dims
+    from optfuse.pipeline import Overrides, resolve_dims
+
+    model = _cache_model(tmp_path / "m.onnx")
+    proto = onnx.load(model)
+    assert concrete_dims(proto) == {"batch": 2, "sequence": 16, "past": 16, "past + sequence": 32}
+    plan = resolve_dims(proto, None, Overrides(shapes={"x": ((1, 1, 8), (2, 3, 8), (4, 7, 8))}))
+    assert plan.ranges["past + sequence"] == (2, 19, 23) and plan.sources["past + sequence"] == "derived"
+    assert invoke("verify", model, model).exit_code == 0
+    res = invoke("recipe", "init", model, "-o", tmp_path / "m.yaml")
+    assert res.exit_code == 0, res.stderr
+    recipe = load_recipe(tmp_path / "m.yaml")
+    assert recipe.inputs["mask"].shape == ["batch", "past + sequence"] and set(recipe.dims) == {"batch", "sequence", "past"}
+    assert recipe.opt_shape("mask") == [2, 32]
+    assert invoke("verify", model, model, "-r", tmp_path / "m.yaml").exit_code == 0
+    lines = _errors(tmp_path, _with(inputs__attention_mask__shape=["batch", "seq + pad"]))
+    assert any("field 'inputs.attention_mask.shape': dim 'pad' is not declared in 'dims'" in ln for ln in lines), lines

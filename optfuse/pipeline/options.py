@@ -26,7 +26,8 @@ from typing import Any, Union
 
 import onnx
 
-from ..defaults import DEFAULT_BATCH, DEFAULT_DIM, DEFAULT_TOLERANCES, concrete_dims, is_batch_name, value_shape
+from ..defaults import (DEFAULT_BATCH, DEFAULT_DIM, DEFAULT_TOLERANCES, concrete_dims, derived_dims, dim_expression,
+                        is_batch_name, value_shape)
 from ..errors import InputError
 from ..pattern import FusionOptions
 from ..precision import PrecisionOptions
@@ -192,8 +193,9 @@ def check_output_names(model: onnx.ModelProto, overrides: Overrides) -> None:
 @dataclass(frozen=True)
 class DimPlan:
     """The dims a run uses: each symbolic dim's (min, opt, max) and where it came from ("command
-    line", "recipe" or "guessed"), and the input shapes spelled in those dim names (the recipe's
-    spelling over the model's; an axis with no name in either is named ``<input>.<axis>``)."""
+    line", "recipe", "guessed", or "derived": a dim named by an expression over others, from theirs),
+    and the input shapes spelled in those dim names (the recipe's spelling over the model's; an axis
+    with no name in either is named ``<input>.<axis>``)."""
 
     ranges: dict[str, tuple[int, int, int]]
     sources: dict[str, str]
@@ -246,8 +248,9 @@ def spelled_shapes(model: onnx.ModelProto, recipe: Recipe | None) -> dict[str, l
 def resolve_dims(model: onnx.ModelProto, recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES) -> DimPlan:
     """Every symbolic dim's (min, opt, max): from ``--shapes``/``--*-shapes`` (matched to the input
     shapes' dim names), else the recipe's ``dims``, else guessed (min 1, opt = max = verify's default:
-    2 for a batch dim, 16 otherwise). A shape that names no input, has the wrong rank, changes a
-    fixed axis or gives one dim two values is an InputError (exit 2)."""
+    2 for a batch dim, 16 otherwise); a dim named by an expression over others (``past_sequence_length
+    + 1``) that nothing gave is derived from their min / opt / max. A shape that names no input, has the
+    wrong rank, changes a fixed axis or gives one dim two values is an InputError (exit 2)."""
     spelled = spelled_shapes(model, recipe)
     ranges: dict[str, tuple[int, int, int]] = {}
     sources: dict[str, str] = {}
@@ -274,11 +277,16 @@ def resolve_dims(model: onnx.ModelProto, recipe: Recipe | None, overrides: Overr
                                  f"{_range_text(r)} for {name!r}")
             given[dim] = (name, r)
             ranges[dim], sources[dim] = r, "command line"
+    derived = derived_dims([*ranges, *(d for shape in spelled.values() for d in shape if isinstance(d, str))])
     for shape in spelled.values():
         for axis, dim in enumerate(shape):
-            if isinstance(dim, str) and dim not in ranges:
+            if isinstance(dim, str) and dim not in ranges and dim not in derived:
                 value = DEFAULT_BATCH if axis == 0 or is_batch_name(dim) else DEFAULT_DIM
                 ranges[dim], sources[dim] = (1, value, value), "guessed"
+    for dim, (evaluate, names) in derived.items():  # from the dims it reads: min, opt and max each
+        if dim not in ranges:
+            lo, mid, hi = (max(1, evaluate({n: ranges[n][k] for n in names})) for k in range(3))
+            ranges[dim], sources[dim] = (min(lo, mid), mid, max(hi, mid)), "derived"
     return DimPlan(ranges, sources, spelled)
 
 
@@ -408,7 +416,7 @@ def verify_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES,
     inputs = {}
     for name, spec in (recipe.inputs if recipe is not None else {}).items():
         inputs[name] = FeedSpec(
-            dtype=spec.dtype, shape=tuple(d if isinstance(d, int) else opt[d] for d in spec.shape), kind=spec.kind,
+            dtype=spec.dtype, shape=tuple(_at(d, opt) for d in spec.shape), kind=spec.kind,
             range=(spec.range[0], spec.range[1]) if spec.range is not None else None,
             padding=spec.padding or "right",
             npz=recipe.resolve_path(spec.npz) if spec.npz is not None else None,
@@ -429,6 +437,15 @@ def verify_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES,
     fp8 = recipe.verify.fp8
     return VerifyOptions(inputs=inputs, dims=opt, tolerances=tolerances,
                          agreement={"fp8": Agreement(fp8.min_cosine, fp8.min_top1)})
+
+
+def _at(dim: int | str, values: Mapping[str, int]) -> int:
+    """A recipe shape entry at these dim values (an expression over dim names evaluated at theirs)."""
+    if isinstance(dim, int):
+        return dim
+    if dim in values:
+        return values[dim]
+    return max(1, dim_expression(dim)[0](values))
 
 
 def _shaped_inputs(model: onnx.ModelProto, overrides: Overrides, exclude: set[str]) -> dict[str, FeedSpec]:

@@ -4,8 +4,10 @@ It names every graph input with its dtype and shape (the model's symbolic dims, 
 ``<input>_<axis>`` for an axis with no name), marks token inputs (integer inputs that index a
 ``Gather`` table: ``kind: tokens`` with ``range: [0, rows)``) and mask inputs (``*mask*``:
 ``kind: mask``), and suggests a profile for every dim: the command line's shapes where given, else
-batch ``1..8`` (opt 2) and ``1..128`` (opt 16) for the others. The text is validated by the recipe
-schema before it is written, so ``optfuse recipe check`` accepts it.
+batch ``1..8`` (opt 2) and ``1..128`` (opt 16) for the others. A dim the model names by an
+expression over other dims (``past_sequence_length + 1``) stays that expression in the shape, and
+the dims it reads are declared. The text is validated by the recipe schema before it is written, so
+``optfuse recipe check`` accepts it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import onnx
 import yaml
 
-from ..defaults import is_batch_name, value_shape
+from ..defaults import derived_dims, input_dim_names, is_batch_name, value_shape
 from ..errors import InputError
 from ..recipe import recipe_from_dict
 from .model import load_checked
@@ -53,6 +55,8 @@ def starter_recipe(model: str | os.PathLike, output: str | os.PathLike | None = 
     inits = {t.name for t in proto.graph.initializer}
     inputs: dict[str, Any] = {}
     dims: dict[str, dict[str, int]] = {}
+    derived: list[str] = []  # shape entries that are expressions over other dims (past_sequence_length + 1)
+    derived_names = derived_dims(input_dim_names(proto))
     skipped: list[str] = []
     for inp in proto.graph.input:
         if inp.name in inits:
@@ -66,6 +70,10 @@ def starter_recipe(model: str | os.PathLike, output: str | os.PathLike | None = 
         for axis, d in enumerate(raw):
             if isinstance(d, int):
                 shape.append(d)
+                continue
+            if d in derived_names:  # an expression over other dims: spelled as is
+                shape.append(d)
+                derived.append(d)
                 continue
             source = d if d is not None else f"{inp.name}.{axis}"
             name = d if d is not None and _DIM_NAME.match(d) else _dim_name(inp.name, axis, d)
@@ -81,6 +89,10 @@ def starter_recipe(model: str | os.PathLike, output: str | os.PathLike | None = 
         elif inp.name in rows and dtype.startswith(("int", "uint")):
             spec.update(kind="tokens", range=[0, int(rows[inp.name])])
         inputs[inp.name] = spec
+    for d in derived:  # the dims an expression reads are dims of the recipe too (an input skipped above held them)
+        for n in sorted(derived_names[d][1] - set(dims)):
+            lo, mid, hi = SUGGESTED_BATCH if is_batch_name(n) else SUGGESTED_OTHER
+            dims[n] = {"min": lo, "opt": mid, "max": hi}
     rel = os.path.relpath(model.resolve(), dest.resolve().parent)
     data = {"name": _recipe_name(model.stem), "model": {"path": rel}, "inputs": inputs, "dims": dims,
             "fusions": {"layer_norm": True, "rms_norm": True, "skip_norm": True, "attention": True},
