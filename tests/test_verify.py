@@ -296,3 +296,12 @@ def test_padded_queries_left_out_where_no_real_key_is_seen():
     assert axis == 2 and (~keep[0]).astype(int).tolist() == left_out([(1, -1)])
     assert padded_positions(shapes, "t", views, [feed], [t], [t])[0] is None  # verify: named dims only
     assert padded_positions(shapes, "square", views, [feed], [square], [square], by_size=True)[0] is None  # 2 S axes
+    # two masks over other dims (an encoder's and a decoder's): each tensor takes the one over its own dims
+    two = {**named_shapes(model), "dec_mask": ["batch", "target"], "z": ["batch", "target", 4]}
+    dec = np.array([[1, 0], [1, 1], [0, 1]])
+    both = {"attention_mask": [(1, -1)], "dec_mask": [(1, -1)]}
+    keep, masks, _ = padded_positions(two, "y", both, [{**feed, "dec_mask": dec}], [y], [y])
+    assert masks == ["attention_mask"] and (~keep[0]).astype(int).tolist() == left_out([(1, -1)])
+    z = np.zeros((3, 2, 4))
+    keep, masks, _ = padded_positions(two, "z", both, [{**feed, "dec_mask": dec}], [z], [z])
+    assert masks == ["dec_mask"] and (~keep[0]).astype(int).tolist() == [[0, 0], [0, 0], [1, 0]]

@@ -62,11 +62,13 @@ def padded_positions(shapes: Mapping[str, Sequence[Any]], tensor: str, masks: Ma
         return None, [], 0
     dims = list(shapes.get(tensor) or [])
     named = [m for m in masks if len(shapes.get(m) or []) == 2 and all(isinstance(d, str) for d in shapes[m])]
+    indexing = [m for m in named if dims[:1] == list(shapes[m][:1]) and shapes[m][1] in dims[1:]]
+    named = indexing or named  # the masks over this tensor's dims; else (by size) every named one
     if len({tuple(shapes[m]) for m in named}) != 1:  # none, or masks over different dims: no one set of positions
         return None, [], 0
     batch, seq = shapes[named[0]]
     shape = np.shape(ref[0])
-    if dims[:1] == [batch] and seq in dims[1:]:
+    if indexing:
         axis = dims.index(seq, 1)
     elif by_size and len(dims) == len(shape) >= 2 and feeds[0].get(named[0]) is not None:
         b, s = np.shape(feeds[0][named[0]])
