@@ -313,6 +313,33 @@ def test_decode_export_matches(fused_decode, family, exporter, attn):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_verify_leaves_out_padded_new_tokens(fused_decode, family):
+    """Left padding that reaches the new tokens (dynamo exports, whose fused nodes' outputs name the query
+    dim): verify maps the [batch, sequence] outputs onto the last positions of the [batch, total_sequence]
+    mask, leaves out the new tokens that see no real key and passes; without the node metadata it fails."""
+    from optfuse.models import decode_dims, left_padded_mask
+    from optfuse.verify import padded_query_inputs, verify
+    from optfuse.verify.padding import PADDED_QUERIES_KEY
+
+    em, model, fused, _ = fused_decode(family, "dynamo")
+    assert {v[2] for v in padded_query_inputs(fused)["attention_mask"]} == {"sequence"}
+    sq, past = 7, 9
+    feeds = em.make_inputs(decode_dims(sq, past, 4), seed=5)
+    feeds["attention_mask"] = left_padded_mask([past + sq, past + sq - 3, 5, 1], past + sq)  # rows 2, 3 pad new tokens
+    result = verify(model, fused, feeds=[feeds])
+    assert result.passed and result.left_out.startswith("not compared: last_hidden_state at 8 of 28 positions"), \
+        result.left_out
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(fused)
+    for n in stripped.graph.node:
+        kept = [p for p in n.metadata_props if p.key != PADDED_QUERIES_KEY]
+        del n.metadata_props[:]
+        n.metadata_props.extend(kept)
+    assert not verify(model, stripped, feeds=[feeds]).passed
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fp16", "fp8"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_decode_export_converts(exported_model, tmp_path, family, mode):

@@ -279,29 +279,38 @@ def test_padded_queries_left_out_where_no_real_key_is_seen():
         return None if keep is None else (~keep[0]).astype(int).tolist()
 
     # causal: right padding keeps key 0 in view; left-padded queries before the first real key see none
-    assert left_out([(1, -1)]) == [[0] * 8, [1] * 5 + [0] * 3, [1] * 8]
+    assert left_out([(1, -1, "")]) == [[0] * 8, [1] * 5 + [0] * 3, [1] * 8]
     # window_left 2 (keys i-2..i): right-padded queries from 3 + 2 on lose the real keys too
-    assert left_out([(1, 2)]) == [[0] * 5 + [1] * 3, [1] * 5 + [0] * 3, [1] * 8]
+    assert left_out([(1, 2, "")]) == [[0] * 5 + [1] * 3, [1] * 5 + [0] * 3, [1] * 8]
     # both views (a global and a local layer): the union
-    assert left_out([(1, -1), (1, 2)]) == left_out([(1, 2)])
+    assert left_out([(1, -1, ""), (1, 2, "")]) == left_out([(1, 2, "")])
     # a non-causal left window sees every later key: left padding keeps a real key in every view
-    assert left_out([(0, 2)]) == [[0] * 5 + [1] * 3, [0] * 8, [1] * 8]
-    assert left_out([(1, -1)], "pooled", np.zeros((3, 4))) is None  # not indexed by the mask's dims
-    assert padded_positions(named_shapes(model), "y", {"attention_mask": [(1, -1)]}, [{}], [y], [y]) == (None, [], 0)
+    assert left_out([(0, 2, "")]) == [[0] * 5 + [1] * 3, [0] * 8, [1] * 8]
+    assert left_out([(1, -1, "")], "pooled", np.zeros((3, 4))) is None  # not indexed by the mask's dims
+    assert padded_positions(named_shapes(model), "y", {"attention_mask": [(1, -1, "")]}, [{}], [y], [y]) == (None, [], 0)
     # per node, by size: an intermediate whose dims shape inference left unnamed, [B, 4, S]: its one S-long axis
     shapes = {"attention_mask": ["batch", "sequence"], "t": ["unk__1", 4, None], "square": [None, None, None]}
     t, square = np.zeros((3, 4, 8)), np.zeros((3, 8, 8))
-    views = {"attention_mask": [(1, -1)]}
+    views = {"attention_mask": [(1, -1, "")]}
     keep, _, axis = padded_positions(shapes, "t", views, [feed], [t], [t], by_size=True)
-    assert axis == 2 and (~keep[0]).astype(int).tolist() == left_out([(1, -1)])
+    assert axis == 2 and (~keep[0]).astype(int).tolist() == left_out([(1, -1, "")])
     assert padded_positions(shapes, "t", views, [feed], [t], [t])[0] is None  # verify: named dims only
     assert padded_positions(shapes, "square", views, [feed], [square], [square], by_size=True)[0] is None  # 2 S axes
     # two masks over other dims (an encoder's and a decoder's): each tensor takes the one over its own dims
     two = {**named_shapes(model), "dec_mask": ["batch", "target"], "z": ["batch", "target", 4]}
     dec = np.array([[1, 0], [1, 1], [0, 1]])
-    both = {"attention_mask": [(1, -1)], "dec_mask": [(1, -1)]}
+    both = {"attention_mask": [(1, -1, "")], "dec_mask": [(1, -1, "")]}
     keep, masks, _ = padded_positions(two, "y", both, [{**feed, "dec_mask": dec}], [y], [y])
-    assert masks == ["attention_mask"] and (~keep[0]).astype(int).tolist() == left_out([(1, -1)])
+    assert masks == ["attention_mask"] and (~keep[0]).astype(int).tolist() == left_out([(1, -1, "")])
     z = np.zeros((3, 2, 4))
     keep, masks, _ = padded_positions(two, "z", both, [{**feed, "dec_mask": dec}], [z], [z])
     assert masks == ["dec_mask"] and (~keep[0]).astype(int).tolist() == [[0, 0], [0, 0], [1, 0]]
+    # a KV cache: the mask spans past + new keys ([batch, total]), the output the new queries ([batch, new]),
+    # which are the mask's last positions (the query-length dim the fused node's output names)
+    cache = {"attention_mask": ["batch", "total"], "h": ["batch", "new", 4]}
+    new3 = np.zeros((3, 3, 4))
+    keep, masks, axis = padded_positions(cache, "h", {"attention_mask": [(1, -1, "new")]}, [feed], [new3], [new3])
+    assert axis == 1 and (~keep[0]).astype(int).tolist() == [[0, 0, 0], [0, 0, 0], [1, 1, 1]]
+    keep, _, _ = padded_positions(cache, "h", {"attention_mask": [(1, 2, "new")]}, [feed], [new3], [new3])
+    assert (~keep[0]).astype(int).tolist() == [[1, 1, 1], [0, 0, 0], [1, 1, 1]]  # window 2 past the real keys 0-2
+    assert padded_positions(cache, "h", {"attention_mask": [(1, -1, "")]}, [feed], [new3], [new3])[0] is None
