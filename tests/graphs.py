@@ -134,3 +134,15 @@ def run(model, feeds):
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = {i.name for i in sess.get_inputs()}
     return sess.run(None, {k: v for k, v in feeds.items() if k in names})
+
+
+def without_metadata(model, key: str):
+    """A copy of `model` whose nodes no longer hold the metadata entry `key` (e.g. a fused node's
+    optfuse.padded_queries_inexact)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for n in out.graph.node:
+        kept = [p for p in n.metadata_props if p.key != key]
+        del n.metadata_props[:]
+        n.metadata_props.extend(kept)
+    return out
