@@ -94,6 +94,16 @@ def dim_expression(name: str) -> tuple[Callable[[Mapping[str, int]], int], froze
     return evaluate, frozenset(names)
 
 
+def dim_value(dim: int | str, values: Mapping[str, int]) -> int:
+    """One entry of a shape at these dim values: an int as it is, a named dim's value, or an expression
+    over named dims (:func:`dim_expression`) evaluated at theirs (at least 1)."""
+    if isinstance(dim, int):
+        return dim
+    if dim in values:
+        return values[dim]
+    return max(1, dim_expression(dim)[0](values))
+
+
 def derived_dims(names: Iterable[str]) -> dict[str, tuple[Callable[[Mapping[str, int]], int], frozenset[str]]]:
     """The names among `names` that are expressions over the others (:func:`dim_expression`), with
     their evaluators: ``past_sequence + sequence`` where ``past_sequence`` and ``sequence`` are among

@@ -27,7 +27,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .defaults import DEFAULT_FP8_MIN_COSINE, DEFAULT_FP8_MIN_TOP1, DEFAULT_TOLERANCES, dim_expression
+from .defaults import DEFAULT_FP8_MIN_COSINE, DEFAULT_FP8_MIN_TOP1, DEFAULT_TOLERANCES, dim_expression, dim_value
 from .errors import InputError
 from .model_families import DECODE_FAMILIES, EXPORT_FAMILIES
 from .target import arch_name, parse_arch
@@ -334,14 +334,8 @@ class Recipe(_Strict):
 
     def opt_shape(self, input_name: str) -> list[int]:
         """An input's shape at the opt dims (an expression over dim names evaluated at theirs)."""
-        opt = self.opt_dims()
-        out = []
-        for d in self.inputs[input_name].shape:
-            if isinstance(d, int) or d in opt:
-                out.append(opt[d] if isinstance(d, str) else d)
-            else:  # the schema admits only declared names and expressions over them
-                out.append(max(1, dim_expression(d)[0](opt)))
-        return out
+        opt = self.opt_dims()  # the schema admits only declared names and expressions over them
+        return [dim_value(d, opt) for d in self.inputs[input_name].shape]
 
     def tolerance_tables(self, mode: str = "fp32") -> list[Tolerances]:
         """The recipe's tables for a candidate computed in `mode`, general first: `tolerances` for

@@ -26,7 +26,7 @@ from typing import Any, Union
 
 import onnx
 
-from ..defaults import (DEFAULT_BATCH, DEFAULT_DIM, DEFAULT_TOLERANCES, concrete_dims, derived_dims, dim_expression,
+from ..defaults import (DEFAULT_BATCH, DEFAULT_DIM, DEFAULT_TOLERANCES, concrete_dims, derived_dims, dim_value,
                         is_batch_name, value_shape)
 from ..errors import InputError
 from ..pattern import FusionOptions
@@ -416,7 +416,7 @@ def verify_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES,
     inputs = {}
     for name, spec in (recipe.inputs if recipe is not None else {}).items():
         inputs[name] = FeedSpec(
-            dtype=spec.dtype, shape=tuple(_at(d, opt) for d in spec.shape), kind=spec.kind,
+            dtype=spec.dtype, shape=tuple(dim_value(d, opt) for d in spec.shape), kind=spec.kind,
             range=(spec.range[0], spec.range[1]) if spec.range is not None else None,
             padding=spec.padding or "right",
             npz=recipe.resolve_path(spec.npz) if spec.npz is not None else None,
@@ -437,15 +437,6 @@ def verify_options(recipe: Recipe | None, overrides: Overrides = NO_OVERRIDES,
     fp8 = recipe.verify.fp8
     return VerifyOptions(inputs=inputs, dims=opt, tolerances=tolerances,
                          agreement={"fp8": Agreement(fp8.min_cosine, fp8.min_top1)})
-
-
-def _at(dim: int | str, values: Mapping[str, int]) -> int:
-    """A recipe shape entry at these dim values (an expression over dim names evaluated at theirs)."""
-    if isinstance(dim, int):
-        return dim
-    if dim in values:
-        return values[dim]
-    return max(1, dim_expression(dim)[0](values))
 
 
 def _shaped_inputs(model: onnx.ModelProto, overrides: Overrides, exclude: set[str]) -> dict[str, FeedSpec]:
