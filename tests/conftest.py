@@ -32,10 +32,9 @@ def _missing(modules) -> list[str]:
 
 @pytest.fixture(scope="session")
 def model_cache_dir(tmp_path_factory) -> Path:
-    env = os.environ.get("OPTFUSE_MODEL_CACHE", "")
-    if env.lower() in ("tmp", "0", "off", "no"):
-        return tmp_path_factory.mktemp("optfuse-models")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "optfuse" / "models"
+    from optfuse.models.cache import cache_disabled, default_cache_dir  # no torch at import
+
+    return tmp_path_factory.mktemp("optfuse-models") if cache_disabled() else default_cache_dir()
 
 
 @pytest.fixture(scope="session")

@@ -57,11 +57,13 @@ def export_model(family: str, dest: Path, exporter: str = "dynamo", attn: str = 
         raise InputError(f"unknown model family {family!r}; known: {', '.join(models.FAMILIES)}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        try:  # the export cache (models.default_cache_dir): the same request exports once
-            if models.cache_disabled():
-                raise OSError("the export cache is off")
-            cached = models.cached_export(family, exporter, attn, opset, past=past, **(config or {})).path
-        except OSError:  # off, or a folder that cannot be written: export into place
+        cached = None
+        if not models.cache_disabled():  # the export cache (models.default_cache_dir): one export a request
+            try:
+                cached = models.cached_export(family, exporter, attn, opset, past=past, **(config or {})).path
+            except OSError:  # a cache folder that cannot be written
+                pass
+        if cached is None:
             return Path(models.export(family, dest, exporter=exporter, attn=attn, opset=opset, past=past,
                                       **(config or {})))
     except models.ExportError as exc:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..defaults import dim_expression
+from ..defaults import dim_expression, value_shape
 
 
 #: Fused-node metadata (the fuse stage's, optfuse.fusions): the graph input whose zeros mark padded
@@ -52,8 +52,6 @@ def padded_query_inputs(model: onnx.ModelProto) -> dict[str, list[KeyView]]:
 
 def named_shapes(model: onnx.ModelProto) -> dict[str, list]:
     """The dims of each graph input, output and value_info of `model` (names for symbolic dims)."""
-    from ..defaults import value_shape
-
     return {v.name: value_shape(v) or [] for v in (*model.graph.input, *model.graph.value_info, *model.graph.output)}
 
 
